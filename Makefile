@@ -1,0 +1,27 @@
+# Two entry points for a newcomer: `make up` and `make test`. Each builds .venv from
+# nothing when it is missing or stale, then runs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: up test protos bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+up: $(STAMP)
+	$(PY) -m weft up
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

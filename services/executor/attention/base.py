@@ -1,0 +1,94 @@
+"""The attention back-end contract: one interface, a torch CPU path and a Triton GPU path.
+
+NOTE: there is no prefill phase nor decode phase in the engine step. One flat batch
+of tokens goes through the model; the tokens are laid out decodes first, then the
+prefill chunks, and this metadata tells a back end where each sequence's queries
+sit and which cache blocks hold its keys and values.
+
+Token layout of one step (``num_tokens = num_decodes + sum(prefill query lens)``)::
+
+    | d0 | d1 | ... | d{D-1} | p0 chunk ......... | p1 chunk ... | ...
+      one query per decode    query_start_loc[i] .. query_start_loc[i+1]
+
+Paged KV cache of one layer (``kv_cache``)::
+
+    [2, num_blocks, block_size, num_kv_heads, head_dim]     # [0] keys, [1] values
+    slot = block_id * block_size + offset_in_block
+
+A sequence's block table row lists its block ids in order; entries past the blocks it
+owns are padding (any valid block id, never read because lengths bound the reads).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step attention inputs; built once per step by the model runner, shared by layers.
+
+    Tensors live on the device of the KV cache. Valid only for the step they were built for.
+    """
+
+    # [num_tokens] int64: cache slot each new token's K/V is written to.
+    slot_mapping: torch.Tensor
+    # Number of decode sequences (one query token each); they come first in the batch.
+    num_decodes: int
+    # [num_decodes, max_decode_blocks] int32: block tables of the decode sequences.
+    decode_block_tables: torch.Tensor
+    # [num_decodes] int32: context length of each decode sequence, its new token included.
+    decode_seq_lens: torch.Tensor
+    # Number of prefill (chunk) sequences, after the decodes.
+    num_prefills: int
+    # [num_prefills + 1] int32: start of each chunk's queries, relative to the first
+    # prefill token (so query_start_loc[0] == 0).
+    prefill_query_start_loc: torch.Tensor
+    # [num_prefills] int32: tokens already in the cache before this chunk (prefix hits
+    # and earlier chunks); the chunk's queries sit at positions context_len.. of the sequence.
+    prefill_context_lens: torch.Tensor
+    # [num_prefills] int32: context_len + chunk length.
+    prefill_seq_lens: torch.Tensor
+    # [num_prefills, max_prefill_blocks] int32: block tables of the prefill sequences.
+    prefill_block_tables: torch.Tensor
+    # Host-side copies of the per-prefill lengths, so CPU code need not sync on tensors.
+    prefill_query_lens_host: tuple[int, ...] = ()
+    prefill_context_lens_host: tuple[int, ...] = ()
+    decode_seq_lens_host: tuple[int, ...] = ()
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+
+class AttentionBackend(abc.ABC):
+    """Writes a layer's new K/V into the paged cache, then attends.
+
+    ``forward`` mutates ``kv_cache`` (the slots named by ``meta.slot_mapping``) and
+    nothing else; it returns a new tensor.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store k/v at ``meta.slot_mapping`` in ``kv_cache`` and return attention output."""
