@@ -1,0 +1,78 @@
+"""Attention over the paged cache with plain torch ops: the CPU back end.
+
+Decodes are batched into one SDPA call (keys gathered through the block tables and
+padded to the longest context, masked by length); each prefill chunk is one SDPA call
+over its gathered prefix + itself with an offset-causal mask.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.executor.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        block_size = kv_cache.shape[2]
+        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)  # [2, slots, kvh, d]
+        flat[0].index_copy_(0, meta.slot_mapping, k)
+        flat[1].index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, block_size)
+        if meta.num_prefills:
+            self._prefill(q[nd:], kv_cache, meta, block_size, out[nd:])
+        return out
+
+    def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given block-table rows, [rows, kvh, num_blocks*block_size, d]."""
+        table = block_tables[:, :num_blocks].long()
+        rows = table.shape[0]
+        k = kv_cache[0][table].view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = kv_cache[1][table].view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return k, v
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+        lens = meta.decode_seq_lens_host
+        max_len = max(lens)
+        k, v = self._gather(kv_cache, meta.decode_block_tables, -(-max_len // block_size))
+        k, v = k[:, :, :max_len], v[:, :, :max_len]
+        mask = None
+        if min(lens) != max_len:
+            # [B, 1, 1, L]: True where the key position is inside the sequence
+            mask = (torch.arange(max_len) < meta.decode_seq_lens.to(torch.long)[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+        )  # [B, h, 1, d]
+        return o.squeeze(2)
+
+    def _prefill(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, block_size: int, out: torch.Tensor
+    ) -> None:
+        start = 0
+        gqa = self.num_heads != self.num_kv_heads
+        for i, (qlen, ctx) in enumerate(zip(meta.prefill_query_lens_host, meta.prefill_context_lens_host)):
+            seq_len = ctx + qlen
+            k, v = self._gather(kv_cache, meta.prefill_block_tables[i : i + 1], -(-seq_len // block_size))
+            k, v = k[:, :, :seq_len], v[:, :, :seq_len]
+            qi = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, h, qlen, d]
+            if ctx == 0:
+                o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            else:
+                # query j sits at position ctx + j and sees keys 0..ctx+j
+                mask = torch.arange(seq_len)[None, :] <= (torch.arange(qlen)[:, None] + ctx)
+                o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            out[start : start + qlen] = o[0].transpose(0, 1)
+            start += qlen

@@ -1,0 +1,208 @@
+"""The synchronous engine: requests in, one batched step at a time, token deltas out.
+
+Single-threaded by design: ``AsyncEngine`` drives it from one worker thread, so nothing
+here locks. A step never waits on the network.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from services.executor.attention.selector import backend_class
+from services.executor.batch_scheduler import BatchScheduler, StepPlan
+from services.executor.block_hash import extra_keys_for
+from services.executor.block_pool import DEFAULT_PARTITION, BlockPool, KVEvent, PartitionSpec
+from services.executor.checkpoint import load_state_dict
+from services.executor.engine_config import EngineConfig
+from services.executor.errors import InvalidRequestError
+from services.executor.kv_manager import KVCacheManager
+from services.executor.model.llama import LlamaModel
+from services.executor.model_config import ModelConfig
+from services.executor.model_runner import ModelRunner
+from services.executor.preemption import make_preemption_policy
+from services.executor.sampling_params import SamplingParams
+from services.executor.sequence import FinishReason, Sequence, SequenceStatus
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step did for one request: new tokens, and whether it finished."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[float, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig()) -> None:
+        self.config = config
+        self.model_dir = Path(model_dir)
+        if config.num_threads and config.device == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        state_dict = load_state_dict(self.model_dir, self.model_config, dtype=config.torch_dtype)
+        self.model = LlamaModel(
+            self.model_config,
+            state_dict,
+            backend_class(config.resolved_attention_backend),
+            dtype=config.torch_dtype,
+            device=config.device,
+        )
+        del state_dict
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        block_bytes = ModelRunner.kv_bytes_per_block(self.model, config.block_size)
+        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
+        self.pool = BlockPool(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool)
+        self.scheduler = BatchScheduler(
+            self.kv,
+            make_preemption_policy(config.preemption_policy),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_prefill_chunk=config.max_prefill_chunk,
+        )
+        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size)
+        self.model_id = config.model_id or self.model_dir.name
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+        self.num_steps = 0
+        log.info(
+            "engine_ready", model=str(self.model_dir), num_kv_blocks=self.num_blocks,
+            block_size=config.block_size, attention=config.resolved_attention_backend,
+        )
+
+    # -- requests ---------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        partition: str = DEFAULT_PARTITION,
+        tenant_salt: str = "",
+        priority: float = 0.0,
+    ) -> None:
+        """Queue a request. Raises ``InvalidRequestError`` (naming the field) when it can
+        never be served; the engine state is unchanged then."""
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not (0 <= t < vocab)), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_token_ids)} tokens leave no room in the context of {self.max_model_len}"
+            )
+        need_blocks = -(-len(prompt_token_ids) // self.config.block_size) + 1
+        limit = min(self.num_blocks, self.pool.spec(partition).limit_blocks)
+        if need_blocks > limit:
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_token_ids)} tokens need {need_blocks} KV blocks, more than the {limit} available"
+            )
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            partition=partition,
+            extra_keys=extra_keys_for(self.model_id, tenant_salt),
+            priority=priority,
+        )
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request and free its blocks now; False when it is unknown or done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = FinishReason.ABORT
+        return True
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    def set_partitions(self, partitions: list[PartitionSpec]) -> None:
+        self.pool.set_partitions(partitions)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    # -- the step ---------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Schedule, run and apply one batch. Returns one output per request that got a
+        token or finished."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan)
+        self.num_steps += 1
+        self._advance(plan)
+        outputs = []
+        logprobs = result.tokens.logprobs
+        for row, item in enumerate(result.sampled):
+            seq = item.seq
+            lp = logprobs[row] if logprobs is not None and seq.params.logprobs else None
+            seq.append_token(result.tokens.token_ids[row], lp)
+            self._check_stop(seq)
+            outputs.append(self._output(seq, 1))
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+                self.requests.pop(seq.request_id, None)
+        return outputs
+
+    def _advance(self, plan: StepPlan) -> None:
+        for item in plan.decodes + plan.prefills:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_computed_blocks(item.seq)
+
+    def _check_stop(self, seq: Sequence) -> None:
+        p = seq.params
+        tok = seq.output_token_ids[-1]
+        reason = None
+        if seq.num_output_tokens >= p.min_tokens and (
+            (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
+        ):
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+
+    @staticmethod
+    def _output(seq: Sequence, num_new: int) -> StepOutput:
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=tuple(seq.output_token_ids[-num_new:]),
+            new_logprobs=tuple(seq.output_logprobs[-num_new:]) if seq.params.logprobs else (),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_blocks": self.pool.num_free_blocks,
+            "num_blocks": self.num_blocks,
+            "time": time.monotonic(),
+        }

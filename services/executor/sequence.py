@@ -1,0 +1,90 @@
+"""One request's state inside the engine."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.executor.block_hash import BlockHash
+from services.executor.block_pool import DEFAULT_PARTITION, Block
+from services.executor.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"
+
+
+@dataclass
+class Sequence:
+    """A request's tokens, its place in the KV pool and its progress.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the cache; the next step
+    computes ``all_token_ids[num_computed_tokens:]`` (or a chunk of it).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    partition: str = DEFAULT_PARTITION
+    extra_keys: bytes = b""
+    priority: float = 0.0  # lower runs first; the policy hook reads it
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    num_preemptions: int = 0
+    blocks: list[Block] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, in order
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
