@@ -1,0 +1,118 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class RequestClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REQUEST_CLASS_UNSPECIFIED: _ClassVar[RequestClass]
+    REQUEST_CLASS_INTERACTIVE: _ClassVar[RequestClass]
+    REQUEST_CLASS_DETERMINISTIC: _ClassVar[RequestClass]
+    REQUEST_CLASS_BATCH: _ClassVar[RequestClass]
+
+class DegradeStep(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DEGRADE_STEP_UNSPECIFIED: _ClassVar[DegradeStep]
+    DEGRADE_STEP_KV_INT8: _ClassVar[DegradeStep]
+    DEGRADE_STEP_KV_COMPRESS: _ClassVar[DegradeStep]
+    DEGRADE_STEP_SMALLER_MODEL: _ClassVar[DegradeStep]
+    DEGRADE_STEP_SHED: _ClassVar[DegradeStep]
+
+class FallbackPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FALLBACK_PATH_UNSPECIFIED: _ClassVar[FallbackPath]
+    FALLBACK_PATH_DEGRADE: _ClassVar[FallbackPath]
+    FALLBACK_PATH_REROUTE: _ClassVar[FallbackPath]
+    FALLBACK_PATH_FAIL_FAST: _ClassVar[FallbackPath]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_ERROR: FinishReason
+REQUEST_CLASS_UNSPECIFIED: RequestClass
+REQUEST_CLASS_INTERACTIVE: RequestClass
+REQUEST_CLASS_DETERMINISTIC: RequestClass
+REQUEST_CLASS_BATCH: RequestClass
+DEGRADE_STEP_UNSPECIFIED: DegradeStep
+DEGRADE_STEP_KV_INT8: DegradeStep
+DEGRADE_STEP_KV_COMPRESS: DegradeStep
+DEGRADE_STEP_SMALLER_MODEL: DegradeStep
+DEGRADE_STEP_SHED: DegradeStep
+FALLBACK_PATH_UNSPECIFIED: FallbackPath
+FALLBACK_PATH_DEGRADE: FallbackPath
+FALLBACK_PATH_REROUTE: FallbackPath
+FALLBACK_PATH_FAIL_FAST: FallbackPath
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "logprobs", "min_tokens")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: bool
+    min_tokens: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+
+class Contract(_message.Message):
+    __slots__ = ("kv_quota_blocks", "ttft_ceiling_ms", "tpot_ceiling_ms", "fallback", "accepted_degrade_steps")
+    KV_QUOTA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_CEILING_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_CEILING_MS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DEGRADE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    kv_quota_blocks: int
+    ttft_ceiling_ms: int
+    tpot_ceiling_ms: int
+    fallback: FallbackPath
+    accepted_degrade_steps: _containers.RepeatedScalarFieldContainer[DegradeStep]
+    def __init__(self, kv_quota_blocks: _Optional[int] = ..., ttft_ceiling_ms: _Optional[int] = ..., tpot_ceiling_ms: _Optional[int] = ..., fallback: _Optional[_Union[FallbackPath, str]] = ..., accepted_degrade_steps: _Optional[_Iterable[_Union[DegradeStep, str]]] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "program_id", "hop_index", "expected_tool_ms", "request_class", "contract")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
+    HOP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOOL_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    program_id: str
+    hop_index: int
+    expected_tool_ms: int
+    request_class: RequestClass
+    contract: Contract
+    def __init__(self, session_id: _Optional[str] = ..., program_id: _Optional[str] = ..., hop_index: _Optional[int] = ..., expected_tool_ms: _Optional[int] = ..., request_class: _Optional[_Union[RequestClass, str]] = ..., contract: _Optional[_Union[Contract, _Mapping]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...

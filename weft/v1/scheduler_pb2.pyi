@@ -1,0 +1,69 @@
+from weft.v1 import common_pb2 as _common_pb2
+from weft.v1 import events_pb2 as _events_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ScheduleRequest(_message.Message):
+    __slots__ = ("request_id", "model_id", "prompt_token_ids", "tenant", "sampling", "session", "deadline_unix_ms", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tenant: str
+    sampling: _common_pb2.SamplingParams
+    session: _common_pb2.SessionInfo
+    deadline_unix_ms: int
+    priority: float
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., priority: _Optional[float] = ...) -> None: ...
+
+class ScheduleResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "queue_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_DELTA_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids_delta: _containers.RepeatedScalarFieldContainer[int]
+    logprobs_delta: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: _common_pb2.FinishReason
+    usage: _common_pb2.Usage
+    executor: str
+    queue_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., queue_ms: _Optional[int] = ...) -> None: ...
+
+class ListExecutorsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExecutorInfo(_message.Message):
+    __slots__ = ("heartbeat", "load", "num_indexed_blocks", "last_seen_ago_ms")
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_AGO_MS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat: _events_pb2.ExecutorHeartbeat
+    load: _events_pb2.LoadReport
+    num_indexed_blocks: int
+    last_seen_ago_ms: int
+    def __init__(self, heartbeat: _Optional[_Union[_events_pb2.ExecutorHeartbeat, _Mapping]] = ..., load: _Optional[_Union[_events_pb2.LoadReport, _Mapping]] = ..., num_indexed_blocks: _Optional[int] = ..., last_seen_ago_ms: _Optional[int] = ...) -> None: ...
+
+class ListExecutorsResponse(_message.Message):
+    __slots__ = ("executors",)
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    executors: _containers.RepeatedCompositeFieldContainer[ExecutorInfo]
+    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ...) -> None: ...
