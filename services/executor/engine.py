@@ -77,6 +77,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
+        self.num_preemptions = 0
         log.info(
             "engine_ready", model=str(self.model_dir), num_kv_blocks=self.num_blocks,
             block_size=config.block_size, attention=config.resolved_attention_backend,
@@ -152,6 +153,7 @@ class LLMEngine:
             return []
         result = self.runner.execute(plan)
         self.num_steps += 1
+        self.num_preemptions += len(plan.preempted)
         self._advance(plan)
         outputs = []
         logprobs = result.tokens.logprobs
@@ -203,6 +205,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_free_blocks": self.pool.num_free_blocks,
+            "num_preemptions": self.num_preemptions,
             "num_blocks": self.num_blocks,
             "time": time.monotonic(),
         }

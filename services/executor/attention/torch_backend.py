@@ -38,10 +38,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given block-table rows, [rows, kvh, num_blocks*block_size, d]."""
-        table = block_tables[:, :num_blocks].long()
-        rows = table.shape[0]
-        k = kv_cache[0][table].view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = kv_cache[1][table].view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        table = block_tables[:, :num_blocks].reshape(-1)
+        rows = block_tables.shape[0]
+        # index_select is ~50x cheaper than advanced indexing for this on CPU
+        k = kv_cache[0].index_select(0, table).view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = kv_cache[1].index_select(0, table).view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return k, v
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, block_size: int) -> torch.Tensor:
@@ -49,14 +50,17 @@ class TorchAttentionBackend(AttentionBackend):
         max_len = max(lens)
         k, v = self._gather(kv_cache, meta.decode_block_tables, -(-max_len // block_size))
         k, v = k[:, :, :max_len], v[:, :, :max_len]
-        mask = None
+        b = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        # One query per sequence: a plain batched matmul beats SDPA's CPU kernel here.
+        qg = q.view(b, self.num_kv_heads, group, self.head_dim)  # [B, kvh, group, d]
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scale  # [B, kvh, group, L]
         if min(lens) != max_len:
-            # [B, 1, 1, L]: True where the key position is inside the sequence
-            mask = (torch.arange(max_len) < meta.decode_seq_lens.to(torch.long)[:, None])[:, None, None, :]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
-        )  # [B, h, 1, d]
-        return o.squeeze(2)
+            # [B, 1, 1, L]: True where the key position is past the sequence's end
+            pad = (torch.arange(max_len) >= meta.decode_seq_lens.to(torch.long)[:, None])[:, None, None, :]
+            scores = scores.masked_fill(pad, float("-inf"))
+        o = torch.matmul(scores.softmax(-1), v)  # [B, kvh, group, d]
+        return o.view(b, self.num_heads, self.head_dim)
 
     def _prefill(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, block_size: int, out: torch.Tensor

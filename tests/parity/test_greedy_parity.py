@@ -1,0 +1,82 @@
+"""Greedy output equals Hugging Face transformers token for token: batch sizes 1/4/16,
+prompts longer than a prefill chunk, a second pass through the prefix cache, and a pool
+so small that preemption must happen."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from weft import LLM, SamplingParams
+from weft.tiny_model import make_tiny_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+NUM_NEW = 20
+CHUNK = 32  # max_prefill_chunk in these tests: several prompts span 2-5 chunks
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoint(request, tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), preset="tiny", arch=request.param)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, hf
+
+
+def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [1, 7, 16, 17, 33, 70, 150]
+    # a shared "system prompt" on half of them exercises prefix sharing within a batch
+    system = [rng.randrange(10, vocab) for _ in range(40)]
+    out = []
+    for i in range(n):
+        body = [rng.randrange(10, vocab) for _ in range(lengths[i % len(lengths)])]
+        out.append(system + body if i % 2 else body)
+    return out
+
+
+def _reference(hf, prompts: list[list[int]]) -> list[list[int]]:
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = hf.generate(
+                torch.tensor([p]), max_new_tokens=NUM_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            refs.append(out[0, len(p):].tolist())
+    return refs
+
+
+GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+def test_greedy_matches_transformers_then_again_from_prefix_cache(checkpoint, batch_size):
+    path, hf = checkpoint
+    prompts = _prompts(batch_size, hf.config.vocab_size, seed=batch_size)
+    expected = _reference(hf, prompts)
+    llm = LLM(path, max_prefill_chunk=CHUNK, max_num_batched_tokens=4 * CHUNK)
+
+    first = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in first] == expected
+
+    second = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in second] == expected
+    block = llm.engine.config.block_size
+    for prompt, out in zip(prompts, second):
+        # every full block but the one holding the last prompt token is a hit
+        assert out.num_cached_tokens == ((len(prompt) - 1) // block) * block
+
+
+def test_greedy_matches_transformers_when_the_pool_forces_preemption(checkpoint):
+    path, hf = checkpoint
+    prompts = _prompts(16, hf.config.vocab_size, seed=99)
+    expected = _reference(hf, prompts)
+    longest = max(len(p) for p in prompts) + NUM_NEW
+    # room for roughly two of the longest sequences at a time
+    num_blocks = 2 * (-(-longest // 16)) + 2
+    llm = LLM(path, num_kv_blocks=num_blocks, max_prefill_chunk=CHUNK, max_num_batched_tokens=4 * CHUNK)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.num_preemptions > 0
+    assert llm.engine.pool.num_free_blocks == num_blocks  # everything given back
