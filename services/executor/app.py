@@ -1,0 +1,74 @@
+"""Process wiring of an executor: config → bus → engine → gRPC server → drain.
+
+Order: the bus starts first and the heartbeat says JOINING while the checkpoint loads;
+the gRPC server starts once the engine is ready, then the state turns SERVING. On
+SIGTERM: health NOT_SERVING and heartbeat DRAINING (the scheduler stops placing here),
+in-flight streams finish up to the grace period, then the engine stops.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+import structlog
+
+from services.executor.config import DESCRIPTION, ExecutorConfig
+from services.executor.events import ExecutorEvents, ExecutorState, Identity
+from services.mesh.env_config import load_config
+from services.mesh.grpc_server import GrpcServer
+from services.mesh.logging import configure_logging
+from services.mesh.metrics import MetricsServer
+from services.mesh.nats_bus import EventBus
+
+log = structlog.get_logger(__name__)
+
+
+async def main(argv: Sequence[str] | None = None) -> None:
+    config = load_config(ExecutorConfig, "executor", DESCRIPTION, sys.argv[1:] if argv is None else argv)
+    configure_logging("executor", config.log_level, config.log_format)
+    name = config.resolved_name
+    # Imported here so `--help` stays fast (no torch import).
+    from services.executor.async_engine import AsyncEngine
+    from services.executor.engine import LLMEngine
+    from services.executor.server import ERROR_RULES, ExecutorServicer
+    from weft.v1 import executor_pb2_grpc
+
+    grpc_server = GrpcServer("weft.v1.Executor", config.host, config.port, rules=ERROR_RULES,
+                             max_message_bytes=config.max_message_bytes, grace_s=config.grace_s)
+    grpc_server.install_signal_handlers()
+    bus = EventBus(config.nats_url, name)
+    identity = Identity(name=name, address=config.address(config.port), model_id=config.resolved_model_id,
+                        block_size=config.block_size, max_num_seqs=config.max_num_seqs)
+    events = ExecutorEvents(bus, identity, config.heartbeat_interval_s, config.load_report_interval_s)
+    metrics_server = MetricsServer(config.host, config.metrics_port)
+    await bus.start()
+    await events.start()
+    await metrics_server.start()
+
+    engine = await asyncio.to_thread(LLMEngine, config.model_dir, config.engine_config)
+    async_engine = AsyncEngine(engine, on_kv_events=events.on_kv_events)
+    events.read_load = lambda: async_engine.call(lambda e: e.stats())
+    servicer = ExecutorServicer(async_engine, name, engine.model_id, config.block_size)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, grpc_server.server)
+
+    async def announce_draining() -> None:
+        servicer.draining = True
+        await events.set_state(ExecutorState.DRAINING)
+
+    grpc_server.on_drain(announce_draining)
+    port = await grpc_server.start()
+    events.set_identity(Identity(
+        name=name, address=config.address(port), model_id=engine.model_id, block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs, max_model_len=engine.max_model_len, num_blocks=engine.num_blocks,
+    ))
+    await events.set_state(ExecutorState.SERVING)
+    log.info("executor_ready", executor=name, port=port, model_id=engine.model_id, num_kv_blocks=engine.num_blocks)
+    try:
+        await grpc_server.serve_until_signal()
+    finally:
+        await events.stop()
+        await bus.close()
+        await metrics_server.stop()
+        async_engine.shutdown()
+        log.info("executor_stopped", executor=name)

@@ -1,0 +1,93 @@
+"""ExecutorConfig: everything an executor process is told, from flags / WEFT_ env."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.executor.engine_config import ATTENTION_BACKENDS, EngineConfig
+from services.mesh.env_config import option
+from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
+from services.mesh.nats_bus import subject
+
+DESCRIPTION = (
+    "Weft executor: loads a checkpoint, runs its paged-KV engine and serves the internal "
+    "Executor gRPC API (token-level Generate streams). Announces itself on NATS with a "
+    "heartbeat and publishes kv and load events for the scheduler's placement."
+)
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    model_dir: str = option("Checkpoint directory (config.json, *.safetensors, tokenizer.json). Required.", default="")
+    name: str = option("Unique executor name on the bus and in responses; empty: executor-<host>-<pid>.", default="")
+    host: str = option("Address the gRPC server binds.", default="127.0.0.1")
+    port: int = option("gRPC port.", default=50061)
+    advertise_address: str = option(
+        "host:port the scheduler dials; empty: <host>:<port> (the hostname when binding 0.0.0.0).", default="")
+    nats_url: str = option("NATS server URL for events.", default="nats://127.0.0.1:4222", shared=True)
+    model_id: str = option("Model id hashed into block hashes; empty: the checkpoint directory's name.", default="")
+    device: str = option("Torch device: cpu, cuda, cuda:N.", default="cpu")
+    dtype: str = option("Weight and KV dtype.", default="float32", choices=("float32", "float16", "bfloat16"))
+    attention_backend: str = option("Attention back end (auto: triton on CUDA, torch elsewhere).",
+                                    default="auto", choices=ATTENTION_BACKENDS)
+    block_size: int = option("Tokens per KV block.", default=16)
+    num_kv_blocks: int | None = option("KV blocks in the pool; none: derived from --kv-cache-memory-bytes.", default=None)
+    kv_cache_memory_bytes: int = option("Bytes of KV cache when --num-kv-blocks is none.", default=256 * 1024 * 1024)
+    max_num_seqs: int = option("Most requests computed in one step.", default=64)
+    max_num_batched_tokens: int = option("Most tokens computed in one step.", default=2048)
+    max_prefill_chunk: int = option("Longest prefill chunk one request gets per step.", default=512)
+    max_model_len: int | None = option("Context limit in tokens; none: the model's.", default=None)
+    enable_prefix_caching: bool = option("Reuse KV blocks across requests by block hash.", default=True)
+    num_threads: int | None = option("Torch CPU threads; none: torch's choice.", default=None)
+    heartbeat_interval_s: float = option("Seconds between membership heartbeats.", default=1.0)
+    load_report_interval_s: float = option("Seconds between load reports.", default=0.25)
+    grace_s: float = option("On SIGTERM, seconds in-flight requests get to finish.", default=10.0)
+    max_message_bytes: int = option("Largest gRPC message sent or received.", default=64 * 1024 * 1024)
+    metrics_port: int = option("Port of the Prometheus /metrics endpoint; 0 disables it.", default=0)
+    log_level: str = option("Log level.", default="info", choices=LOG_LEVELS, shared=True)
+    log_format: str = option("Log format (auto: JSON unless stderr is a terminal).", default="auto",
+                             choices=LOG_FORMATS, shared=True)
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ValueError("model_dir is required (--model-dir or WEFT_EXECUTOR_MODEL_DIR)")
+        if not Path(self.model_dir).is_dir():
+            raise ValueError(f"model_dir {self.model_dir!r} is not a directory")
+        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+            raise ValueError("port and metrics_port must be in [0, 65535]")
+        for name in ("heartbeat_interval_s", "load_report_interval_s", "max_message_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.name:
+            subject("heartbeat", self.name)  # a subject-safe name, or ValueError
+        self.engine_config  # validates the engine options (raises ValueError)
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            device=self.device, dtype=self.dtype, attention_backend=self.attention_backend,
+            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_prefill_chunk=self.max_prefill_chunk,
+            max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+            model_id=self.model_id, num_threads=self.num_threads,
+        )
+
+    @property
+    def resolved_name(self) -> str:
+        return self.name or f"executor-{socket.gethostname().split('.')[0]}-{os.getpid()}"
+
+    @property
+    def resolved_model_id(self) -> str:
+        """As the engine computes it: the flag, else the checkpoint directory's name."""
+        return self.model_id or Path(self.model_dir).name
+
+    def address(self, bound_port: int) -> str:
+        if self.advertise_address:
+            return self.advertise_address
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{host}:{bound_port}"

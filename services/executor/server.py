@@ -1,0 +1,165 @@
+"""The Executor gRPC servicer over ``AsyncEngine``: the only place executor protos meet
+the engine's dataclasses.
+
+Cancellation: each Generate stream runs the engine iteration in a pump task. When the
+client goes away (disconnect, deadline, cancelled scheduler stream) gRPC cancels the
+handler, whose ``finally`` cancels the pump, which aborts the request in the engine:
+its blocks are freed within one step. ``Abort`` ends the stream with
+FINISH_REASON_ABORT instead.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import structlog
+
+from services.executor.async_engine import AsyncEngine, EngineDeadError
+from services.executor.engine import StepOutput
+from services.executor.errors import CapacityError, InvalidRequestError
+from services.executor.sampling_params import SamplingParams
+from services.executor.sequence import FinishReason
+from services.mesh import metrics
+from services.mesh.grpc_server import DrainingError, ErrorRule
+from services.mesh.logging import request_context
+from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+ERROR_RULES = (
+    ErrorRule(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    ErrorRule(CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ErrorRule(EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+)
+
+_FINISH = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+REQUESTS = metrics.counter("weft_executor_requests_total", "Generate streams by outcome.", ["outcome"])
+TOKENS = metrics.counter("weft_executor_output_tokens_total", "Tokens streamed.")
+RUNNING = metrics.gauge("weft_executor_streams_running", "Generate streams open.")
+
+_ABORTED = object()  # queue sentinel: Abort RPC for this request
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, present: bool) -> SamplingParams:
+    """Proto → SamplingParams (validates; raises InvalidRequestError naming the field).
+    An absent message means the defaults of SamplingParams."""
+    if not present:
+        return SamplingParams()
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p or 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs,
+        min_tokens=msg.min_tokens,
+    )
+
+
+def step_to_proto(out: StepOutput, executor: str) -> executor_pb2.ExecuteResponse:
+    return executor_pb2.ExecuteResponse(
+        request_id=out.request_id,
+        token_ids_delta=out.new_token_ids,
+        logprobs_delta=out.new_logprobs,
+        finish_reason=_FINISH[out.finish_reason] if out.finished and out.finish_reason else 0,
+        usage=common_pb2.Usage(
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            num_output_tokens=out.num_output_tokens,
+        ),
+        executor=executor,
+    )
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    def __init__(self, engine: AsyncEngine, name: str, model_id: str, block_size: int) -> None:
+        self.engine = engine
+        self.name = name
+        self.model_id = model_id
+        self.block_size = block_size
+        self.draining = False
+        self._streams: dict[str, asyncio.Queue] = {}
+
+    async def Generate(self, request: executor_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
+        if self.draining:
+            raise DrainingError(f"executor {self.name} is draining")
+        rid = request.request_id
+        if not rid:
+            raise InvalidRequestError("request_id", "must not be empty")
+        if rid in self._streams:
+            raise InvalidRequestError("request_id", f"{rid!r} is already running")
+        params = sampling_from_proto(request.sampling, request.HasField("sampling"))
+        remaining_s = context.time_remaining()
+        if remaining_s is not None and remaining_s <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before start")
+        with request_context(rid):
+            queue: asyncio.Queue = asyncio.Queue()
+            self._streams[rid] = queue
+            pump = asyncio.create_task(self._pump(request, params, queue), name=f"pump-{rid}")
+            RUNNING.inc()
+            outcome = "cancelled"
+            try:
+                while True:
+                    item = await queue.get()
+                    if item is _ABORTED:
+                        outcome = "aborted"
+                        yield executor_pb2.ExecuteResponse(
+                            request_id=rid, finish_reason=common_pb2.FINISH_REASON_ABORT, executor=self.name)
+                        return
+                    if isinstance(item, BaseException):
+                        outcome = "error"
+                        raise item
+                    TOKENS.inc(len(item.new_token_ids))
+                    yield step_to_proto(item, self.name)
+                    if item.finished:
+                        outcome = "finished"
+                        return
+            finally:
+                RUNNING.dec()
+                REQUESTS.labels(outcome).inc()
+                self._streams.pop(rid, None)
+                pump.cancel()
+                # Covers a cancel that lands while the add is still in flight; a no-op
+                # when the request already finished or was aborted.
+                self.engine.abort(rid)
+                if outcome == "cancelled":
+                    log.info("request_cancelled", executor=self.name)
+
+    async def _pump(self, request, params: SamplingParams, queue: asyncio.Queue) -> None:
+        try:
+            async for out in self.engine.generate(
+                request.request_id, list(request.prompt_token_ids), params,
+                partition=request.partition or "default", tenant_salt=request.tenant_salt,
+                priority=request.priority,
+            ):
+                queue.put_nowait(out)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the stream, which raises it
+            queue.put_nowait(exc)
+
+    async def Abort(self, request: executor_pb2.AbortRequest, context) -> executor_pb2.AbortResponse:
+        queue = self._streams.get(request.request_id)
+        if queue is None:
+            return executor_pb2.AbortResponse(aborted=False)
+        self.engine.abort(request.request_id)
+        queue.put_nowait(_ABORTED)
+        log.info("request_abort_requested", request_id=request.request_id)
+        return executor_pb2.AbortResponse(aborted=True)
+
+    async def GetStats(self, request, context) -> executor_pb2.GetStatsResponse:
+        stats = await self.engine.call(lambda e: {**e.stats(), "num_steps": e.num_steps})
+        return executor_pb2.GetStatsResponse(
+            executor=self.name, model_id=self.model_id, block_size=self.block_size,
+            num_blocks=int(stats["num_blocks"]), num_free_blocks=int(stats["num_free_blocks"]),
+            num_running=int(stats["num_running"]), num_waiting=int(stats["num_waiting"]),
+            num_steps=int(stats["num_steps"]),
+        )

