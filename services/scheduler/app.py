@@ -1,0 +1,60 @@
+"""Process wiring of a scheduler: config → bus listeners → gRPC server → drain."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+import structlog
+
+from services.mesh.env_config import load_config
+from services.mesh.grpc_server import GrpcServer
+from services.mesh.logging import configure_logging
+from services.mesh.metrics import MetricsServer
+from services.mesh.nats_bus import EventBus
+from services.scheduler.admission import Admission
+from services.scheduler.config import DESCRIPTION, SchedulerConfig
+from services.scheduler.errors import ERROR_RULES
+from services.scheduler.kv_index import KvIndex
+from services.scheduler.membership import Membership
+from services.scheduler.placement import make_placer
+from services.scheduler.server import ChannelPool, MeshView, SchedulerServicer
+from weft.v1 import scheduler_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+
+async def main(argv: Sequence[str] | None = None) -> None:
+    config = load_config(SchedulerConfig, "scheduler", DESCRIPTION, sys.argv[1:] if argv is None else argv)
+    configure_logging("scheduler", config.log_level, config.log_format)
+    view = MeshView(Membership(config.missed_heartbeats), KvIndex())
+    channels = ChannelPool(config.max_message_bytes)
+    servicer = SchedulerServicer(
+        view, make_placer(config.placement_policy, config.kv_overlap_weight),
+        Admission(config.max_in_flight, config.max_queue, config.retry_after_ms), channels,
+        placement_attempts=config.placement_attempts,
+    )
+    grpc_server = GrpcServer("weft.v1.Scheduler", config.host, config.port, rules=ERROR_RULES,
+                             max_message_bytes=config.max_message_bytes, grace_s=config.grace_s)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, grpc_server.server)
+
+    async def stop_taking_work() -> None:
+        servicer.draining = True
+
+    grpc_server.on_drain(stop_taking_work)
+    bus = EventBus(config.nats_url, config.name)
+    await view.subscribe(bus)
+    await bus.start()
+    expiry = asyncio.create_task(view.expire_forever(), name="membership-expiry")
+    metrics_server = MetricsServer(config.host, config.metrics_port)
+    await metrics_server.start()
+    port = await grpc_server.start()
+    log.info("scheduler_ready", port=port, placement=config.placement)
+    try:
+        await grpc_server.serve_until_signal()
+    finally:
+        expiry.cancel()
+        await bus.close()
+        await channels.close()
+        await metrics_server.stop()
+        log.info("scheduler_stopped")

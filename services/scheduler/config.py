@@ -1,0 +1,54 @@
+"""SchedulerConfig: everything a scheduler process is told, from flags / WEFT_ env."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.mesh.env_config import option
+from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
+from services.mesh.nats_bus import subject
+from services.scheduler.placement import PlacementPolicy
+
+DESCRIPTION = (
+    "Weft scheduler: admits token-level requests (bounded in-flight and queue, "
+    "RESOURCE_EXHAUSTED with a retry hint when full), places each on an executor "
+    "learned from NATS heartbeats (by KV prefix overlap and load), and relays the "
+    "executor's token stream with deadline and cancellation propagated."
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    name: str = option("Name of this scheduler on the bus.", default="scheduler")
+    host: str = option("Address the gRPC server binds.", default="127.0.0.1")
+    port: int = option("gRPC port.", default=50051)
+    nats_url: str = option("NATS server URL for events.", default="nats://127.0.0.1:4222", shared=True)
+    placement: str = option("Placement policy.", default="kv", choices=tuple(p.value for p in PlacementPolicy))
+    kv_overlap_weight: float = option(
+        "kv policy: cost of one prompt block to compute, relative to one KV block in use on the executor.",
+        default=1.0)
+    max_in_flight: int = option("Requests streaming at once through this scheduler.", default=256)
+    max_queue: int = option("Requests waiting for an in-flight slot; beyond it: RESOURCE_EXHAUSTED.", default=1024)
+    retry_after_ms: int = option("Retry hint sent with RESOURCE_EXHAUSTED.", default=200)
+    missed_heartbeats: int = option("Heartbeats an executor may miss before it is dropped.", default=3)
+    placement_attempts: int = option("Executors tried when one is unreachable before the first token.", default=2)
+    grace_s: float = option("On SIGTERM, seconds in-flight streams get to finish.", default=10.0)
+    max_message_bytes: int = option("Largest gRPC message sent or received.", default=64 * 1024 * 1024)
+    metrics_port: int = option("Port of the Prometheus /metrics endpoint; 0 disables it.", default=0)
+    log_level: str = option("Log level.", default="info", choices=LOG_LEVELS, shared=True)
+    log_format: str = option("Log format (auto: JSON unless stderr is a terminal).", default="auto",
+                             choices=LOG_FORMATS, shared=True)
+
+    def __post_init__(self) -> None:
+        subject("x", self.name)  # subject-safe, or ValueError
+        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+            raise ValueError("port and metrics_port must be in [0, 65535]")
+        for name in ("max_in_flight", "missed_heartbeats", "placement_attempts", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_queue", "retry_after_ms", "kv_overlap_weight", "grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def placement_policy(self) -> PlacementPolicy:
+        return PlacementPolicy(self.placement)

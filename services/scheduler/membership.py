@@ -1,0 +1,113 @@
+"""Which executors exist, learned from their heartbeats; expiry after missed beats.
+
+An executor appears with its first heartbeat and is placeable while SERVING; one that
+says DRAINING stays known (its streams finish) but gets no new work; one silent for
+``missed_heartbeats`` of its own intervals is dropped, and ``on_removed`` listeners
+(kv index, channel pool) forget it. No restart is ever needed to add or remove one.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+
+class ExecutorState(enum.Enum):
+    JOINING = "joining"
+    SERVING = "serving"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class ExecutorLoad:
+    """Latest load report of an executor."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class ExecutorRecord:
+    """What a heartbeat says, plus when it was last heard (monotonic seconds)."""
+
+    name: str
+    address: str
+    model_id: str
+    block_size: int
+    state: ExecutorState
+    max_num_seqs: int = 0
+    num_blocks: int = 0
+    max_model_len: int = 0
+    interval_s: float = 1.0
+    last_seen_s: float = 0.0
+    load: ExecutorLoad | None = None
+
+    @property
+    def is_placeable(self) -> bool:
+        return self.state is ExecutorState.SERVING
+
+
+class Membership:
+    """The executor table. Not thread-safe: used from the event loop only."""
+
+    def __init__(self, missed_heartbeats: int = 3, clock: Callable[[], float] = time.monotonic) -> None:
+        if missed_heartbeats < 1:
+            raise ValueError("missed_heartbeats must be >= 1")
+        self.missed_heartbeats = missed_heartbeats
+        self.clock = clock
+        self._executors: dict[str, ExecutorRecord] = {}
+        self._on_removed: list[Callable[[ExecutorRecord], None]] = []
+
+    def on_removed(self, listener: Callable[[ExecutorRecord], None]) -> None:
+        self._on_removed.append(listener)
+
+    def heartbeat(self, record: ExecutorRecord) -> bool:
+        """Record a heartbeat (its ``last_seen_s`` is set to now). True if the executor is new."""
+        prev = self._executors.get(record.name)
+        if prev is not None and prev.address != record.address:
+            self._remove(prev)  # same name at a new address: a replacement process
+            prev = None
+        self._executors[record.name] = replace(
+            record, last_seen_s=self.clock(), load=prev.load if prev is not None else record.load)
+        return prev is None
+
+    def update_load(self, name: str, load: ExecutorLoad) -> None:
+        """Attach a load report; ignored for an unknown executor (its heartbeat comes first)."""
+        rec = self._executors.get(name)
+        if rec is not None:
+            self._executors[name] = replace(rec, load=load)
+
+    def expire(self) -> list[ExecutorRecord]:
+        """Drop executors silent for more than ``missed_heartbeats`` intervals; returns them."""
+        now = self.clock()
+        dead = [r for r in self._executors.values() if now - r.last_seen_s > self.missed_heartbeats * r.interval_s]
+        for rec in dead:
+            self._remove(rec)
+        return dead
+
+    def remove(self, name: str) -> ExecutorRecord | None:
+        rec = self._executors.get(name)
+        if rec is not None:
+            self._remove(rec)
+        return rec
+
+    def _remove(self, rec: ExecutorRecord) -> None:
+        del self._executors[rec.name]
+        for listener in self._on_removed:
+            listener(rec)
+
+    def get(self, name: str) -> ExecutorRecord | None:
+        return self._executors.get(name)
+
+    def all(self) -> list[ExecutorRecord]:
+        return sorted(self._executors.values(), key=lambda r: r.name)
+
+    def placeable(self, model_id: str = "") -> list[ExecutorRecord]:
+        """SERVING executors, of ``model_id`` when given, by name."""
+        return [r for r in self.all() if r.is_placeable and (not model_id or r.model_id == model_id)]
+
+    def __len__(self) -> int:
+        return len(self._executors)

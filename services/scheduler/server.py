@@ -1,0 +1,283 @@
+"""The Scheduler gRPC servicer and its NATS listeners: the only place scheduler protos
+meet the domain (membership, kv index, placement, admission).
+
+One request = one Scheduler.Generate stream relayed from one Executor.Generate stream:
+no per-token round trips. The executor call inherits the request's deadline; when the
+client goes away the relay is cancelled and cancels the executor call, which aborts
+the request there. An executor that is unreachable before the first token is skipped
+for the next-ranked one.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import grpc
+import structlog
+
+from services.executor.block_hash import extra_keys_for, hash_block_chain
+from services.mesh import metrics
+from services.mesh.grpc_server import DrainingError, channel_options
+from services.mesh.logging import request_context
+from services.mesh.nats_bus import Delivery, EventBus
+from services.scheduler.admission import Admission
+from services.scheduler.errors import (
+    DeadlineError, ExecutorLostError, InvalidScheduleRequest, NoExecutorError, OverloadedError,
+)
+from services.scheduler.kv_index import KvIndex
+from services.scheduler.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
+from services.scheduler.placement import Candidate, InflightTracker, Placement, Placer
+from weft.v1 import events_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+REQUESTS = metrics.counter("weft_scheduler_requests_total", "Generate streams by outcome.", ["outcome"])
+PLACED = metrics.counter("weft_scheduler_placements_total", "Requests placed per executor.", ["executor"])
+MATCHED_BLOCKS = metrics.counter("weft_scheduler_prefix_blocks_matched_total", "Prompt blocks found on the chosen executor.")
+PROMPT_BLOCKS = metrics.counter("weft_scheduler_prompt_blocks_total", "Full prompt blocks of placed requests.")
+QUEUE_SECONDS = metrics.histogram("weft_scheduler_queue_seconds", "Time waiting for admission.")
+EXECUTORS = metrics.gauge("weft_scheduler_executors", "Known executors.")
+
+_STATES = {
+    events_pb2.EXECUTOR_STATE_JOINING: ExecutorState.JOINING,
+    events_pb2.EXECUTOR_STATE_SERVING: ExecutorState.SERVING,
+    events_pb2.EXECUTOR_STATE_DRAINING: ExecutorState.DRAINING,
+}
+_STATES_BACK = {v: k for k, v in _STATES.items()}
+
+
+class ChannelPool:
+    """One gRPC channel per executor address, reused across requests."""
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self._options = channel_options(max_message_bytes)
+        self._stubs: dict[str, tuple[grpc.aio.Channel, executor_pb2_grpc.ExecutorStub]] = {}
+
+    def stub(self, address: str) -> executor_pb2_grpc.ExecutorStub:
+        entry = self._stubs.get(address)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            entry = (channel, executor_pb2_grpc.ExecutorStub(channel))
+            self._stubs[address] = entry
+        return entry[1]
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
+
+
+class MeshView:
+    """Membership + kv index fed by NATS events (heartbeat, load, kv)."""
+
+    def __init__(self, membership: Membership, kv_index: KvIndex) -> None:
+        self.membership = membership
+        self.kv_index = kv_index
+        membership.on_removed(self._forget)
+
+    async def subscribe(self, bus: EventBus) -> None:
+        await bus.subscribe("heartbeat", events_pb2.ExecutorHeartbeat, self.on_heartbeat)
+        await bus.subscribe("load", events_pb2.LoadReport, self.on_load)
+        await bus.subscribe("kv", events_pb2.KvEvent, self.on_kv)
+
+    def on_heartbeat(self, msg: events_pb2.ExecutorHeartbeat, delivery: Delivery) -> None:
+        if delivery is Delivery.RESTARTED:
+            self.kv_index.drop_source(msg.name)
+        rec = ExecutorRecord(
+            name=msg.name, address=msg.address, model_id=msg.model_id, block_size=msg.block_size,
+            state=_STATES.get(msg.state, ExecutorState.JOINING), max_num_seqs=msg.max_num_seqs,
+            num_blocks=msg.num_blocks, max_model_len=msg.max_model_len,
+            interval_s=(msg.interval_ms or 1000) / 1000.0,
+        )
+        prev = self.membership.get(rec.name)
+        if self.membership.heartbeat(rec):
+            log.info("executor_joined", executor=rec.name, address=rec.address, model_id=rec.model_id,
+                     state=rec.state.value)
+        elif prev is not None and prev.state is not rec.state:
+            log.info("executor_state_changed", executor=rec.name, state=rec.state.value)
+        EXECUTORS.set(len(self.membership))
+
+    def on_load(self, msg: events_pb2.LoadReport, delivery: Delivery) -> None:
+        self.membership.update_load(msg.header.source, ExecutorLoad(
+            num_running=msg.num_running, num_waiting=msg.num_waiting,
+            num_free_blocks=msg.num_free_blocks, num_blocks=msg.num_blocks,
+        ))
+
+    def on_kv(self, msg: events_pb2.KvEvent, delivery: Delivery) -> None:
+        source = msg.header.source
+        if delivery.needs_resync:
+            dropped = self.kv_index.drop_source(source)
+            log.info("kv_index_resync", executor=source, reason=delivery.value, num_dropped=dropped)
+        if msg.kind == events_pb2.KV_EVENT_KIND_STORED:
+            self.kv_index.stored(source, msg.block_hashes)
+        elif msg.kind == events_pb2.KV_EVENT_KIND_REMOVED:
+            self.kv_index.removed(source, msg.block_hashes)
+        elif msg.kind == events_pb2.KV_EVENT_KIND_CLEARED:
+            self.kv_index.drop_source(source)
+
+    def _forget(self, rec: ExecutorRecord) -> None:
+        self.kv_index.drop_source(rec.name)
+        EXECUTORS.set(len(self.membership))
+        log.info("executor_removed", executor=rec.name, address=rec.address)
+
+    async def expire_forever(self, period_s: float = 0.2) -> None:
+        while True:
+            self.membership.expire()
+            await asyncio.sleep(period_s)
+
+
+def _blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, view: MeshView, placer: Placer, admission: Admission, channels: ChannelPool,
+                 placement_attempts: int = 2) -> None:
+        self.view = view
+        self.placer = placer
+        self.admission = admission
+        self.channels = channels
+        self.placement_attempts = placement_attempts
+        self.inflight = InflightTracker()
+        self.draining = False
+
+    # -- placement ------------------------------------------------------------------
+    def rank(self, model_id: str, tenant: str, prompt: Sequence[int]) -> list[Placement]:
+        """Placeable executors, best first. Hashes are computed exactly as the executor
+        does: its block size and extra_keys_for(its model id, tenant)."""
+        records = self.view.membership.placeable(model_id)
+        chains: dict[tuple[str, int], tuple[int, dict[str, int]]] = {}
+        candidates = []
+        for rec in records:
+            key = (rec.model_id, rec.block_size)
+            if key not in chains:
+                hashes = hash_block_chain(prompt, rec.block_size, extra_keys_for(rec.model_id, tenant))
+                chains[key] = (len(hashes), self.view.kv_index.match_prefix(hashes))
+            num_prompt_blocks, matched = chains[key]
+            load = rec.load or ExecutorLoad()
+            reported_used = max(0, load.num_blocks - load.num_free_blocks)
+            candidates.append(Candidate(
+                name=rec.name, address=rec.address, num_prompt_blocks=num_prompt_blocks,
+                num_matched_blocks=matched.get(rec.name, 0),
+                num_used_blocks=max(reported_used, self.inflight.num_blocks(rec.name)),
+                num_blocks=rec.num_blocks or load.num_blocks,
+                num_active_requests=max(load.num_running + load.num_waiting, self.inflight.num_requests(rec.name)),
+                max_num_seqs=rec.max_num_seqs,
+            ))
+        return self.placer.rank(candidates)
+
+    # -- RPCs -----------------------------------------------------------------------
+    async def Generate(self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext):
+        if self.draining:
+            raise DrainingError("scheduler is draining")
+        rid = request.request_id
+        if not rid:
+            raise InvalidScheduleRequest("request_id", "must not be empty")
+        if not request.prompt_token_ids:
+            raise InvalidScheduleRequest("prompt_token_ids", "must contain at least one token")
+        prompt = list(request.prompt_token_ids)
+        with request_context(rid):
+            t0 = time.monotonic()
+            try:
+                await self.admission.enter()
+            except OverloadedError:
+                REQUESTS.labels("rejected").inc()
+                raise
+            outcome = "cancelled"
+            try:
+                queue_s = time.monotonic() - t0
+                QUEUE_SECONDS.observe(queue_s)
+                ranked = self.rank(request.model_id, request.tenant, prompt)
+                if not ranked:
+                    outcome = "no_executor"
+                    raise NoExecutorError(f"no serving executor for model {request.model_id or '(any)'!r}")
+                async for chunk in self._relay(request, prompt, ranked, context, int(queue_s * 1000)):
+                    yield chunk
+                outcome = "finished"
+            except Exception:
+                outcome = "error" if outcome == "cancelled" else outcome
+                raise
+            finally:
+                self.admission.leave()
+                REQUESTS.labels(outcome).inc()
+
+    def _timeout_s(self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext) -> float | None:
+        timeouts = []
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeouts.append(remaining)
+        if request.deadline_unix_ms:
+            timeouts.append(request.deadline_unix_ms / 1000.0 - time.time())
+        if not timeouts:
+            return None
+        timeout = min(timeouts)
+        if timeout <= 0:
+            raise DeadlineError("deadline passed before the request was placed")
+        return timeout
+
+    async def _relay(self, request, prompt, ranked: list[Placement], context, queue_ms: int):
+        exec_request = executor_pb2.ExecuteRequest(
+            request_id=request.request_id, prompt_token_ids=prompt, sampling=request.sampling,
+            tenant_salt=request.tenant, priority=request.priority, session=request.session,
+        )
+        if not request.HasField("sampling"):
+            exec_request.ClearField("sampling")
+        attempts = ranked[: self.placement_attempts]
+        for i, placement in enumerate(attempts):
+            rec = self.view.membership.get(placement.name)
+            block_size = rec.block_size if rec else 16
+            call = self.channels.stub(placement.address).Generate(
+                exec_request, timeout=self._timeout_s(request, context))
+            self.inflight.start(placement.name, request.request_id, _blocks(len(prompt), block_size))
+            sent_any = False
+            try:
+                async for chunk in call:
+                    if not sent_any:
+                        PLACED.labels(placement.name).inc()
+                        PROMPT_BLOCKS.inc(len(prompt) // block_size)
+                        MATCHED_BLOCKS.inc(placement.num_matched_blocks)
+                        log.info("request_placed", executor=placement.name,
+                                 num_matched_blocks=placement.num_matched_blocks, queue_ms=queue_ms)
+                    self.inflight.update(placement.name, request.request_id,
+                                         _blocks(len(prompt) + chunk.usage.num_output_tokens, block_size))
+                    yield scheduler_pb2.ScheduleResponse(
+                        request_id=request.request_id, token_ids_delta=chunk.token_ids_delta,
+                        logprobs_delta=chunk.logprobs_delta, finish_reason=chunk.finish_reason,
+                        usage=chunk.usage, executor=chunk.executor or placement.name,
+                        queue_ms=queue_ms if not sent_any else 0,
+                    )
+                    sent_any = True
+                return
+            except grpc.aio.AioRpcError as exc:
+                retryable = exc.code() == grpc.StatusCode.UNAVAILABLE
+                if not sent_any and retryable and i + 1 < len(attempts):
+                    log.warning("executor_unreachable", executor=placement.name, details=exc.details())
+                    continue
+                if sent_any and retryable:
+                    raise ExecutorLostError(f"executor {placement.name} failed mid-stream: {exc.details()}") from exc
+                raise
+            finally:
+                call.cancel()  # no-op when the call finished; aborts the executor's request otherwise
+                self.inflight.finish(placement.name, request.request_id)
+
+    async def ListExecutors(self, request, context) -> scheduler_pb2.ListExecutorsResponse:
+        now = self.view.membership.clock()
+        out = scheduler_pb2.ListExecutorsResponse()
+        for rec in self.view.membership.all():
+            info = out.executors.add(
+                heartbeat=events_pb2.ExecutorHeartbeat(
+                    name=rec.name, address=rec.address, model_id=rec.model_id, block_size=rec.block_size,
+                    state=_STATES_BACK[rec.state], max_num_seqs=rec.max_num_seqs, num_blocks=rec.num_blocks,
+                    interval_ms=int(rec.interval_s * 1000), max_model_len=rec.max_model_len,
+                ),
+                num_indexed_blocks=self.view.kv_index.num_blocks(rec.name),
+                last_seen_ago_ms=int(max(0.0, now - rec.last_seen_s) * 1000),
+            )
+            if rec.load is not None:
+                info.load.CopyFrom(events_pb2.LoadReport(
+                    num_running=rec.load.num_running, num_waiting=rec.load.num_waiting,
+                    num_free_blocks=rec.load.num_free_blocks, num_blocks=rec.load.num_blocks,
+                ))
+        return out
+
