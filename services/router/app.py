@@ -1,0 +1,71 @@
+"""Assemble and run the router: tokenizer, scheduler client, gRPC and HTTP listeners.
+
+SIGTERM drains: /health and gRPC health turn NOT_SERVING, new work is refused, in-flight
+streams get ``drain_timeout_s`` to finish, then both listeners close.
+"""
+from __future__ import annotations
+
+import structlog
+from aiohttp import web
+
+from services.mesh.grpc_server import GrpcServer
+from services.router.auth import KeyStore
+from services.router.config import RouterConfig
+from services.router.generation import Generator, model_limits
+from services.router.http_api import HttpApi
+from services.router.scheduler_client import SchedulerClient
+from services.router.server import ROUTER_ERROR_RULES, RouterServicer
+from services.router.tokenizer import Tokenizer
+from weft.v1 import router_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+
+class RouterApp:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        tokenizer = Tokenizer.from_dir(config.model_dir)
+        limits = model_limits(config.model_dir, tokenizer, [config.model_name], config.max_model_len)
+        self.scheduler = SchedulerClient(config.scheduler_address)
+        self.generator = Generator(tokenizer, limits, self.scheduler, config.request_timeout_s)
+        keys = KeyStore.from_file(config.keys_file)
+        self.http = HttpApi(self.generator, keys, config.model_name, self.scheduler.list_executors)
+        self.grpc = GrpcServer("weft.v1.Router", config.host, config.grpc_port, rules=ROUTER_ERROR_RULES,
+                               grace_s=config.drain_timeout_s)
+        servicer = RouterServicer(self.generator, keys, config.model_name, self.scheduler.list_executors)
+        router_pb2_grpc.add_RouterServicer_to_server(servicer, self.grpc.server)
+        self._runner: web.AppRunner | None = None
+        self.http_port: int | None = None
+
+    async def start(self) -> None:
+        app = self.http.app(self.config.max_body_bytes)
+        # handler_cancellation: a client that disconnects cancels its handler at once,
+        # even while it waits for the first token, so its KV is freed downstream.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=self.config.drain_timeout_s)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.http_port)
+        await site.start()
+        self.http_port = self._runner.addresses[0][1]
+        await self.grpc.start()
+        log.info("router_ready", http_port=self.http_port, grpc_port=self.grpc.port,
+                 scheduler=self.config.scheduler_address, model=self.config.model_name)
+
+    async def _refuse_http(self) -> None:
+        self.http.draining = True
+
+    async def stop(self) -> None:
+        """Close the HTTP listener (in-flight streams get ``drain_timeout_s``) and the
+        scheduler channel; the gRPC server has drained already."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.scheduler.close()
+
+    async def run(self) -> None:
+        self.grpc.on_drain(self._refuse_http)
+        await self.start()
+        try:
+            await self.grpc.serve_until_signal()  # SIGTERM: health NOT_SERVING, drain
+        finally:
+            await self.stop()

@@ -1,0 +1,47 @@
+"""Router settings: flags > ``WEFT_ROUTER_*`` / shared ``WEFT_*`` environment > defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.mesh.env_config import option
+from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_dir: str = option("checkpoint directory: tokenizer, chat template and context length come from it", default="")
+    host: str = option("address both listeners bind", default="127.0.0.1")
+    grpc_port: int = option("public gRPC API port (0 = pick a free one)", default=50051)
+    http_port: int = option("OpenAI-compatible HTTP API port (0 = pick a free one)", default=8000)
+    scheduler_address: str = option("host:port of the scheduler's gRPC API", default="127.0.0.1:50052")
+    served_model_name: str = option("model id clients send; empty = the checkpoint directory's name", default="")
+    keys_file: str = option("API keys file (JSON {key: tenant} or 'key tenant' lines); empty = no auth", default="")
+    max_model_len: int | None = option("context length override; none = the checkpoint's max_position_embeddings", default=None)
+    max_body_bytes: int = option("largest accepted HTTP request body", default=16 * 1024 * 1024)
+    request_timeout_s: float = option("deadline of one generation, propagated downstream", default=600.0)
+    drain_timeout_s: float = option("on SIGTERM, how long in-flight streams may finish", default=10.0)
+    log_level: str = option("log level", default="info", choices=LOG_LEVELS, shared=True)
+    log_format: str = option("log format", default="auto", choices=LOG_FORMATS, shared=True)
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ValueError("model_dir is required (--model-dir or WEFT_ROUTER_MODEL_DIR)")
+        if not (Path(self.model_dir) / "tokenizer.json").is_file():
+            raise ValueError(f"model_dir: no tokenizer.json in {self.model_dir}")
+        for name in ("grpc_port", "http_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
+        if ":" not in self.scheduler_address:
+            raise ValueError(f"scheduler_address must be host:port, got {self.scheduler_address!r}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.keys_file and not Path(self.keys_file).is_file():
+            raise ValueError(f"keys_file: {self.keys_file} does not exist")
+        for name in ("max_body_bytes", "request_timeout_s", "drain_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).resolve().name

@@ -1,0 +1,52 @@
+"""Domain errors of the router. ``server.py`` maps them to gRPC status codes and
+``http_api.py`` to HTTP statuses in OpenAI's error shape:
+
+    InvalidRequestError  -> INVALID_ARGUMENT   / 400 invalid_request_error (names the field)
+    AuthenticationError  -> UNAUTHENTICATED    / 401 authentication_error
+    OverloadedError      -> RESOURCE_EXHAUSTED / 429 (retry hint)
+    UpstreamUnavailable  -> UNAVAILABLE        / 503
+    anything else        -> INTERNAL           / 500
+"""
+from __future__ import annotations
+
+
+class RouterError(Exception):
+    """Base class of the router's domain errors."""
+
+
+class InvalidRequestError(RouterError, ValueError):
+    """The request is malformed or cannot be served; ``field`` names the offending field
+    (dotted path, e.g. ``messages[2].role``), never retried."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this deployment does not serve (HTTP 404 in OpenAI's API;
+    we answer 400 with ``param: model`` as the request is invalid for this deployment)."""
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        super().__init__("model", f"model {model!r} does not exist; served models: {served}")
+
+
+class AuthenticationError(RouterError):
+    """Missing or unknown API key."""
+
+
+class OverloadedError(RouterError):
+    """The mesh cannot take the request now; retry after ``retry_after_ms``."""
+
+    def __init__(self, message: str, retry_after_ms: int = 1000) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+class UpstreamUnavailable(RouterError):
+    """The scheduler (or every executor behind it) is unreachable or draining."""
+
+
+class UpstreamError(RouterError):
+    """The scheduler failed the request for a reason that is not the caller's fault."""

@@ -1,0 +1,124 @@
+"""The router's request pipeline, shared by the HTTP and gRPC front ends:
+
+    validated request --tokenize/template--> TokenRequest --scheduler stream-->
+    token chunks --incremental detokenize--> text --stop strings--> Delta events
+
+Only token ids leave this process (one server-streaming RPC per request). Closing a
+``stream`` generator (client gone, stop string matched) cancels the downstream call,
+which aborts the request on its executor and frees its KV blocks.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Protocol
+
+import jinja2
+import structlog
+
+from services.router.detokenizer import IncrementalDetokenizer
+from services.router.errors import InvalidRequestError, UpstreamError
+from services.router.schema import ChatRequest, Delta, Sampling, Session, TokenChunk, TokenRequest, Usage
+from services.router.stop_strings import StopStringMatcher
+from services.router.tokenizer import Tokenizer
+from services.router.validation import Limits, resolve_max_tokens
+
+log = structlog.get_logger(__name__)
+
+
+class TokenStreamer(Protocol):
+    """The downstream: the scheduler client (or an in-process fake in tests)."""
+
+    def generate(self, request: TokenRequest, timeout_s: float) -> AsyncIterator[TokenChunk]: ...
+
+
+def model_limits(model_dir: str | Path, tokenizer: Tokenizer, served_models: Sequence[str],
+                 max_model_len: int | None) -> Limits:
+    """Context length and vocabulary from the checkpoint's config.json."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    context = max_model_len or int(config.get("max_position_embeddings") or 2048)
+    vocab = int(config.get("vocab_size") or tokenizer.vocab_size)
+    return Limits(served_models=tuple(served_models), max_model_len=context, vocab_size=vocab)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+class Generator:
+    """Turns validated requests into token requests and token streams into text deltas."""
+
+    def __init__(self, tokenizer: Tokenizer, limits: Limits, downstream: TokenStreamer,
+                 request_timeout_s: float = 600.0) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.downstream = downstream
+        self.request_timeout_s = request_timeout_s
+
+    # -- prompts ------------------------------------------------------------------
+    def chat_prompt_ids(self, messages: Sequence[dict], tools: Sequence[dict] | None,
+                        add_generation_prompt: bool = True) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), tools=tools,
+                                                      add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError("messages", f"rejected by the model's chat template: {exc}") from None
+        except ValueError as exc:
+            raise InvalidRequestError("messages", str(exc)) from None
+        # The template already carries BOS and friends, as transformers tokenizes it.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def text_prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def token_request(self, prompt_ids: Sequence[int], sampling: Sampling, tenant: str, session: Session,
+                      prompt_field: str, request_id: str) -> TokenRequest:
+        """Check the prompt against the context and resolve max_tokens."""
+        for i, t in enumerate(prompt_ids):
+            if not 0 <= t < self.limits.vocab_size:
+                raise InvalidRequestError(f"{prompt_field}[{i}]", f"token id {t} is outside [0, {self.limits.vocab_size})")
+        max_tokens = resolve_max_tokens(sampling, len(prompt_ids), self.limits.max_model_len, prompt_field)
+        stop_ids = sampling.stop_token_ids
+        return TokenRequest(
+            request_id=request_id,
+            model="",  # one model per deployment: any executor serves it
+            prompt_token_ids=tuple(prompt_ids),
+            sampling=replace(sampling, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens),
+                             stop_token_ids=tuple(stop_ids)),
+            tenant=tenant,
+            session=session,
+            deadline_unix_ms=int((time.time() + self.request_timeout_s) * 1000),
+        )
+
+    def chat_token_request(self, req: ChatRequest, tenant: str, request_id: str) -> TokenRequest:
+        ids = self.chat_prompt_ids(req.messages, req.tools)
+        return self.token_request(ids, req.sampling, tenant, req.session, "messages", request_id)
+
+    # -- streams ------------------------------------------------------------------
+    async def stream(self, request: TokenRequest, stop: Sequence[str] = ()) -> AsyncIterator[Delta]:
+        """Deltas of one request. The last has ``finish_reason`` set; on a stop-string
+        match it is "stop" and the downstream stream is cancelled."""
+        detok = IncrementalDetokenizer(self.tokenizer)
+        matcher = StopStringMatcher(tuple(stop))
+        chunks = self.downstream.generate(request, self.request_timeout_s)
+        try:
+            async for chunk in chunks:
+                finished = chunk.finish_reason is not None
+                text = detok.push(chunk.token_ids)
+                if finished:
+                    text += detok.flush()
+                out = matcher.push(text)
+                if finished and not matcher.stopped:
+                    out += matcher.flush()
+                reason = "stop" if matcher.stopped else chunk.finish_reason
+                usage = Usage(chunk.num_prompt_tokens, chunk.num_output_tokens, chunk.num_cached_tokens)
+                yield Delta(out, chunk.token_ids, chunk.logprobs, reason, usage, chunk.executor)
+                if reason is not None:
+                    return
+            raise UpstreamError("the scheduler's stream ended without a finish reason")
+        finally:
+            await chunks.aclose()

@@ -1,0 +1,321 @@
+"""The OpenAI-compatible HTTP API (aiohttp).
+
+    POST /v1/chat/completions   chat, SSE streaming or not; tools and tool messages
+    POST /v1/completions        text or token-id prompts; ``return_token_ids`` extension
+    GET  /v1/models             the served model
+    GET  /health                200 while serving, 503 while draining
+    GET  /metrics               Prometheus
+
+Every generation response carries ``x-weft-executor`` (the executor serving it) and
+``x-request-id``. Streaming responses send headers only once the first chunk arrived,
+so errors before it (bad prompt, overload) are still plain HTTP errors. A client that
+disconnects cancels its handler (``handler_cancellation``), which cancels the scheduler
+stream and frees the request's KV blocks downstream.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.mesh.logging import request_context
+from services.mesh.metrics import REGISTRY
+from services.router import metrics as m
+from services.router.auth import KeyStore, bearer_token
+from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, RouterError,
+                                    UpstreamUnavailable)
+from services.router.generation import Generator, new_request_id
+from services.router.openai_format import ChatFormatter, CompletionFormatter, error_body, sse, sum_usage
+from services.router.schema import Delta
+from services.router.tool_calls import ContentDelta, ToolCall, ToolCallParser, parse_tool_calls
+from services.router.validation import parse_chat_request, parse_completion_request
+
+log = structlog.get_logger(__name__)
+
+EXECUTOR_HEADER = "x-weft-executor"
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_response(exc: BaseException) -> web.Response:
+    """OpenAI-shaped error for a domain error or an aiohttp HTTP exception."""
+    headers: dict[str, str] = {}
+    if isinstance(exc, InvalidRequestError):
+        status, body = 400, error_body(400, str(exc), exc.field, "model_not_found" if exc.field == "model" else None)
+    elif isinstance(exc, AuthenticationError):
+        status, body = 401, error_body(401, str(exc), None, "invalid_api_key")
+    elif isinstance(exc, OverloadedError):
+        status, body = 429, error_body(429, str(exc))
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_ms / 1000)))
+        headers["retry-after-ms"] = str(exc.retry_after_ms)
+    elif isinstance(exc, UpstreamUnavailable):
+        status, body = 503, error_body(503, str(exc))
+    elif isinstance(exc, web.HTTPException):
+        status, body = exc.status, error_body(exc.status, exc.reason if exc.text is None else exc.text)
+    else:
+        status, body = 500, error_body(500, f"internal error ({type(exc).__name__})")
+    return web.json_response(body, status=status, headers=headers)
+
+
+class HttpApi:
+    def __init__(self, generator: Generator, keys: KeyStore, model_name: str,
+                 list_executors: Callable[[], Awaitable[list[dict]]] | None = None) -> None:
+        self.generator = generator
+        self.keys = keys
+        self.model_name = model_name
+        self.list_executors = list_executors
+        self.draining = False
+
+    def app(self, max_body_bytes: int) -> web.Application:
+        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    # -- plumbing -------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
+        try:
+            resp = await handler(request)
+        except (RouterError, web.HTTPException) as exc:
+            resp = error_response(exc)
+            log.info("http_request_rejected", path=request.path, status=resp.status, error=str(exc))
+        except Exception as exc:  # a bug: answer 500, keep serving
+            log.exception("http_request_failed", path=request.path)
+            resp = error_response(exc)
+        if endpoint.startswith("/v1/"):
+            m.REQUESTS.labels("http", endpoint, str(resp.status)).inc()
+        return resp
+
+    def _tenant(self, request: web.Request) -> str:
+        key = bearer_token(request.headers.get("Authorization")) or request.headers.get("x-api-key")
+        return self.keys.authenticate(key)
+
+    @staticmethod
+    async def _json(request: web.Request) -> object:
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidRequestError("body", f"malformed JSON: {exc}") from None
+
+    @staticmethod
+    def _request_id(request: web.Request, prefix: str) -> str:
+        given = request.headers.get("x-request-id", "")
+        return given if _REQUEST_ID.match(given) else new_request_id(prefix)
+
+    # -- endpoints ------------------------------------------------------------------
+    async def health(self, _request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._tenant(request)
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "weft",
+                "max_model_len": self.generator.limits.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        req = parse_chat_request(await self._json(request), self.generator.limits)
+        rid = self._request_id(request, "chatcmpl")
+        with request_context(rid, tenant=tenant):
+            token_req = self.generator.chat_token_request(req, tenant, rid)
+            fmt = ChatFormatter(rid, req.model, req.include_usage)
+            deltas = _timed(self.generator.stream(token_req, req.stop), "http")
+            try:
+                if req.stream:
+                    return await self._stream_chat(request, req, fmt, deltas, rid)
+                return await self._collect_chat(req, fmt, deltas, rid)
+            finally:
+                await deltas.aclose()
+
+    async def _collect_chat(self, req, fmt: ChatFormatter, deltas: AsyncIterator[Delta], rid: str) -> web.Response:
+        text, ids, last = [], [], None
+        async for last in deltas:
+            text.append(last.text)
+            ids.extend(last.token_ids)
+        content, calls = "".join(text), []
+        if req.parse_tool_calls:
+            content, calls = parse_tool_calls(content)
+        reason = "tool_calls" if calls else last.finish_reason
+        body = fmt.response(content, calls, reason, last.usage, ids if req.return_token_ids else None)
+        return web.json_response(body, headers={EXECUTOR_HEADER: last.executor, "x-request-id": rid})
+
+    async def _stream_chat(self, request: web.Request, req, fmt: ChatFormatter, deltas: AsyncIterator[Delta],
+                           rid: str) -> web.StreamResponse:
+        first = await anext(deltas)  # errors before the first token stay plain HTTP errors
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, EXECUTOR_HEADER: first.executor, "x-request-id": rid})
+        await resp.prepare(request)
+        parser = ToolCallParser() if req.parse_tool_calls else None
+        num_calls = 0
+        try:
+            await resp.write(sse(fmt.chunk({"role": "assistant", "content": ""})))
+            delta = first
+            while True:
+                done = delta.finish_reason is not None
+                events = [ContentDelta(delta.text)] if parser is None else parser.push(delta.text)
+                if done and parser is not None:
+                    events += parser.flush()
+                ids = list(delta.token_ids) if req.return_token_ids else None
+                for ev in events:
+                    if isinstance(ev, ToolCall):
+                        body = {"tool_calls": [{"index": num_calls, "id": ev.id, "type": "function",
+                                                "function": {"name": ev.name, "arguments": ev.arguments}}]}
+                        num_calls += 1
+                    elif ev.text:
+                        body = {"content": ev.text}
+                    else:
+                        continue
+                    await resp.write(sse(fmt.chunk(body, token_ids=ids)))
+                    ids = [] if ids is not None else None
+                if ids:  # token ids whose text is still held back
+                    await resp.write(sse(fmt.chunk({}, token_ids=ids)))
+                if done:
+                    reason = "tool_calls" if num_calls else delta.finish_reason
+                    await resp.write(sse(fmt.chunk({}, finish_reason=reason)))
+                    if req.include_usage:
+                        await resp.write(sse(fmt.usage_chunk(delta.usage)))
+                    break
+                delta = await anext(deltas)
+            await resp.write(sse("[DONE]"))
+        except RouterError as exc:
+            await resp.write(sse(json.loads(error_response(exc).text)))
+        except (ConnectionResetError, asyncio.CancelledError):
+            m.DISCONNECTS.labels("http").inc()
+            log.info("client_disconnected", request_id=rid)
+            raise
+        return resp
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        req = parse_completion_request(await self._json(request), self.generator.limits)
+        rid = self._request_id(request, "cmpl")
+        with request_context(rid, tenant=tenant):
+            multi = len(req.prompts) > 1
+            token_reqs = [
+                self.generator.token_request(self.generator.text_prompt_ids(p), req.sampling, tenant, req.session,
+                                             f"prompt[{i}]" if multi else "prompt", f"{rid}-{i}" if multi else rid)
+                for i, p in enumerate(req.prompts)
+            ]
+            fmt = CompletionFormatter(rid, req.model, req.include_usage)
+            streams = [_timed(self.generator.stream(t, req.stop), "http") for t in token_reqs]
+            merged = _merge(streams)
+            try:
+                if req.stream:
+                    return await self._stream_completions(request, req, fmt, merged, rid)
+                return await self._collect_completions(req, fmt, merged, len(streams), rid)
+            finally:
+                await merged.aclose()
+
+    async def _collect_completions(self, req, fmt, merged, n: int, rid: str) -> web.Response:
+        texts, ids, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+        async for i, delta in merged:
+            texts[i].append(delta.text)
+            ids[i].extend(delta.token_ids)
+            last[i] = delta
+        choices = [fmt.choice(i, "".join(texts[i]), last[i].finish_reason, ids[i] if req.return_token_ids else None)
+                   for i in range(n)]
+        executors = ",".join(dict.fromkeys(d.executor for d in last))
+        return web.json_response(fmt.response(choices, sum_usage([d.usage for d in last])),
+                                 headers={EXECUTOR_HEADER: executors, "x-request-id": rid})
+
+    async def _stream_completions(self, request, req, fmt, merged, rid: str) -> web.StreamResponse:
+        i, delta = await anext(merged)
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, EXECUTOR_HEADER: delta.executor, "x-request-id": rid})
+        await resp.prepare(request)
+        usages = {}
+        try:
+            while True:
+                if delta.text or delta.finish_reason or (req.return_token_ids and delta.token_ids):
+                    ids = list(delta.token_ids) if req.return_token_ids else None
+                    await resp.write(sse(fmt.chunk(fmt.choice(i, delta.text, delta.finish_reason, ids))))
+                if delta.finish_reason:
+                    usages[i] = delta.usage
+                nxt = await anext(merged, None)
+                if nxt is None:
+                    break
+                i, delta = nxt
+            if req.include_usage:
+                await resp.write(sse(fmt.usage_chunk(sum_usage(list(usages.values())))))
+            await resp.write(sse("[DONE]"))
+        except RouterError as exc:
+            await resp.write(sse(json.loads(error_response(exc).text)))
+        except (ConnectionResetError, asyncio.CancelledError):
+            m.DISCONNECTS.labels("http").inc()
+            log.info("client_disconnected", request_id=rid)
+            raise
+        return resp
+
+
+async def _timed(deltas: AsyncIterator[Delta], api: str) -> AsyncIterator[Delta]:
+    """Pass deltas through, recording TTFT, latency and token counts."""
+    start = time.perf_counter()
+    first = True
+    m.IN_FLIGHT.labels(api).inc()
+    try:
+        async for delta in deltas:
+            if first and delta.token_ids:
+                m.TTFT_S.labels(api).observe(time.perf_counter() - start)
+                first = False
+            m.GENERATED_TOKENS.inc(len(delta.token_ids))
+            if delta.finish_reason is not None:
+                m.REQUEST_S.labels(api).observe(time.perf_counter() - start)
+                m.PROMPT_TOKENS.inc(delta.usage.prompt_tokens)
+                m.CACHED_TOKENS.inc(delta.usage.cached_tokens)
+            yield delta
+    finally:
+        m.IN_FLIGHT.labels(api).dec()
+        await deltas.aclose()
+
+
+async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """Interleave several streams as (index, delta); one stream passes straight through."""
+    if len(streams) == 1:
+        try:
+            async for delta in streams[0]:
+                yield 0, delta
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((i, delta, None))
+        except Exception as exc:
+            await queue.put((i, None, exc))
+        finally:
+            await stream.aclose()
+            await queue.put((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, delta, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if delta is None:
+                remaining -= 1
+                continue
+            yield i, delta
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,117 @@
+"""OpenAI response bodies and stream chunks, built from the router's domain types.
+
+Shapes follow OpenAI's Chat Completions and (legacy) Completions APIs. Extensions are
+additive: ``token_ids`` on a choice (with ``return_token_ids: true``) and
+``prompt_tokens_details.cached_tokens`` (prefix-cache hits) in usage.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from services.router.schema import Usage
+from services.router.tool_calls import ToolCall
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": code}}
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def sum_usage(usages: list[Usage]) -> Usage:
+    return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                 sum(u.cached_tokens for u in usages))
+
+
+def tool_call_body(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments}}
+    if index is not None:
+        body = {"index": index, **body}
+    return body
+
+
+class ChatFormatter:
+    """Bodies of one chat completion (id, model and creation time fixed per request)."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+        self.id = request_id if request_id.startswith("chatcmpl-") else f"chatcmpl-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+
+    def response(self, content: str | None, tool_calls: list[ToolCall], finish_reason: str, usage: Usage,
+                 token_ids: list[int] | None) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = [tool_call_body(c) for c in tool_calls]
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage_body(usage)}
+
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
+              token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [], "usage": usage_body(usage)}
+
+
+class CompletionFormatter:
+    """Bodies of one (legacy) text completion, possibly with several prompts."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+        self.id = request_id if request_id.startswith("cmpl-") else f"cmpl-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+
+    @staticmethod
+    def choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        if token_ids is not None:
+            body["token_ids"] = token_ids
+        return body
+
+    def response(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage_body(usage)}
+
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [], "usage": usage_body(usage)}
+
+
+def sse(body: dict[str, Any] | str) -> bytes:
+    """One server-sent event; ``"[DONE]"`` ends an OpenAI stream."""
+    data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

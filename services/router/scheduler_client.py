@@ -1,0 +1,133 @@
+"""The router's client of ``weft.v1.Scheduler``: the outbound wire boundary.
+
+Like ``server.py`` on the inbound side, this is the only other router module that
+touches generated protobuf types; it converts ``TokenRequest`` / ``TokenChunk``
+dataclasses and maps gRPC status codes to the router's domain errors. A call that
+fails UNAVAILABLE before its first chunk is retried (bounded, jittered): nothing was
+generated yet, so a retry is invisible to the client.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
+from services.router.schema import TokenChunk, TokenRequest
+from weft.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+]
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+_CLASSES = {
+    "": common_pb2.REQUEST_CLASS_UNSPECIFIED,
+    "interactive": common_pb2.REQUEST_CLASS_INTERACTIVE,
+    "deterministic": common_pb2.REQUEST_CLASS_DETERMINISTIC,
+    "batch": common_pb2.REQUEST_CLASS_BATCH,
+}
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.*)$", re.S)
+MAX_ATTEMPTS = 3
+
+
+def to_proto(req: TokenRequest) -> scheduler_pb2.ScheduleRequest:
+    s = req.sampling
+    sampling = common_pb2.SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+        min_tokens=s.min_tokens,
+    )
+    if s.seed is not None:
+        sampling.seed = s.seed
+    ses = req.session
+    session = common_pb2.SessionInfo(
+        session_id=ses.session_id, program_id=ses.program_id, hop_index=ses.hop_index,
+        expected_tool_ms=ses.expected_tool_ms, request_class=_CLASSES[ses.request_class],
+    )
+    return scheduler_pb2.ScheduleRequest(
+        request_id=req.request_id, model_id=req.model, prompt_token_ids=list(req.prompt_token_ids),
+        tenant=req.tenant, sampling=sampling, session=session, deadline_unix_ms=req.deadline_unix_ms,
+    )
+
+
+def from_proto(resp: scheduler_pb2.ScheduleResponse) -> TokenChunk:
+    return TokenChunk(
+        token_ids=tuple(resp.token_ids_delta),
+        logprobs=tuple(resp.logprobs_delta),
+        finish_reason=_FINISH.get(resp.finish_reason),
+        num_prompt_tokens=resp.usage.num_prompt_tokens,
+        num_cached_tokens=resp.usage.num_cached_tokens,
+        num_output_tokens=resp.usage.num_output_tokens,
+        executor=resp.executor,
+    )
+
+
+def domain_error(err: grpc.aio.AioRpcError) -> Exception:
+    """The router error for a failed scheduler call."""
+    code, details = err.code(), err.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        m = _FIELD_PREFIX.match(details)
+        return InvalidRequestError(m.group(1), m.group(2)) if m else InvalidRequestError("prompt", details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        retry_ms = 1000
+        for key, value in err.trailing_metadata() or ():
+            if key in ("retry-after-ms", "weft-retry-after-ms"):
+                retry_ms = int(value) if str(value).isdigit() else retry_ms
+        return OverloadedError(details or "overloaded", retry_ms)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return UpstreamUnavailable(f"scheduler: {code.name}: {details}")
+    return UpstreamError(f"scheduler: {code.name}: {details}")
+
+
+class SchedulerClient:
+    """One channel to the scheduler, shared by every request of this router."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+
+    async def generate(self, request: TokenRequest, timeout_s: float) -> AsyncIterator[TokenChunk]:
+        """Stream the request's chunks. Closing this generator cancels the call."""
+        message = to_proto(request)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            call = self._stub.Generate(message, timeout=timeout_s)
+            got_first = False
+            try:
+                async for resp in call:
+                    got_first = True
+                    yield from_proto(resp)
+                return
+            except grpc.aio.AioRpcError as err:
+                retryable = err.code() == grpc.StatusCode.UNAVAILABLE and not got_first and attempt < MAX_ATTEMPTS
+                if not retryable:
+                    raise domain_error(err) from None
+                log.warning("scheduler_retry", request_id=request.request_id, attempt=attempt, details=err.details())
+                await _backoff(attempt)
+            finally:
+                call.cancel()
+
+    async def list_executors(self, timeout_s: float = 2.0) -> list[dict]:
+        resp = await self._stub.ListExecutors(scheduler_pb2.ListExecutorsRequest(), timeout=timeout_s)
+        return [{"name": e.heartbeat.name, "address": e.heartbeat.address, "model_id": e.heartbeat.model_id,
+                 "max_model_len": e.heartbeat.max_model_len} for e in resp.executors]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+async def _backoff(attempt: int) -> None:
+    await asyncio.sleep(min(0.05 * 2**attempt, 0.5) * (0.5 + random.random()))

@@ -1,0 +1,123 @@
+"""The router's domain types: validated requests and the events a generation yields.
+
+Frozen dataclasses only; ``validation.py`` builds the requests from JSON, ``server.py``
+from protobuf, and ``generation.py`` turns one ``TokenRequest`` into ``Delta`` events.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling and token-level stopping; mirrors ``weft.v1.SamplingParams``.
+    ``max_tokens`` None means "whatever room the context leaves" (resolved by the router)."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    min_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Session:
+    """Agent session context (all optional)."""
+
+    session_id: str = ""
+    program_id: str = ""
+    hop_index: int = 0
+    expected_tool_ms: int = 0
+    request_class: str = ""  # "", "interactive", "deterministic", "batch"
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated ``/v1/chat/completions`` body (messages are plain dicts ready for the
+    chat template: role, content text, tool_calls, tool_call_id, name)."""
+
+    model: str
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] | None
+    tool_choice: Any
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    session: Session
+    return_token_ids: bool = False
+
+    @property
+    def parse_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated ``/v1/completions`` body; ``prompts`` holds one entry per choice,
+    each text or token ids."""
+
+    model: str
+    prompts: tuple[str | tuple[int, ...], ...]
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    session: Session
+    return_token_ids: bool = False
+    echo: bool = False
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    """What the router sends downstream: token ids only, one stream per request."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling  # max_tokens resolved (never None)
+    tenant: str
+    session: Session = field(default_factory=Session)
+    deadline_unix_ms: int = 0
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """One chunk of the scheduler's stream."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None  # "stop", "length", "abort", "error" on the last chunk
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    executor: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One step of a generation as the client sees it: text released since the previous
+    delta (after stop strings), the ids behind it, and on the last one the finish reason."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None
+    usage: Usage
+    executor: str
