@@ -1,0 +1,27 @@
+# One image for every Weft service (compose.yaml picks the command per service).
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    WEFT_LOG_FORMAT=json
+
+WORKDIR /opt/weft
+
+# CPU torch first, from PyTorch's CPU index (the default index ships CUDA wheels).
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+
+COPY pyproject.toml README.md ./
+COPY weft ./weft
+COPY services ./services
+COPY kernels ./kernels
+RUN pip install .
+
+# The default model: the same tiny random checkpoint `weft up` generates.
+RUN python -m weft model make-tiny /opt/weft/models/tiny
+
+RUN useradd --system --uid 10001 weft
+USER weft
+
+EXPOSE 8000 50051
+CMD ["python", "-m", "weft", "--help"]

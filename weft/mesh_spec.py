@@ -1,0 +1,143 @@
+"""The mesh's services, their commands and settings: ONE table for every way of running
+Weft. ``weft up`` (``weft/launcher.py``) renders it for local processes on loopback;
+``compose.yaml`` holds the same table rendered for Docker Compose, and
+``tests/integration/test_compose.py`` checks that the two agree.
+
+Settings are ``WEFT_*`` environment variables (every service reads its config from
+flags or env through ``services/mesh/env_config.py``), so a service's command is the
+same everywhere and only the rendered values differ. Values are templates over a
+``Context``:
+
+    {bind_host}       address services bind        local: 127.0.0.1   compose: 0.0.0.0
+    {model_dir}       checkpoint directory         local: --model     compose: ${WEFT_MODEL_DIR:-...}
+    {nats_url}        the NATS server              local: free port   compose: nats://nats:4222
+    {<svc>_addr}      host:port of a gRPC service  local: free port   compose: <svc>:<default port>
+    {<port_key>}      this instance's own ports    local: free ports  compose: the defaults below
+    {executor_name}   executor-<i> locally; compose replicas name themselves (empty)
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Health:
+    """How to probe an instance: gRPC health Check on a port, or HTTP GET of a path."""
+
+    kind: str  # "grpc" | "http" | "tcp"
+    port_key: str
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    role: str  # one line: what it does in the mesh
+    command: tuple[str, ...]  # argv after the interpreter: ("-m", "services.router"); nats: its binary's args
+    ports: Mapping[str, int]  # port key -> default (container) port
+    settings: Mapping[str, str]  # WEFT_* env -> template
+    health: Health
+    depends_on: tuple[str, ...] = ()
+    scalable: bool = False  # several instances (executors); no fixed name or host port
+    published: tuple[str, ...] = ()  # port keys exposed to clients (host ports in compose)
+    python: bool = True  # command runs under the Python interpreter (nats-server does not)
+
+    def render(self, ctx: Mapping[str, str]) -> dict[str, str]:
+        """The environment of one instance under ``ctx``."""
+        return {key: template.format_map(ctx) for key, template in self.settings.items()}
+
+
+_COMMON = {"WEFT_LOG_LEVEL": "{log_level}"}
+
+SERVICES: tuple[ServiceSpec, ...] = (
+    ServiceSpec(
+        name="nats", role="event bus (kv / load / membership / session events)",
+        command=("nats-server", "-a", "{bind_host}", "-p", "{nats_port}", "-m", "{nats_monitor_port}"),
+        ports={"nats_port": 4222, "nats_monitor_port": 8222},
+        settings={},
+        health=Health("http", "nats_monitor_port", "/healthz"),
+        python=False,
+    ),
+    ServiceSpec(
+        name="cachestore", role="tiered KV block store and semantic index",
+        command=("-m", "services.cachestore"),
+        ports={"cachestore_port": 50071},
+        settings={**_COMMON, "WEFT_NATS_URL": "{nats_url}", "WEFT_CACHESTORE_HOST": "{bind_host}",
+                  "WEFT_CACHESTORE_PORT": "{cachestore_port}"},
+        health=Health("grpc", "cachestore_port"),
+        depends_on=("nats",),
+    ),
+    ServiceSpec(
+        name="scheduler", role="admission, placement, priority (control plane)",
+        command=("-m", "services.scheduler"),
+        ports={"scheduler_port": 50052, "scheduler_metrics_port": 9152},
+        settings={**_COMMON, "WEFT_NATS_URL": "{nats_url}", "WEFT_SCHEDULER_HOST": "{bind_host}",
+                  "WEFT_SCHEDULER_PORT": "{scheduler_port}", "WEFT_SCHEDULER_METRICS_PORT": "{scheduler_metrics_port}"},
+        health=Health("grpc", "scheduler_port"),
+        depends_on=("nats",),
+    ),
+    ServiceSpec(
+        name="executor", role="model + paged KV cache, continuous batching (data plane)",
+        command=("-m", "services.executor"),
+        ports={"executor_port": 50061, "executor_metrics_port": 9161},
+        settings={**_COMMON, "WEFT_NATS_URL": "{nats_url}", "WEFT_EXECUTOR_HOST": "{bind_host}",
+                  "WEFT_EXECUTOR_PORT": "{executor_port}", "WEFT_EXECUTOR_METRICS_PORT": "{executor_metrics_port}",
+                  "WEFT_EXECUTOR_MODEL_DIR": "{model_dir}", "WEFT_EXECUTOR_NAME": "{executor_name}"},
+        health=Health("grpc", "executor_port"),
+        depends_on=("nats",),
+        scalable=True,
+    ),
+    ServiceSpec(
+        name="router", role="public gRPC + OpenAI HTTP API, tokenization",
+        command=("-m", "services.router"),
+        ports={"router_http_port": 8000, "router_grpc_port": 50051},
+        settings={**_COMMON, "WEFT_ROUTER_HOST": "{bind_host}", "WEFT_ROUTER_HTTP_PORT": "{router_http_port}",
+                  "WEFT_ROUTER_GRPC_PORT": "{router_grpc_port}", "WEFT_ROUTER_MODEL_DIR": "{model_dir}",
+                  "WEFT_ROUTER_SCHEDULER_ADDRESS": "{scheduler_addr}", "WEFT_ROUTER_KEYS_FILE": "{keys_file}"},
+        health=Health("http", "router_http_port", "/health"),
+        depends_on=("scheduler",),
+        published=("router_http_port", "router_grpc_port"),
+    ),
+)
+
+BY_NAME: dict[str, ServiceSpec] = {s.name: s for s in SERVICES}
+# Settings of the mesh itself (not of one service) that compose takes from the host
+# environment: ``WEFT_MODEL_DIR=/models/x docker-compose up``.
+COMPOSE_MODEL_DIR = "${WEFT_MODEL_DIR:-/opt/weft/models/tiny}"
+COMPOSE_KEYS_FILE = "${WEFT_KEYS_FILE:-}"
+COMPOSE_LOG_LEVEL = "${WEFT_LOG_LEVEL:-info}"
+
+
+@dataclass(frozen=True)
+class Context:
+    """Values the templates are rendered with; ``ports`` maps every port key in use."""
+
+    bind_host: str
+    model_dir: str
+    ports: Mapping[str, int]
+    hosts: Mapping[str, str]  # service name -> host other services dial it at
+    keys_file: str = ""
+    log_level: str = "info"
+    executor_name: str = ""
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def mapping(self) -> dict[str, str]:
+        values: dict[str, str] = {k: str(v) for k, v in self.ports.items()}
+        values.update(bind_host=self.bind_host, model_dir=self.model_dir, keys_file=self.keys_file,
+                      log_level=self.log_level, executor_name=self.executor_name,
+                      nats_url=f"nats://{self.hosts['nats']}:{self.ports['nats_port']}")
+        for spec in SERVICES:
+            grpc_key = next((k for k in spec.ports if k == f"{spec.name}_port" or k.endswith("grpc_port")), None)
+            if grpc_key is not None and spec.name in self.hosts and grpc_key in self.ports:
+                values[f"{spec.name}_addr"] = f"{self.hosts[spec.name]}:{self.ports[grpc_key]}"
+        values.update(self.extra)
+        return values
+
+
+def compose_context() -> Context:
+    """How compose.yaml renders the table: service DNS names, default ports."""
+    ports = {k: v for spec in SERVICES for k, v in spec.ports.items()}
+    return Context(bind_host="0.0.0.0", model_dir=COMPOSE_MODEL_DIR, ports=ports,
+                   hosts={s.name: s.name for s in SERVICES}, keys_file=COMPOSE_KEYS_FILE,
+                   log_level=COMPOSE_LOG_LEVEL, executor_name="")
