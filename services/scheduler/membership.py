@@ -42,6 +42,7 @@ class ExecutorRecord:
     num_blocks: int = 0
     max_model_len: int = 0
     interval_s: float = 1.0
+    heartbeat_sequence: int = 0  # sequence number of the heartbeat this record came from
     last_seen_s: float = 0.0
     load: ExecutorLoad | None = None
 
@@ -87,6 +88,13 @@ class Membership:
         for rec in dead:
             self._remove(rec)
         return dead
+
+    def refresh_all(self) -> None:
+        """Treat every executor as just heard from. Called when this scheduler's own bus
+        reconnects: silence during our outage says nothing about the executors."""
+        now = self.clock()
+        for name, rec in self._executors.items():
+            self._executors[name] = replace(rec, last_seen_s=now)
 
     def remove(self, name: str) -> ExecutorRecord | None:
         rec = self._executors.get(name)

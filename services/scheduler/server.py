@@ -88,7 +88,7 @@ class MeshView:
             name=msg.name, address=msg.address, model_id=msg.model_id, block_size=msg.block_size,
             state=_STATES.get(msg.state, ExecutorState.JOINING), max_num_seqs=msg.max_num_seqs,
             num_blocks=msg.num_blocks, max_model_len=msg.max_model_len,
-            interval_s=(msg.interval_ms or 1000) / 1000.0,
+            interval_s=(msg.interval_ms or 1000) / 1000.0, heartbeat_sequence=msg.header.sequence,
         )
         prev = self.membership.get(rec.name)
         if self.membership.heartbeat(rec):
@@ -105,6 +105,8 @@ class MeshView:
         ))
 
     def on_kv(self, msg: events_pb2.KvEvent, delivery: Delivery) -> None:
+        if msg.tier not in (events_pb2.TIER_ACTIVE, events_pb2.TIER_UNSPECIFIED):
+            return  # cachestore tiers do not make an executor a prefix holder
         source = msg.header.source
         if delivery.needs_resync:
             dropped = self.kv_index.drop_source(source)
@@ -121,9 +123,18 @@ class MeshView:
         EXECUTORS.set(len(self.membership))
         log.info("executor_removed", executor=rec.name, address=rec.address)
 
-    async def expire_forever(self, period_s: float = 0.2) -> None:
+    async def expire_forever(self, bus: EventBus, period_s: float = 0.2) -> None:
+        """Expire silent executors, but only while our own bus is connected: with NATS
+        down every executor falls silent, and dropping them all would stop serving.
+        (A dead executor is then found by its failed call and skipped.)"""
+        was_connected = bus.connected
         while True:
-            self.membership.expire()
+            connected = bus.connected
+            if connected and not was_connected:
+                self.membership.refresh_all()
+            elif connected:
+                self.membership.expire()
+            was_connected = connected
             await asyncio.sleep(period_s)
 
 
@@ -267,6 +278,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         for rec in self.view.membership.all():
             info = out.executors.add(
                 heartbeat=events_pb2.ExecutorHeartbeat(
+                    header=events_pb2.EventHeader(source=rec.name, sequence=rec.heartbeat_sequence),
                     name=rec.name, address=rec.address, model_id=rec.model_id, block_size=rec.block_size,
                     state=_STATES_BACK[rec.state], max_num_seqs=rec.max_num_seqs, num_blocks=rec.num_blocks,
                     interval_ms=int(rec.interval_s * 1000), max_model_len=rec.max_model_len,

@@ -1,0 +1,50 @@
+"""CacheStoreConfig: everything a cachestore process is told, from flags / WEFT_ env."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.cachestore.tiers import TierPolicyName
+from services.mesh.env_config import option
+from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
+
+DESCRIPTION = (
+    "Weft cachestore: a tiered KV block store (host RAM, then disk) keyed by block hash. "
+    "Blocks move as chunked byte streams with an explicit header (hash, dtype, shape, "
+    "size, checksum); a corrupt block on disk is a miss and is deleted."
+)
+
+
+@dataclass(frozen=True)
+class CacheStoreConfig:
+    host: str = option("Address the gRPC server binds.", default="127.0.0.1")
+    port: int = option("gRPC port.", default=50071)
+    host_capacity_bytes: int = option("Bytes of host RAM for the sleeping tier.", default=1 << 30)
+    disk_dir: str = option("Directory of the archived tier; empty disables the disk tier.", default=".weft/cachestore")
+    disk_capacity_bytes: int = option("Bytes of disk for the archived tier.", default=10 << 30)
+    disk_fsync: bool = option("fsync each block file before its rename (durable across power loss).", default=True)
+    tier_policy: str = option("Where blocks land and where RAM evictions go.", default="demote_on_evict",
+                              choices=tuple(p.value for p in TierPolicyName))
+    max_block_bytes: int = option("Largest block payload accepted.", default=64 << 20)
+    chunk_bytes: int = option("Data chunk size of GetBlocks streams (a request may ask for less).", default=1 << 20)
+    grace_s: float = option("On SIGTERM, seconds in-flight calls get to finish.", default=10.0)
+    max_message_bytes: int = option("Largest gRPC message sent or received.", default=8 << 20)
+    metrics_port: int = option("Port of the Prometheus /metrics endpoint; 0 disables it.", default=0)
+    log_level: str = option("Log level.", default="info", choices=LOG_LEVELS, shared=True)
+    log_format: str = option("Log format (auto: JSON unless stderr is a terminal).", default="auto",
+                             choices=LOG_FORMATS, shared=True)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+            raise ValueError("port and metrics_port must be in [0, 65535]")
+        for name in ("host_capacity_bytes", "disk_capacity_bytes", "grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_block_bytes", "chunk_bytes", "max_message_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.chunk_bytes + 4096 > self.max_message_bytes:
+            raise ValueError("chunk_bytes must leave at least 4 KiB of max_message_bytes for framing")
+
+    @property
+    def tier_policy_name(self) -> TierPolicyName:
+        return TierPolicyName(self.tier_policy)

@@ -1,0 +1,131 @@
+"""The CacheStore gRPC servicer: the only place cachestore protos meet the tiers.
+
+PutBlocks stream grammar (validated as it arrives)::
+
+    (header data*)*      each block: one header, then data chunks summing to size_bytes
+
+A malformed stream fails with INVALID_ARGUMENT naming the field; blocks completed
+before the error stay stored (each block is stored on its own, not as a batch).
+Disk I/O runs in worker threads so a large block never stalls the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from services.cachestore.blocks import DTYPE_BYTES, Block, BlockMeta, checksum
+from services.cachestore.errors import InvalidBlockError, StoreFullError
+from services.cachestore.tiers import Tier, TieredStore
+from services.mesh import metrics
+from weft.v1 import cachestore_pb2, cachestore_pb2_grpc, events_pb2
+
+log = structlog.get_logger(__name__)
+
+_TIERS = {Tier.SLEEPING: events_pb2.TIER_SLEEPING, Tier.ARCHIVED: events_pb2.TIER_ARCHIVED}
+
+BLOCKS_STORED = metrics.counter("weft_cachestore_blocks_stored_total", "Blocks written by PutBlocks.")
+BYTES_STORED = metrics.counter("weft_cachestore_bytes_stored_total", "Payload bytes written by PutBlocks.")
+LOOKUPS = metrics.counter("weft_cachestore_lookups_total", "GetBlocks lookups by result.", ["result"])
+
+
+def meta_from_header(h: cachestore_pb2.BlockHeader, max_block_bytes: int) -> BlockMeta:
+    """Validate a header; raises InvalidBlockError naming the field."""
+    if h.dtype not in DTYPE_BYTES:
+        raise InvalidBlockError("header.dtype", f"{h.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    if not h.shape or any(d == 0 for d in h.shape):
+        raise InvalidBlockError("header.shape", f"must be non-empty with positive dimensions, got {list(h.shape)}")
+    if h.size_bytes == 0 or h.size_bytes > max_block_bytes:
+        raise InvalidBlockError("header.size_bytes", f"must be in [1, {max_block_bytes}], got {h.size_bytes}")
+    meta = BlockMeta(h.block_hash, h.dtype, tuple(h.shape), h.size_bytes, h.checksum, h.model_id, h.block_size)
+    if meta.expected_size_bytes != h.size_bytes:
+        raise InvalidBlockError(
+            "header.size_bytes", f"{h.size_bytes} disagrees with shape {list(h.shape)} of {h.dtype} "
+            f"({meta.expected_size_bytes} bytes)")
+    return meta
+
+
+def header_from_meta(m: BlockMeta) -> cachestore_pb2.BlockHeader:
+    return cachestore_pb2.BlockHeader(
+        block_hash=m.block_hash, dtype=m.dtype, shape=m.shape, size_bytes=m.size_bytes,
+        checksum=m.checksum, model_id=m.model_id, block_size=m.block_size,
+    )
+
+
+class CacheStoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
+    def __init__(self, store: TieredStore, max_block_bytes: int, chunk_bytes: int) -> None:
+        self.store = store
+        self.max_block_bytes = max_block_bytes
+        self.chunk_bytes = chunk_bytes
+
+    async def PutBlocks(self, request_iterator, context) -> cachestore_pb2.PutBlocksResponse:
+        reply = cachestore_pb2.PutBlocksResponse()
+        meta: BlockMeta | None = None
+        buf = bytearray()
+        async for chunk in request_iterator:
+            which = chunk.WhichOneof("chunk")
+            if which == "header":
+                if meta is not None:
+                    await self._finish_block(meta, buf, reply)
+                meta, buf = meta_from_header(chunk.header, self.max_block_bytes), bytearray()
+            elif which == "data":
+                if meta is None:
+                    raise InvalidBlockError("data", "data chunk before any header")
+                if len(buf) + len(chunk.data) > meta.size_bytes:
+                    raise InvalidBlockError(
+                        "data", f"block {meta.block_hash:#x} has more than header.size_bytes={meta.size_bytes} bytes")
+                buf += chunk.data
+            else:
+                raise InvalidBlockError("chunk", "empty chunk: set header or data")
+        if meta is not None:
+            await self._finish_block(meta, buf, reply)
+        return reply
+
+    async def _finish_block(self, meta: BlockMeta, buf: bytearray, reply) -> None:
+        if len(buf) != meta.size_bytes:
+            raise InvalidBlockError(
+                "data", f"block {meta.block_hash:#x} ended after {len(buf)} of {meta.size_bytes} bytes")
+        payload = bytes(buf)
+        if checksum(payload) != meta.checksum:
+            raise InvalidBlockError("header.checksum", f"block {meta.block_hash:#x}: payload checksum mismatch")
+        result = await asyncio.to_thread(self.store.put, Block(meta, payload))
+        if not result.stored:
+            raise StoreFullError(f"block {meta.block_hash:#x} of {meta.size_bytes} bytes fits no tier")
+        if result.already_present:
+            reply.num_already_present += 1
+        else:
+            reply.num_stored += 1
+            reply.stored_bytes += meta.size_bytes
+            BLOCKS_STORED.inc()
+            BYTES_STORED.inc(meta.size_bytes)
+
+    async def GetBlocks(self, request: cachestore_pb2.GetBlocksRequest, context):
+        chunk_bytes = min(request.max_chunk_bytes or self.chunk_bytes, self.chunk_bytes)
+        for block_hash in request.block_hashes:
+            block = await asyncio.to_thread(self.store.get, block_hash)
+            if block is None:
+                LOOKUPS.labels("miss").inc()
+                yield cachestore_pb2.GetBlocksChunk(missing_block_hash=block_hash)
+                continue
+            LOOKUPS.labels("hit").inc()
+            yield cachestore_pb2.GetBlocksChunk(header=header_from_meta(block.meta))
+            view = memoryview(block.payload)
+            for start in range(0, len(view), chunk_bytes):
+                yield cachestore_pb2.GetBlocksChunk(data=bytes(view[start:start + chunk_bytes]))
+
+    async def Contains(self, request: cachestore_pb2.ContainsRequest, context) -> cachestore_pb2.ContainsResponse:
+        tiers = [self.store.tier_of(h) for h in request.block_hashes]
+        return cachestore_pb2.ContainsResponse(
+            tiers=[_TIERS[t] if t is not None else events_pb2.TIER_UNSPECIFIED for t in tiers])
+
+    async def Stats(self, request, context) -> cachestore_pb2.CacheStatsResponse:
+        host, disk = self.store.host, self.store.disk
+        out = cachestore_pb2.CacheStatsResponse(num_corrupt_blocks=disk.num_corrupt if disk else 0)
+        out.tiers.add(tier=events_pb2.TIER_SLEEPING, num_blocks=len(host), used_bytes=host.used_bytes,
+                      capacity_bytes=host.capacity_bytes, num_hits=host.num_hits, num_misses=host.num_misses,
+                      num_evictions=host.num_evictions)
+        if disk is not None:
+            out.tiers.add(tier=events_pb2.TIER_ARCHIVED, num_blocks=len(disk), used_bytes=disk.used_bytes,
+                          capacity_bytes=disk.capacity_bytes, num_hits=disk.num_hits, num_misses=disk.num_misses,
+                          num_evictions=disk.num_evictions)
+        return out
