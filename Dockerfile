@@ -20,7 +20,8 @@ RUN pip install .
 # The default model: the same tiny random checkpoint `weft up` generates.
 RUN python -m weft model make-tiny /opt/weft/models/tiny
 
-RUN useradd --system --uid 10001 weft
+RUN useradd --system --uid 10001 weft \
+ && mkdir -p /var/lib/weft/cachestore && chown weft /var/lib/weft/cachestore
 USER weft
 
 EXPOSE 8000 50051

@@ -14,6 +14,7 @@ same everywhere and only the rendered values differ. Values are templates over a
     {<svc>_addr}      host:port of a gRPC service  local: free port   compose: <svc>:<default port>
     {<port_key>}      this instance's own ports    local: free ports  compose: the defaults below
     {executor_name}   executor-<i> locally; compose replicas name themselves (empty)
+    {cachestore_dir}  the archived KV tier         local: <state dir>/cachestore   compose: a volume
 """
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec(
         name="cachestore", role="tiered KV block store and semantic index",
         command=("-m", "services.cachestore"),
-        ports={"cachestore_port": 50071},
-        settings={**_COMMON, "WEFT_NATS_URL": "{nats_url}", "WEFT_CACHESTORE_HOST": "{bind_host}",
-                  "WEFT_CACHESTORE_PORT": "{cachestore_port}"},
+        ports={"cachestore_port": 50071, "cachestore_metrics_port": 9171},
+        settings={**_COMMON, "WEFT_CACHESTORE_HOST": "{bind_host}", "WEFT_CACHESTORE_PORT": "{cachestore_port}",
+                  "WEFT_CACHESTORE_METRICS_PORT": "{cachestore_metrics_port}",
+                  "WEFT_CACHESTORE_DISK_DIR": "{cachestore_dir}"},
         health=Health("grpc", "cachestore_port"),
         depends_on=("nats",),
     ),
@@ -107,6 +109,7 @@ BY_NAME: dict[str, ServiceSpec] = {s.name: s for s in SERVICES}
 COMPOSE_MODEL_DIR = "${WEFT_MODEL_DIR:-/opt/weft/models/tiny}"
 COMPOSE_KEYS_FILE = "${WEFT_KEYS_FILE:-}"
 COMPOSE_LOG_LEVEL = "${WEFT_LOG_LEVEL:-info}"
+COMPOSE_CACHESTORE_DIR = "/var/lib/weft/cachestore"  # the cachestore-data volume
 
 
 @dataclass(frozen=True)
@@ -120,12 +123,14 @@ class Context:
     keys_file: str = ""
     log_level: str = "info"
     executor_name: str = ""
+    cachestore_dir: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def mapping(self) -> dict[str, str]:
         values: dict[str, str] = {k: str(v) for k, v in self.ports.items()}
         values.update(bind_host=self.bind_host, model_dir=self.model_dir, keys_file=self.keys_file,
                       log_level=self.log_level, executor_name=self.executor_name,
+                      cachestore_dir=self.cachestore_dir,
                       nats_url=f"nats://{self.hosts['nats']}:{self.ports['nats_port']}")
         for spec in SERVICES:
             grpc_key = next((k for k in spec.ports if k == f"{spec.name}_port" or k.endswith("grpc_port")), None)
@@ -140,4 +145,4 @@ def compose_context() -> Context:
     ports = {k: v for spec in SERVICES for k, v in spec.ports.items()}
     return Context(bind_host="0.0.0.0", model_dir=COMPOSE_MODEL_DIR, ports=ports,
                    hosts={s.name: s.name for s in SERVICES}, keys_file=COMPOSE_KEYS_FILE,
-                   log_level=COMPOSE_LOG_LEVEL, executor_name="")
+                   log_level=COMPOSE_LOG_LEVEL, executor_name="", cachestore_dir=COMPOSE_CACHESTORE_DIR)

@@ -1,0 +1,322 @@
+"""``weft up``: run the whole mesh as local processes on loopback.
+
+NOTE: one table (``weft/mesh_spec.py``) says what runs; this module only renders it
+with free loopback ports and manages processes:
+
+    nats ──▶ cachestore, scheduler, executor-0..N-1, router   (started together)
+         ──▶ wait: every instance healthy AND the scheduler lists every executor
+         ──▶ state file + control endpoint ──▶ wait for Ctrl-C / SIGTERM
+    stop: router first (no new work), then executors / scheduler / cachestore, NATS last;
+          SIGTERM (each service drains), SIGKILL after ``stop_timeout_s``.
+
+Children get their own session (a terminal's Ctrl-C reaches only the launcher, which
+stops them in order) and PR_SET_PDEATHSIG, so even a SIGKILLed launcher leaves no
+orphans. ``weft scale`` reaches ``scale()`` through a token-protected loopback HTTP
+control endpoint recorded in the state file (see docs/architecture.md, "Launcher").
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import structlog
+
+from services.mesh.nats_server import free_port, nats_server_binary
+from weft import health
+from weft.mesh_spec import BY_NAME, SERVICES, Context, ServiceSpec
+from weft.mesh_state import Instance, MeshState, remove_state, write_state
+
+log = structlog.get_logger(__name__)
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec: nothing else
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class MeshStartError(RuntimeError):
+    """A service failed to start or become healthy; the message carries its log tail."""
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    model_dir: str | None = None  # None: the tiny model, created under the state dir
+    num_executors: int = 1
+    http_port: int = 8000  # 0: a free port
+    grpc_port: int = 50051  # 0: a free port
+    state_dir: Path = Path(".weft")
+    host: str = "127.0.0.1"
+    keys_file: str = ""
+    log_level: str = "info"
+    startup_timeout_s: float = 180.0
+    stop_timeout_s: float = 15.0
+    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. WEFT_EXECUTOR_NUM_KV_BLOCKS
+
+    def __post_init__(self) -> None:
+        if self.num_executors < 0:
+            raise ValueError("num_executors must be >= 0")
+        for name in ("http_port", "grpc_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65536)")
+
+
+def ensure_tiny_model(state_dir: Path) -> Path:
+    """The tiny checkpoint under ``state_dir/models/tiny``, created on first use."""
+    path = state_dir / "models" / "tiny"
+    if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file():
+        from weft.tiny_model import make_tiny_checkpoint
+
+        make_tiny_checkpoint(path, preset="tiny")
+    return path
+
+
+def log_tail(path: str | Path, num_lines: int = 30) -> str:
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(lines[-num_lines:])
+
+
+@dataclass
+class _Running:
+    instance: Instance
+    process: asyncio.subprocess.Process
+
+
+def _table_order(inst: Instance) -> tuple[int, int]:
+    index = [s.name for s in SERVICES].index(inst.service)
+    return index, int(inst.name.rsplit("-", 1)[1]) if inst.name != inst.service else 0
+
+
+class Launcher:
+    def __init__(self, options: UpOptions) -> None:
+        self.options = options
+        self.state_dir = Path(options.state_dir).resolve()
+        self.logs_dir = self.state_dir / "logs"
+        self.model_dir = ""
+        self.ports: dict[str, int] = {}
+        self.running: dict[str, _Running] = {}  # instance name -> process
+        self.control_port = 0
+        self.control_token = secrets.token_hex(16)
+        self._scale_lock = asyncio.Lock()
+        self._stopped = False
+
+    # -- table rendering ------------------------------------------------------------
+    def _context(self, ports: dict[str, int], executor_name: str = "") -> Context:
+        host = self.options.host
+        return Context(bind_host=host, model_dir=self.model_dir, ports=ports,
+                       hosts={s.name: host for s in SERVICES}, keys_file=self.options.keys_file,
+                       log_level=self.options.log_level, executor_name=executor_name,
+                       cachestore_dir=str(self.state_dir / "cachestore"))
+
+    def _instance_ports(self, spec: ServiceSpec) -> dict[str, int]:
+        if spec.scalable:  # every replica listens on its own ports
+            return {k: free_port(self.options.host) for k in spec.ports}
+        return {k: self.ports[k] for k in spec.ports}
+
+    # -- processes ------------------------------------------------------------------
+    async def _spawn(self, spec: ServiceSpec, name: str) -> _Running:
+        own_ports = self._instance_ports(spec)
+        ctx = self._context({**self.ports, **own_ports}, executor_name=name if spec.scalable else "").mapping()
+        argv = [a.format_map(ctx) for a in spec.command]
+        argv = [sys.executable, *argv] if spec.python else [str(nats_server_binary()), *argv[1:]]
+        env = {**os.environ, **self.options.extra_env, **spec.render(ctx), "WEFT_LOG_FORMAT": "json",
+               "PYTHONUNBUFFERED": "1"}
+        log_path = self.logs_dir / f"{name}.log"
+        with open(log_path, "ab") as out:
+            process = await asyncio.create_subprocess_exec(
+                *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_die_with_parent)
+        health_port = own_ports[spec.health.port_key]
+        inst = Instance(name=name, service=spec.name, role=spec.role, pid=process.pid, ports=own_ports,
+                        health_kind=spec.health.kind, health_port=health_port, health_path=spec.health.path,
+                        log_path=str(log_path))
+        running = _Running(inst, process)
+        self.running[name] = running
+        log.info("service_started", instance=name, pid=process.pid, ports=own_ports)
+        return running
+
+    async def _wait_healthy(self, names: list[str], deadline: float) -> None:
+        pending = set(names)
+        while pending:
+            for name in sorted(pending):
+                r = self.running[name]
+                if r.process.returncode is not None:
+                    raise MeshStartError(f"{name} exited with status {r.process.returncode} during startup; "
+                                         f"last lines of {r.instance.log_path}:\n{log_tail(r.instance.log_path)}")
+                inst = r.instance
+                if await health.probe(inst.health_kind, self.options.host, inst.health_port, inst.health_path, 1.0):
+                    pending.discard(name)
+                    log.info("service_healthy", instance=name)
+            if pending and time.monotonic() > deadline:
+                name = sorted(pending)[0]
+                inst = self.running[name].instance
+                raise MeshStartError(f"{name} did not become healthy within {self.options.startup_timeout_s:.0f}s; "
+                                     f"last lines of {inst.log_path}:\n{log_tail(inst.log_path)}")
+            if pending:
+                await asyncio.sleep(0.05)  # polling interval of the health probes
+
+    async def _wait_scheduler_sees(self, executor_names: set[str], deadline: float) -> None:
+        """Until the scheduler's executor list (built from NATS heartbeats) holds exactly
+        the serving executors, so a request right after `up`/`scale` can be placed."""
+        from weft.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+        address = f"{self.options.host}:{self.ports['scheduler_port']}"
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            while True:
+                try:
+                    reply = await stub.ListExecutors(scheduler_pb2.ListExecutorsRequest(), timeout=1.0)
+                    known = {e.heartbeat.name for e in reply.executors}
+                    if executor_names <= known:
+                        return
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise MeshStartError(f"the scheduler did not learn of executors {sorted(executor_names)} "
+                                         f"within the deadline; see {self.logs_dir}/scheduler.log")
+                await asyncio.sleep(0.05)
+
+    async def _terminate(self, names: list[str]) -> None:
+        """SIGTERM (drain), then SIGKILL after ``stop_timeout_s``; waits for every exit."""
+        procs = [(n, self.running[n].process) for n in names if n in self.running]
+        for name, proc in procs:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in procs:
+            try:
+                await asyncio.wait_for(proc.wait(), self.options.stop_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("service_killed", instance=name)
+                proc.kill()
+                await proc.wait()
+            self.running.pop(name, None)
+            log.info("service_stopped", instance=name, status=proc.returncode)
+
+    # -- lifecycle ------------------------------------------------------------------
+    def executor_names(self) -> list[str]:
+        return sorted((n for n, r in self.running.items() if r.instance.service == "executor"),
+                      key=lambda n: int(n.rsplit("-", 1)[1]))
+
+    async def start(self) -> MeshState:
+        opts = self.options
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.model_dir = str(Path(opts.model_dir).resolve()) if opts.model_dir else str(ensure_tiny_model(self.state_dir))
+        fixed = {"router_http_port": opts.http_port, "router_grpc_port": opts.grpc_port}
+        for spec in SERVICES:
+            if not spec.scalable:
+                for key in spec.ports:
+                    self.ports[key] = fixed.get(key) or free_port(opts.host)
+        deadline = time.monotonic() + opts.startup_timeout_s
+        try:
+            await self._spawn(BY_NAME["nats"], "nats")
+            await self._wait_healthy(["nats"], deadline)
+            names = ["cachestore", "scheduler", *(f"executor-{i}" for i in range(opts.num_executors)), "router"]
+            for name in names:
+                await self._spawn(BY_NAME[name.split("-")[0]], name)
+            await self._wait_healthy(names, deadline)
+            await self._wait_scheduler_sees(set(self.executor_names()), deadline)
+            await self._start_control()
+        except BaseException:
+            await self.stop()
+            raise
+        state = self.state()
+        write_state(self.state_dir, state)
+        return state
+
+    def state(self) -> MeshState:
+        host = self.options.host
+        return MeshState(
+            launcher_pid=os.getpid(), control_port=self.control_port, control_token=self.control_token,
+            model_dir=self.model_dir, http_url=f"http://{host}:{self.ports['router_http_port']}",
+            grpc_address=f"{host}:{self.ports['router_grpc_port']}",
+            nats_url=f"nats://{host}:{self.ports['nats_port']}",
+            instances=sorted((r.instance for r in self.running.values()), key=_table_order),
+        )
+
+    async def scale(self, service: str, replicas: int) -> list[str]:
+        """Start or drain executors until ``replicas`` run; returns their names.
+        New ones must be healthy and known to the scheduler before this returns;
+        drained ones (highest index first) get SIGTERM and finish in-flight work."""
+        if service != "executor":
+            raise ValueError(f"only 'executor' scales, not {service!r}")
+        if replicas < 0:
+            raise ValueError("replicas must be >= 0")
+        async with self._scale_lock:
+            current = self.executor_names()
+            if replicas > len(current):
+                taken = {int(n.rsplit("-", 1)[1]) for n in current}
+                free = (i for i in range(10**6) if i not in taken)
+                new = [f"executor-{next(free)}" for _ in range(replicas - len(current))]
+                for name in new:
+                    await self._spawn(BY_NAME["executor"], name)
+                deadline = time.monotonic() + self.options.startup_timeout_s
+                try:
+                    await self._wait_healthy(new, deadline)
+                    await self._wait_scheduler_sees(set(new), deadline)
+                except MeshStartError:
+                    await self._terminate(new)
+                    raise
+            elif replicas < len(current):
+                await self._terminate(current[replicas:][::-1])
+            write_state(self.state_dir, self.state())
+            return self.executor_names()
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await self._stop_control()
+        await self._terminate([n for n in ("router",) if n in self.running])
+        await self._terminate([n for n in self.running if n != "nats"])
+        await self._terminate([n for n in self.running])
+        remove_state(self.state_dir)
+
+    async def run_until_signal(self, on_ready=None) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            state = await self.start()
+            if on_ready is not None:
+                on_ready(state)
+            waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(self._watch_children())]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for w in waiters:
+                w.cancel()
+        finally:
+            await self.stop()
+
+    async def _watch_children(self) -> None:
+        """Returns when a non-executor service dies: the mesh is broken, stop it all."""
+        while True:
+            for name, r in list(self.running.items()):
+                if r.process.returncode is not None and r.instance.service != "executor":
+                    log.error("service_died", instance=name, status=r.process.returncode,
+                              log_tail=log_tail(r.instance.log_path, 10))
+                    return
+            await asyncio.sleep(0.5)  # liveness poll of the children
+
+    # -- control endpoint (weft scale) -----------------------------------------------
+    async def _start_control(self) -> None:
+        from weft.launcher_control import start_control_server
+
+        self._control_runner, self.control_port = await start_control_server(self, self.options.host)
+
+    async def _stop_control(self) -> None:
+        runner = getattr(self, "_control_runner", None)
+        if runner is not None:
+            await runner.cleanup()
+            self._control_runner = None

@@ -1,0 +1,143 @@
+"""``weft up`` / ``weft ps`` / ``weft scale``: registration functions for ``weft/cli.py``."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_STATE_DIR = os.environ.get("WEFT_STATE_DIR", ".weft")
+
+
+def _state_dir_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
+                        help="where the mesh keeps its state file, logs and the generated tiny model "
+                             "[env WEFT_STATE_DIR; default: %(default)s]")
+
+
+def register_up(subparsers) -> None:
+    up = subparsers.add_parser(
+        "up", help="start NATS and every service locally and wait until they are healthy",
+        description="Start nats-server, cachestore, scheduler, N executors and the router as local "
+                    "processes on loopback; wait until all are healthy; print the endpoints; stop "
+                    "everything on Ctrl-C / SIGTERM.")
+    up.add_argument("--model", default=None, metavar="DIR",
+                    help="checkpoint directory; default: a tiny random model created (once) in the state dir")
+    up.add_argument("--executors", type=int, default=1, metavar="N", help="executor processes; default: %(default)s")
+    up.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP API port (0: free); default: %(default)s")
+    up.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (0: free); default: %(default)s")
+    up.add_argument("--keys-file", default="", help="API keys file for the router; default: no auth")
+    up.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                    help="services' log level; default: %(default)s")
+    up.add_argument("--startup-timeout", type=float, default=180.0, metavar="S",
+                    help="seconds every service gets to become healthy; default: %(default)s")
+    _state_dir_arg(up)
+    up.set_defaults(handler=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services.mesh.logging import configure_logging
+    from weft.launcher import Launcher, MeshStartError, UpOptions
+    from weft.mesh_state import pid_alive, read_state
+
+    configure_logging("launcher", "warning")
+    previous = read_state(args.state_dir)
+    if previous is not None and pid_alive(previous.launcher_pid):
+        print(f"a mesh is already running from {args.state_dir} (launcher pid {previous.launcher_pid})",
+              file=sys.stderr)
+        return 1
+    options = UpOptions(model_dir=args.model, num_executors=args.executors, http_port=args.http_port,
+                        grpc_port=args.grpc_port, state_dir=Path(args.state_dir), keys_file=args.keys_file,
+                        log_level=args.log_level, startup_timeout_s=args.startup_timeout)
+
+    def ready(state) -> None:
+        print("Weft mesh is up")
+        print(f"  model          {state.model_dir}")
+        print(f"  OpenAI HTTP    {state.http_url}/v1")
+        print(f"  gRPC (Router)  {state.grpc_address}")
+        print(f"  NATS           {state.nats_url}")
+        print(f"  executors      {', '.join(i.name for i in state.by_service('executor')) or '(none)'}")
+        print(f"  logs           {Path(args.state_dir).resolve() / 'logs'}")
+        print("weft ps lists services; weft scale executor=N adds or drains executors; Ctrl-C stops.", flush=True)
+
+    print("starting the mesh ...", flush=True)
+    try:
+        asyncio.run(Launcher(options).run_until_signal(on_ready=ready))
+    except MeshStartError as exc:
+        print(f"weft up failed: {exc}", file=sys.stderr)
+        return 1
+    print("mesh stopped")
+    return 0
+
+
+def register_ps(subparsers) -> None:
+    ps = subparsers.add_parser("ps", help="list the running mesh's services with their health",
+                               description="List the services of the mesh started by `weft up`: name, role, "
+                                           "pid, ports and a live health probe.")
+    _state_dir_arg(ps)
+    ps.set_defaults(handler=_ps)
+
+
+def _ps(args: argparse.Namespace) -> int:
+    from weft import health
+    from weft.mesh_state import pid_alive, read_state
+
+    state = read_state(args.state_dir)
+    if state is None or not pid_alive(state.launcher_pid):
+        print(f"no mesh running (no live launcher recorded in {args.state_dir})", file=sys.stderr)
+        return 1
+
+    async def probe_all():
+        return await asyncio.gather(*(health.probe(i.health_kind, "127.0.0.1", i.health_port, i.health_path, 1.0)
+                                      for i in state.instances))
+
+    healthy = asyncio.run(probe_all())
+    rows = [("NAME", "PID", "PORTS", "HEALTH", "ROLE")]
+    for inst, ok in zip(state.instances, healthy):
+        status = "healthy" if ok else ("unhealthy" if pid_alive(inst.pid) else "exited")
+        ports = ",".join(f"{_port_label(inst.service, k)}={p}" for k, p in inst.ports.items())
+        rows.append((inst.name, str(inst.pid), ports, status, inst.role))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+    return 0 if all(healthy) else 2
+
+
+def _port_label(service: str, key: str) -> str:
+    """``router_http_port`` -> ``http``; a service's main port (``executor_port``) -> ``grpc``."""
+    label = key.removeprefix(f"{service}_").removesuffix("_port")
+    if label == "port":
+        return "client" if service == "nats" else "grpc"
+    return label
+
+
+def register_scale(subparsers) -> None:
+    scale = subparsers.add_parser("scale", help="add or drain executors of the running mesh: executor=N",
+                                  description="Scale the running mesh: `weft scale executor=3` starts executors "
+                                              "until three run (waiting until each is healthy and placed on) or "
+                                              "drains the highest-numbered ones (in-flight requests finish).")
+    scale.add_argument("target", metavar="SERVICE=N", help="e.g. executor=2")
+    _state_dir_arg(scale)
+    scale.set_defaults(handler=_scale)
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from weft.launcher_control import request_scale
+    from weft.mesh_state import pid_alive, read_state
+
+    service, _, count = args.target.partition("=")
+    if not count.isdigit():
+        print(f"expected SERVICE=N (e.g. executor=2), got {args.target!r}", file=sys.stderr)
+        return 2
+    state = read_state(args.state_dir)
+    if state is None or not pid_alive(state.launcher_pid):
+        print(f"no mesh running (no live launcher recorded in {args.state_dir})", file=sys.stderr)
+        return 1
+    try:
+        names = asyncio.run(request_scale(state, service, int(count)))
+    except RuntimeError as exc:
+        print(f"weft scale failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"executors: {', '.join(names) or '(none)'}")
+    return 0
