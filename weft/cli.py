@@ -12,6 +12,8 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
+from weft import mesh_cli
+
 Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
 
@@ -65,6 +67,9 @@ def _make_tiny(args: argparse.Namespace) -> int:
 # Command name -> registration function. Add new commands here.
 COMMANDS: dict[str, Registrar] = {
     "model": register_model,
+    "up": mesh_cli.register_up,
+    "ps": mesh_cli.register_ps,
+    "scale": mesh_cli.register_scale,
 }
 
 
