@@ -12,9 +12,10 @@ reset) emits ``BlockRemoved``, so a subscriber's view of "which hashes live here
 exactly the pool's.
 
 Logical partitions (per tenant / class): each partition has ``reserved_blocks`` that
-nobody else may take, and may borrow beyond them up to ``credit_blocks``. A block
-referenced by two partitions counts against both (quotas stay conservative). Borrowers
-are what the engine reclaims first when memory runs out (see ``borrowed_blocks``).
+nobody else may take, and may borrow beyond them up to ``credit_blocks``. A partition's
+use is the number of distinct blocks its sequences hold; a block held by two
+partitions counts against both (quotas stay conservative). Borrowers are what the
+engine reclaims first when memory runs out (see ``borrowed_blocks``).
 """
 from __future__ import annotations
 
@@ -69,12 +70,13 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "holders")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.holders: dict[str, int] = {}  # partition -> references it holds
 
     def __repr__(self) -> str:
         return f"Block(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
@@ -159,13 +161,15 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free_uncached) + len(self._free_cached)
 
-    def can_allocate(self, num_new: int, partition: str = DEFAULT_PARTITION, num_revived: int = 0) -> bool:
-        """Whether ``num_new`` fresh blocks plus ``num_revived`` free-cached hits fit both the
-        pool and the partition's quota. Does not modify the pool."""
-        take = num_new + num_revived
-        if self._used.get(partition, 0) + take > self.spec(partition).limit_blocks:
+    def can_allocate(self, num_new: int, partition: str = DEFAULT_PARTITION, hits: Iterable[Block] = ()) -> bool:
+        """Whether ``num_new`` fresh blocks plus references on the cache ``hits`` fit both
+        the pool and the partition's quota. Does not modify the pool."""
+        hits = list(hits)
+        new_to_partition = num_new + sum(1 for b in hits if partition not in b.holders)
+        if self._used.get(partition, 0) + new_to_partition > self.spec(partition).limit_blocks:
             return False
-        return self.num_free_blocks - take >= self._protected_for_others(partition)
+        taken_from_free = num_new + sum(1 for b in hits if b.ref_cnt == 0)
+        return self.num_free_blocks - taken_from_free >= self._protected_for_others(partition)
 
     def usage_allows(self, num_blocks: int, partition: str) -> bool:
         """Whether the partition's quota alone admits ``num_blocks`` more references."""
@@ -188,20 +192,21 @@ class BlockPool:
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self._cached
 
-    def num_free_cached(self, blocks: Iterable[Block]) -> int:
-        return sum(1 for b in blocks if b.ref_cnt == 0)
-
     # -- allocation -------------------------------------------------------------
+    def _hold(self, block: Block, partition: str) -> None:
+        block.ref_cnt += 1
+        held = block.holders.get(partition, 0)
+        if held == 0:
+            self._used[partition] = self._used.get(partition, 0) + 1
+        block.holders[partition] = held + 1
+
     def touch(self, blocks: Iterable[Block], partition: str = DEFAULT_PARTITION) -> None:
         """Take a reference on each (cache-hit) block for ``partition``."""
-        n = 0
         for block in blocks:
             if block.ref_cnt == 0:
                 self._free_cached.pop(block.block_id, None)
                 self._free_uncached.pop(block.block_id, None)
-            block.ref_cnt += 1
-            n += 1
-        self._used[partition] = self._used.get(partition, 0) + n
+            self._hold(block, partition)
 
     def allocate(self, num_blocks: int, partition: str = DEFAULT_PARTITION) -> list[Block] | None:
         """Take ``num_blocks`` fresh blocks for ``partition`` (ref_cnt 1 each), evicting
@@ -221,29 +226,30 @@ class BlockPool:
                     removed.append(block.block_hash)
                     del self._cached[block.block_hash]
                     block.block_hash = None
-            block.ref_cnt = 1
+            self._hold(block, partition)
             out.append(block)
         if removed:
             self._events.append(BlockRemoved(tuple(removed)))
-        self._used[partition] = self._used.get(partition, 0) + num_blocks
         return out
 
     def free(self, blocks: Sequence[Block], partition: str = DEFAULT_PARTITION) -> None:
         """Drop one reference on each block of a sequence. Blocks reaching zero become
         evictable, the sequence's tail first (a prefix outlives its suffixes)."""
         for block in reversed(blocks):
-            if block.ref_cnt <= 0:
-                raise ValueError(f"double free of block {block.block_id}")
+            held = block.holders.get(partition, 0)
+            if block.ref_cnt <= 0 or held <= 0:
+                raise ValueError(f"block {block.block_id} is not held by partition {partition!r}")
             block.ref_cnt -= 1
+            if held == 1:
+                del block.holders[partition]
+                self._used[partition] -= 1
+            else:
+                block.holders[partition] = held - 1
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
                     self._free_cached[block.block_id] = block
                 else:
                     self._free_uncached[block.block_id] = block
-        used = self._used.get(partition, 0) - len(blocks)
-        if used < 0:
-            raise ValueError(f"partition {partition!r} freed more blocks than it held")
-        self._used[partition] = used
 
     def cache_full_blocks(
         self,

@@ -60,7 +60,12 @@ class LLMEngine:
             device=config.device,
         )
         del state_dict
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        # Sliding-window attention is not implemented: cap the context at the window
+        # instead, inside which full attention is exactly what the model computes.
+        model_len = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            model_len = min(model_len, self.model_config.sliding_window)
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
         block_bytes = ModelRunner.kv_bytes_per_block(self.model, config.block_size)
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
         self.pool = BlockPool(self.num_blocks, config.block_size, config.enable_prefix_caching)

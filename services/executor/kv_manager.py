@@ -50,8 +50,7 @@ class KVCacheManager:
         """Take the cache hits (on first admission) and enough fresh blocks for
         ``num_new_tokens``. False, with nothing changed, when they do not fit."""
         need = self.num_blocks_needed(seq, num_new_tokens, len(hit_blocks))
-        revived = self.pool.num_free_cached(hit_blocks)
-        if not self.pool.can_allocate(need, seq.partition, num_revived=revived):
+        if not self.pool.can_allocate(need, seq.partition, hits=hit_blocks):
             return False
         if hit_blocks:
             self.pool.touch(hit_blocks, seq.partition)

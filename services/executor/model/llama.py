@@ -25,6 +25,7 @@ class LayerWeights:
     qkv: torch.Tensor  # [q_dim + 2 * kv_dim, hidden]
     qkv_bias: torch.Tensor | None  # [q_dim + 2 * kv_dim]
     o: torch.Tensor  # [hidden, q_dim]
+    o_bias: torch.Tensor | None  # [hidden] (Llama's attention_bias also biases o_proj)
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
@@ -106,6 +107,7 @@ class LlamaModel:
                     qkv=qkv,
                     qkv_bias=bias,
                     o=self._take(sd, a + "o_proj.weight"),
+                    o_bias=self._take(sd, a + "o_proj.bias") if c.attention_output_bias else None,
                     post_norm=self._take(sd, p + "post_attention_layernorm.weight"),
                     gate_up=gate_up,
                     down=self._take(sd, p + "mlp.down_proj.weight"),
@@ -147,7 +149,7 @@ class LlamaModel:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             o = self.attn.forward(q, k, v, kv_cache, meta)  # [n, heads, d]
-            h = h + F.linear(o.view(n, self.q_dim), lw.o)
+            h = h + F.linear(o.view(n, self.q_dim), lw.o, lw.o_bias)
             x = rms_norm(h, lw.post_norm, self.eps)
             gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, lw.down)
