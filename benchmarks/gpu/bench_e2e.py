@@ -1,0 +1,282 @@
+"""End-to-end decode throughput of a ~1B-parameter random-weight Llama through weft.LLM.
+
+Writes a Hugging Face Llama checkpoint (config.json + model.safetensors, bf16 random
+weights: hidden 2048, 16 layers, 32 query / 8 KV heads, intermediate 5632, vocab 32000,
+about 0.85B parameters) into --model-dir, with the tokenizer files of a tiny checkpoint
+from weft.tiny_model, unless that directory already holds the same config. Then, for
+each batch size, runs greedy generation with EOS ignored:
+
+  prefill   generate(prompts, max_tokens=1)          prompt processing + 1 token
+  full      generate(prompts, max_tokens=N)          the same + N-1 decode steps
+  decode tokens/s = batch * (N - 1) / (full - prefill)
+
+and reports decode tokens/s, ms per decode step, and the weight bytes read per second
+(every step reads every weight once) against the device's peak memory bandwidth.
+
+--smoke writes a tiny checkpoint and runs it on CPU (Triton interpreter for the triton
+back end) to check that the script runs at all; its numbers mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu.bench_attention import peak_tbps  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Hugging Face LlamaForCausalLM weight names and shapes (untied head)."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        shapes = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,),
+                  "lm_head.weight": (self.vocab_size, h)}
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes.update({
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (h, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (self.intermediate_size, h),
+                p + "mlp.up_proj.weight": (self.intermediate_size, h),
+                p + "mlp.down_proj.weight": (h, self.intermediate_size),
+            })
+        return shapes
+
+    def num_parameters(self) -> int:
+        total = 0
+        for shape in self.tensor_shapes().values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+
+BENCH_1B = LlamaShape(2048, 16, 32, 8, 5632, 32000)
+SMOKE = LlamaShape(64, 2, 4, 2, 128, 1024)  # the tiny preset's shape
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "weft-bench-llama-1b",
+                   help="where the checkpoint is written, or reused when its config matches; "
+                        "default: <tmp>/weft-bench-llama-1b")
+    p.add_argument("--batches", default="1,64", help="comma-separated batch sizes; default 1,64")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request; default 128")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request; default 128")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="weights and KV cache dtype; default bfloat16")
+    p.add_argument("--attention-backend", default="triton", choices=("triton", "torch", "auto"),
+                   help="weft attention back end; default triton")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size; default 16")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                   help="engine token budget per step; default 4096")
+    p.add_argument("--peak-tbps", type=float, default=None,
+                   help="device peak memory bandwidth in TB/s; default: looked up by device name")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the Markdown section to this file (it is always printed)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model on CPU, fp32, batches 1,2, 8-token prompts, 4 new tokens")
+    args = p.parse_args(argv)
+    args.shape = BENCH_1B
+    if args.smoke:
+        args.shape, args.batches, args.prompt_len, args.max_tokens = SMOKE, "1,2", 8, 4
+        args.dtype = "float32"
+        if args.model_dir == p.get_default("model_dir"):
+            args.model_dir = Path(tempfile.gettempdir()) / "weft-bench-llama-smoke"
+    if args.max_tokens < 2:
+        p.error("--max-tokens must be >= 2 (decode time is full minus prefill)")
+    return args
+
+
+def write_checkpoint(model_dir: Path, shape: LlamaShape, dtype_name: str, seed: int) -> None:
+    """config.json + model.safetensors in HF Llama format, tokenizer files from a tiny checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from weft.tiny_model import make_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory() as tiny_dir:
+        # The "bench" preset's tokenizer has 32000 ids, the "tiny" one 1024: match the vocab.
+        preset = "bench" if shape.vocab_size >= 32000 else "tiny"
+        make_tiny_checkpoint(tiny_dir, preset=preset, dtype="bfloat16")
+        tiny_config = json.loads((Path(tiny_dir) / "config.json").read_text())
+        config = dict(tiny_config)  # same spelling as the project's own checkpoints
+        config.update({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": shape.hidden_size, "num_hidden_layers": shape.num_hidden_layers,
+            "num_attention_heads": shape.num_attention_heads,
+            "num_key_value_heads": shape.num_key_value_heads, "head_dim": shape.head_dim,
+            "intermediate_size": shape.intermediate_size, "vocab_size": shape.vocab_size,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False,
+            "hidden_act": "silu", "torch_dtype": dtype_name,
+        })
+        config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        weights = model_dir / "model.safetensors"
+        if (model_dir / "config.json").exists() and weights.exists() \
+                and (model_dir / "config.json").read_text() == config_text:
+            print(f"reusing checkpoint in {model_dir}", file=sys.stderr)
+            return
+        model_dir.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            if (Path(tiny_dir) / name).exists():
+                shutil.copy(Path(tiny_dir) / name, model_dir / name)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, shp in tqdm(sorted(shape.tensor_shapes().items()), desc="random weights", unit="tensor"):
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shp, dtype=dtype)
+            continue
+        # Unit-variance activations: embeddings N(0, 1), linears N(0, 1 / fan_in).
+        std = 1.0 if name == "model.embed_tokens.weight" else shp[1] ** -0.5
+        values = torch.randn(shp, generator=gen, device=device, dtype=torch.float32) * std
+        tensors[name] = values.to(dtype).cpu().contiguous()
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    (model_dir / "config.json").write_text(config_text)  # last: marks a complete checkpoint
+
+
+def engine_options(args, torch, device: str, max_batch: int) -> dict:
+    """LLM(...) options; the KV budget fits every sequence of the biggest batch."""
+    shape = args.shape
+    tokens = max_batch * (args.prompt_len + args.max_tokens + args.block_size)
+    bytes_per_token = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim \
+        * torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+    options = {
+        "device": device, "dtype": args.dtype, "attention_backend": args.attention_backend,
+        "block_size": args.block_size, "max_num_seqs": max_batch,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory_bytes": int(tokens * bytes_per_token * 1.25),
+        "max_prefill_chunk": min(512, args.max_num_batched_tokens),
+    }
+    try:  # pass only what this engine version knows
+        from dataclasses import fields
+
+        from services.executor.engine_config import EngineConfig
+
+        known = {f.name for f in fields(EngineConfig)}
+        options = {k: v for k, v in options.items() if k in known}
+    except ImportError:
+        pass
+    return options
+
+
+def run_batch(llm, SamplingParams, batch: int, args, torch) -> dict:
+    gen = torch.Generator().manual_seed(args.seed + batch)
+
+    def timed(max_tokens: int) -> float:
+        # Fresh prompts each run, so no run gets the previous one's prefix-cache hits. Ids
+        # start above the special tokens; the tokenizer's vocab matches the model's.
+        prompts = torch.randint(10, args.shape.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        assert all(len(o.token_ids) == max_tokens for o in outputs), "EOS was not ignored"
+        return elapsed
+
+    timed(2)  # warm-up: kernels compiled, allocator primed
+    prefill_s = timed(1)
+    full_s = timed(args.max_tokens)
+    decode_s = max(full_s - prefill_s, 1e-9)
+    return {"batch": batch, "prefill_s": prefill_s, "full_s": full_s,
+            "decode_tps": batch * (args.max_tokens - 1) / decode_s,
+            "step_ms": 1e3 * decode_s / (args.max_tokens - 1)}
+
+
+def render(rows: list[dict], args, device_name: str, peak: float | None) -> str:
+    from benchmarks.report import write_markdown
+
+    weight_bytes = args.shape.num_parameters() * (2 if args.dtype != "float32" else 4)
+    table = []
+    for r in rows:
+        gbps = weight_bytes / (r["step_ms"] / 1e3) / 1e9
+        table.append([r["batch"], f"{r['decode_tps']:,.0f}", f"{r['step_ms']:.2f}", f"{gbps:,.0f}",
+                      "n/a" if peak is None else f"{100 * gbps / (peak * 1e3):.0f} %",
+                      f"{r['prefill_s']:.2f}", f"{r['full_s']:.2f}"])
+    headers = ["batch", "decode tok/s", "ms / step", "weight GB/s", "% of peak",
+               "prefill run s", "full run s"]
+    s = args.shape
+    return "\n".join([
+        "## End-to-end decode (weft.LLM)",
+        "",
+        f"Device: {device_name}. Random-weight Llama, {s.num_parameters() / 1e9:.2f} B parameters "
+        f"(hidden {s.hidden_size}, {s.num_hidden_layers} layers, {s.num_attention_heads}/"
+        f"{s.num_key_value_heads} heads, intermediate {s.intermediate_size}, vocab {s.vocab_size}), "
+        f"{args.dtype}, attention back end `{args.attention_backend}`, block {args.block_size}; "
+        f"{args.prompt_len}-token prompts, {args.max_tokens} new tokens, greedy, EOS ignored. "
+        "Weight GB/s = weight bytes / decode step time (KV reads not counted).",
+        "",
+        write_markdown(headers, table),
+        "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        if not args.smoke:
+            print("no CUDA device: run with --smoke to check the script on CPU", file=sys.stderr)
+            return 2
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+    from tqdm.auto import tqdm
+
+    from weft import LLM, SamplingParams
+
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run)"
+    peak = peak_tbps(device_name, args.peak_tbps) if device == "cuda" else args.peak_tbps
+    write_checkpoint(args.model_dir, args.shape, args.dtype, args.seed)
+
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(str(args.model_dir), **engine_options(args, torch, device, max(batches)))
+    rows = [run_batch(llm, SamplingParams, b, args, torch)
+            for b in tqdm(batches, desc="end-to-end decode", unit="batch")]
+    text = render(rows, args, device_name, peak)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
