@@ -237,3 +237,37 @@ def test_serving_continues_while_nats_is_down_and_resumes_events_after(mesh):
     wait_for(lambda: all(e.heartbeat.header.sequence > seen[n] for n, e in mesh.serving_executors().items()),
              15, "heartbeats to reach the scheduler again after NATS returns")
     assert generate(999)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_sigterm_drains_an_executor_in_flight_streams_finish_and_new_work_is_refused(
+        nats_server, processes: ProcessGroup, tiny_model_dir):
+    """Own processes (function-scoped fixtures): the shared mesh stays untouched."""
+    common = ["--nats-url", nats_server.url]
+    executor = processes.start("executor", *common, "--model-dir", str(tiny_model_dir), "--name", "ex-drain",
+                               "--num-kv-blocks", "64", "--num-threads", "1", "--heartbeat-interval-s", "0.2",
+                               "--grace-s", "20", name="ex-drain", wait=False)
+    scheduler = processes.start("scheduler", *common, name="scheduler-drain")
+    executor.wait_healthy(60)
+    with grpc.insecure_channel(scheduler.address) as ch:
+        stub = scheduler_pb2_grpc.SchedulerStub(ch)
+
+        def states() -> dict[str, int]:
+            reply = stub.ListExecutors(scheduler_pb2.ListExecutorsRequest(), timeout=2)
+            return {e.heartbeat.name: e.heartbeat.state for e in reply.executors}
+
+        wait_for(lambda: states().get("ex-drain") == events_pb2.EXECUTOR_STATE_SERVING, 20, "ex-drain SERVING")
+        call = stub.Generate(scheduler_pb2.ScheduleRequest(
+            request_id="drain-1", prompt_token_ids=list(range(1, 30)), sampling=greedy(1000, ignore_eos=True)),
+            timeout=60)
+        first = next(call)
+        executor.process.terminate()  # SIGTERM: drain
+        rest = list(call)
+        tokens = [t for c in (first, *rest) for t in c.token_ids_delta]
+        assert len(tokens) == 1000 and rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        wait_for(lambda: states().get("ex-drain") in (None, events_pb2.EXECUTOR_STATE_DRAINING), 10,
+                 "the scheduler to stop considering ex-drain placeable")
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(scheduler_pb2.ScheduleRequest(
+                request_id="drain-2", prompt_token_ids=[1, 2, 3], sampling=greedy(2)), timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert executor.process.wait(20) == 0
