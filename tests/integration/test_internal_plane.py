@@ -244,7 +244,7 @@ def test_sigterm_drains_an_executor_in_flight_streams_finish_and_new_work_is_ref
     """Own processes (function-scoped fixtures): the shared mesh stays untouched."""
     common = ["--nats-url", nats_server.url]
     executor = processes.start("executor", *common, "--model-dir", str(tiny_model_dir), "--name", "ex-drain",
-                               "--num-kv-blocks", "64", "--num-threads", "1", "--heartbeat-interval-s", "0.2",
+                               "--num-kv-blocks", "128", "--num-threads", "1", "--heartbeat-interval-s", "0.2",
                                "--grace-s", "20", name="ex-drain", wait=False)
     scheduler = processes.start("scheduler", *common, name="scheduler-drain")
     executor.wait_healthy(60)
