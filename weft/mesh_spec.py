@@ -3,7 +3,8 @@ Weft. ``weft up`` (``weft/launcher.py``) renders it for local processes on loopb
 ``compose.yaml`` holds the same table rendered for Docker Compose, and
 ``tests/integration/test_compose.py`` checks that the two agree.
 
-Settings are ``WEFT_*`` environment variables (every service reads its config from
+Settings are ``WEFT_*`` environment variables (plus the odd runtime knob such as
+``OMP_WAIT_POLICY``) (every service reads its config from
 flags or env through ``services/mesh/env_config.py``), so a service's command is the
 same everywhere and only the rendered values differ. Values are templates over a
 ``Context``:
@@ -85,7 +86,11 @@ SERVICES: tuple[ServiceSpec, ...] = (
         ports={"executor_port": 50061, "executor_metrics_port": 9161},
         settings={**_COMMON, "WEFT_NATS_URL": "{nats_url}", "WEFT_EXECUTOR_HOST": "{bind_host}",
                   "WEFT_EXECUTOR_PORT": "{executor_port}", "WEFT_EXECUTOR_METRICS_PORT": "{executor_metrics_port}",
-                  "WEFT_EXECUTOR_MODEL_DIR": "{model_dir}", "WEFT_EXECUTOR_NAME": "{executor_name}"},
+                  "WEFT_EXECUTOR_MODEL_DIR": "{model_dir}", "WEFT_EXECUTOR_NAME": "{executor_name}",
+                  # Idle OpenMP workers sleep instead of spinning: executors share cores with
+                  # each other and with the router / scheduler, and spinning workers starve
+                  # their event loops (40 ms stalls in token streams on 2 cores).
+                  "OMP_WAIT_POLICY": "PASSIVE"},
         health=Health("grpc", "executor_port"),
         depends_on=("nats",),
         scalable=True,
