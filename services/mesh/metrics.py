@@ -9,9 +9,13 @@ from collections.abc import Sequence
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
+)
 
 log = structlog.get_logger(__name__)
+
+disable_created_metrics()  # no *_created series: they double the scrape for no use here
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 _metrics: dict[str, object] = {}

@@ -143,6 +143,20 @@ def test_cancelling_a_stream_frees_the_executors_blocks(mesh):
              "the executor to free the cancelled request's blocks")
 
 
+def test_abort_rpc_ends_the_stream_with_abort_and_frees_blocks(mesh):
+    stub = mesh.executor_stub("ex-a")
+    call = stub.Generate(executor_pb2.ExecuteRequest(
+        request_id="abort-1", prompt_token_ids=list(range(1, 50)), sampling=greedy(1500, ignore_eos=True)),
+        timeout=60)
+    assert next(call).executor == "ex-a"
+    assert stub.Abort(executor_pb2.AbortRequest(request_id="abort-1"), timeout=5).aborted
+    last = list(call)[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert not stub.Abort(executor_pb2.AbortRequest(request_id="abort-1"), timeout=5).aborted
+    wait_for(lambda: (s := _stats(mesh, "ex-a")).num_running == 0 and s.num_free_blocks == NUM_KV_BLOCKS, 5,
+             "ex-a to free the aborted request's blocks")
+
+
 def test_scheduler_deadline_propagates_to_the_executor(mesh):
     prompt = [(19 * i + 2) % 1000 + 1 for i in range(20)]
     with pytest.raises(grpc.RpcError) as err:
