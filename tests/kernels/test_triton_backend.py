@@ -1,6 +1,7 @@
 """TritonAttentionBackend.forward on a mixed step: 2 decodes, then 2 prefill chunks."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -102,6 +103,16 @@ def test_forward_writes_cache_and_matches_references(decode_seq_lens, prefill_co
     assert backend.name == "triton"
     assert out.shape == q.shape
     assert torch.equal(kv_cache, expected_cache)
+    assert_close(out, expected_out, torch.float32)
+
+
+def test_forward_without_host_lengths_matches_references():
+    # Without host copies the decode split count comes from the block-table width.
+    q, k, v, kv_cache, meta = _mixed_step([3, 6 * BLOCK_SIZE + 1], [2], [3], seed=5)
+    meta = dataclasses.replace(meta, decode_seq_lens_host=(), prefill_query_lens_host=(),
+                               prefill_context_lens_host=())
+    expected_out, _ = _expected(q, k, v, kv_cache, meta)
+    out = TritonAttentionBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SCALE).forward(q, k, v, kv_cache, meta)
     assert_close(out, expected_out, torch.float32)
 
 

@@ -57,9 +57,14 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache_write.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
         if num_decodes > 0:
+            num_splits = None  # the kernel's bound: block-table width * block size
+            if meta.decode_seq_lens_host:  # real lengths, known on the host for free
+                num_splits = paged_decode.choose_num_splits(
+                    num_decodes, self.num_kv_heads, max(meta.decode_seq_lens_host),
+                    paged_decode.num_sms(q.device))
             paged_decode.paged_decode_attention(
                 q[:num_decodes], kv_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                self.scale, out=out[:num_decodes],
+                self.scale, num_splits=num_splits, out=out[:num_decodes],
             )
         if meta.num_prefills > 0 and q.shape[0] > num_decodes:
             paged_prefill.paged_prefill_attention(
