@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
-from services.executor.app import main
+# Before torch loads OpenMP: idle OpenMP workers must sleep, not spin, or they starve the
+# event loops of co-located processes (and this one's gRPC loop) on small machines.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from services.executor.app import main  # noqa: E402
 
 if __name__ == "__main__":
     asyncio.run(main())

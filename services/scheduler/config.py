@@ -20,7 +20,7 @@ DESCRIPTION = (
 class SchedulerConfig:
     name: str = option("Name of this scheduler on the bus.", default="scheduler")
     host: str = option("Address the gRPC server binds.", default="127.0.0.1")
-    port: int = option("gRPC port.", default=50051)
+    port: int = option("gRPC port.", default=50052)
     nats_url: str = option("NATS server URL for events.", default="nats://127.0.0.1:4222", shared=True)
     placement: str = option("Placement policy.", default="kv", choices=tuple(p.value for p in PlacementPolicy))
     kv_overlap_weight: float = option(
