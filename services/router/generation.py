@@ -9,6 +9,7 @@ which aborts the request on its executor and frees its KV blocks.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -28,6 +29,10 @@ from services.router.tokenizer import Tokenizer
 from services.router.validation import Limits, resolve_max_tokens
 
 log = structlog.get_logger(__name__)
+
+# Texts longer than this are tokenized in a worker thread, so one huge prompt does not
+# stall every other stream on the router's event loop (the tokenizer releases the GIL).
+OFFLOAD_TOKENIZE_CHARS = 16_384
 
 
 class TokenStreamer(Protocol):
@@ -97,6 +102,17 @@ class Generator:
     def chat_token_request(self, req: ChatRequest, tenant: str, request_id: str) -> TokenRequest:
         ids = self.chat_prompt_ids(req.messages, req.tools)
         return self.token_request(ids, req.sampling, tenant, req.session, "messages", request_id)
+
+    async def chat_token_request_async(self, req: ChatRequest, tenant: str, request_id: str) -> TokenRequest:
+        size = sum(len(m.get("content") or "") for m in req.messages)
+        if size <= OFFLOAD_TOKENIZE_CHARS:
+            return self.chat_token_request(req, tenant, request_id)
+        return await asyncio.to_thread(self.chat_token_request, req, tenant, request_id)
+
+    async def text_prompt_ids_async(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str) and len(prompt) > OFFLOAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.text_prompt_ids, prompt)
+        return self.text_prompt_ids(prompt)
 
     # -- streams ------------------------------------------------------------------
     async def stream(self, request: TokenRequest, stop: Sequence[str] = ()) -> AsyncIterator[Delta]:

@@ -98,6 +98,9 @@ class HttpApi:
         return resp
 
     def _tenant(self, request: web.Request) -> str:
+        """The caller's tenant; also refuses new work while the router drains."""
+        if self.draining:
+            raise UpstreamUnavailable("router is draining")
         key = bearer_token(request.headers.get("Authorization")) or request.headers.get("x-api-key")
         return self.keys.authenticate(key)
 
@@ -134,7 +137,7 @@ class HttpApi:
         req = parse_chat_request(await self._json(request), self.generator.limits)
         rid = self._request_id(request, "chatcmpl")
         with request_context(rid, tenant=tenant):
-            token_req = self.generator.chat_token_request(req, tenant, rid)
+            token_req = await self.generator.chat_token_request_async(req, tenant, rid)
             fmt = ChatFormatter(rid, req.model, req.include_usage)
             deltas = _timed(self.generator.stream(token_req, req.stop), "http")
             try:
@@ -208,8 +211,9 @@ class HttpApi:
         with request_context(rid, tenant=tenant):
             multi = len(req.prompts) > 1
             token_reqs = [
-                self.generator.token_request(self.generator.text_prompt_ids(p), req.sampling, tenant, req.session,
-                                             f"prompt[{i}]" if multi else "prompt", f"{rid}-{i}" if multi else rid)
+                self.generator.token_request(await self.generator.text_prompt_ids_async(p), req.sampling, tenant,
+                                             req.session, f"prompt[{i}]" if multi else "prompt",
+                                             f"{rid}-{i}" if multi else rid)
                 for i, p in enumerate(req.prompts)
             ]
             fmt = CompletionFormatter(rid, req.model, req.include_usage)

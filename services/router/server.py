@@ -75,7 +75,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             session = _session(request.session)
             form = request.WhichOneof("prompt")
             if form == "text":
-                ids = self.generator.text_prompt_ids(request.text)
+                ids = await self.generator.text_prompt_ids_async(request.text)
             elif form == "token_ids":
                 ids = list(request.token_ids.ids)
             elif form == "chat":

@@ -261,3 +261,20 @@ def test_client_disconnect_mid_stream_cancels_downstream(model_dir):
         finally:
             await client.close()
     run(go())
+
+
+def test_draining_router_refuses_new_work_with_503_and_reports_unhealthy(model_dir):
+    async def go():
+        tokenizer = Tokenizer.from_dir(model_dir)
+        limits = model_limits(model_dir, tokenizer, [MODEL], max_model_len=512)
+        api = HttpApi(Generator(tokenizer, limits, FakeDownstream(tokenizer)), KeyStore({}), MODEL)
+        client = TestClient(TestServer(api.app(1 << 20)))
+        await client.start_server()
+        try:
+            api.draining = True
+            resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+            assert resp.status == 503
+            assert (await client.get("/health")).status == 503
+        finally:
+            await client.close()
+    run(go())
