@@ -31,7 +31,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     # Imported here so `--help` stays fast (no torch import).
     from services.executor.async_engine import AsyncEngine
     from services.executor.engine import LLMEngine
-    from services.executor.server import ERROR_RULES, ExecutorServicer
+    from services.executor.server import ERROR_RULES, ExecutorServicer, encode_event
     from weft.v1 import executor_pb2_grpc
 
     grpc_server = GrpcServer("weft.v1.Executor", config.host, config.port, rules=ERROR_RULES,
@@ -40,7 +40,9 @@ async def main(argv: Sequence[str] | None = None) -> None:
     bus = EventBus(config.nats_url, name)
     identity = Identity(name=name, address=config.address(config.port), model_id=config.resolved_model_id,
                         block_size=config.block_size, max_num_seqs=config.max_num_seqs)
-    events = ExecutorEvents(bus, identity, config.heartbeat_interval_s, config.load_report_interval_s)
+    events = ExecutorEvents(lambda kind, item: bus.publish(kind, encode_event(item)), identity,
+                            config.heartbeat_interval_s, config.load_report_interval_s)
+    bus.on_connect(events.publish_heartbeat)
     metrics_server = MetricsServer(config.host, config.metrics_port)
     await bus.start()
     await events.start()

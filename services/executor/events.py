@@ -1,5 +1,8 @@
 """What the executor tells the mesh over NATS: kv events, load reports, heartbeats.
 
+Domain dataclasses only: ``publish(kind, item)`` (wired in app.py to
+``server.encode_event`` + the bus) turns them into protobuf events.
+
 kv events come from the engine thread (``AsyncEngine``'s ``on_kv_events`` callback);
 they cross into the event loop with ``call_soon_threadsafe`` and are published in
 order by one task, so the engine step never waits on the network. Publishing never
@@ -15,17 +18,17 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.executor.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from services.mesh.nats_bus import EventBus
-from weft.v1 import events_pb2
+from services.executor.block_pool import KVEvent
 
 log = structlog.get_logger(__name__)
 
+Publish = Callable[[str, object], Awaitable[bool]]
+
 
 class ExecutorState(enum.Enum):
-    JOINING = events_pb2.EXECUTOR_STATE_JOINING
-    SERVING = events_pb2.EXECUTOR_STATE_SERVING
-    DRAINING = events_pb2.EXECUTOR_STATE_DRAINING
+    JOINING = "joining"
+    SERVING = "serving"
+    DRAINING = "draining"
 
 
 @dataclass(frozen=True)
@@ -41,22 +44,28 @@ class Identity:
     num_blocks: int = 0
 
 
-def kv_event_to_proto(event: KVEvent, model_id: str, block_size: int) -> events_pb2.KvEvent:
-    msg = events_pb2.KvEvent(tier=events_pb2.TIER_ACTIVE, model_id=model_id, block_size=block_size)
-    if isinstance(event, BlockStored):
-        msg.kind = events_pb2.KV_EVENT_KIND_STORED
-        msg.block_hashes.extend(event.block_hashes)
-        if event.parent_hash is not None:
-            msg.parent_hash = event.parent_hash
-        msg.partition = event.partition
-    elif isinstance(event, BlockRemoved):
-        msg.kind = events_pb2.KV_EVENT_KIND_REMOVED
-        msg.block_hashes.extend(event.block_hashes)
-    elif isinstance(event, AllBlocksCleared):
-        msg.kind = events_pb2.KV_EVENT_KIND_CLEARED
-    else:
-        raise TypeError(f"unknown kv event {event!r}")
-    return msg
+@dataclass(frozen=True)
+class Heartbeat:
+    identity: Identity
+    state: ExecutorState
+    interval_s: float
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class KvChange:
+    """One block pool event, with what a consumer needs to interpret its hashes."""
+
+    event: KVEvent
+    model_id: str
+    block_size: int
 
 
 class ExecutorEvents:
@@ -64,13 +73,13 @@ class ExecutorEvents:
 
     def __init__(
         self,
-        bus: EventBus,
+        publish: Publish,
         identity: Identity,
         heartbeat_interval_s: float,
         load_interval_s: float,
         read_load: Callable[[], Awaitable[dict]] | None = None,
     ) -> None:
-        self.bus = bus
+        self.publish = publish
         self.identity = identity
         self.heartbeat_interval_s = heartbeat_interval_s
         self.load_interval_s = load_interval_s
@@ -82,7 +91,6 @@ class ExecutorEvents:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.bus.on_connect(self.publish_heartbeat)
         self._tasks = [
             asyncio.create_task(self._every(self.heartbeat_interval_s, self.publish_heartbeat), name="heartbeat"),
             asyncio.create_task(self._every(self.load_interval_s, self.publish_load), name="load-report"),
@@ -116,22 +124,17 @@ class ExecutorEvents:
         while True:
             events = await self._kv_queue.get()
             for event in events:
-                await self.bus.publish("kv", kv_event_to_proto(event, ident.model_id, ident.block_size))
+                await self.publish("kv", KvChange(event, ident.model_id, ident.block_size))
 
     # -- heartbeat and load -------------------------------------------------------------
     async def publish_heartbeat(self) -> None:
-        i = self.identity
-        await self.bus.publish("heartbeat", events_pb2.ExecutorHeartbeat(
-            name=i.name, address=i.address, model_id=i.model_id, block_size=i.block_size,
-            state=self.state.value, max_num_seqs=i.max_num_seqs, num_blocks=i.num_blocks,
-            interval_ms=int(self.heartbeat_interval_s * 1000), max_model_len=i.max_model_len,
-        ))
+        await self.publish("heartbeat", Heartbeat(self.identity, self.state, self.heartbeat_interval_s))
 
     async def publish_load(self) -> None:
         if self.read_load is None or self.state is not ExecutorState.SERVING:
             return
         stats = await self.read_load()
-        await self.bus.publish("load", events_pb2.LoadReport(
+        await self.publish("load", LoadSnapshot(
             num_running=int(stats["num_running"]), num_waiting=int(stats["num_waiting"]),
             num_free_blocks=int(stats["num_free_blocks"]), num_blocks=int(stats["num_blocks"]),
         ))

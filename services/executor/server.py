@@ -15,14 +15,16 @@ import grpc
 import structlog
 
 from services.executor.async_engine import AsyncEngine, EngineDeadError
+from services.executor.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from services.executor.engine import StepOutput
 from services.executor.errors import CapacityError, InvalidRequestError
+from services.executor.events import ExecutorState, Heartbeat, KvChange, LoadSnapshot
 from services.executor.sampling_params import SamplingParams
 from services.executor.sequence import FinishReason
 from services.mesh import metrics
 from services.mesh.grpc_server import DrainingError, ErrorRule
 from services.mesh.logging import request_context
-from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from weft.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +79,49 @@ def step_to_proto(out: StepOutput, executor: str) -> executor_pb2.ExecuteRespons
         ),
         executor=executor,
     )
+
+
+_STATES = {
+    ExecutorState.JOINING: events_pb2.EXECUTOR_STATE_JOINING,
+    ExecutorState.SERVING: events_pb2.EXECUTOR_STATE_SERVING,
+    ExecutorState.DRAINING: events_pb2.EXECUTOR_STATE_DRAINING,
+}
+
+
+def kv_event_to_proto(change: KvChange) -> events_pb2.KvEvent:
+    event = change.event
+    msg = events_pb2.KvEvent(tier=events_pb2.TIER_ACTIVE, model_id=change.model_id, block_size=change.block_size)
+    if isinstance(event, BlockStored):
+        msg.kind = events_pb2.KV_EVENT_KIND_STORED
+        msg.block_hashes.extend(event.block_hashes)
+        if event.parent_hash is not None:
+            msg.parent_hash = event.parent_hash
+        msg.partition = event.partition
+    elif isinstance(event, BlockRemoved):
+        msg.kind = events_pb2.KV_EVENT_KIND_REMOVED
+        msg.block_hashes.extend(event.block_hashes)
+    elif isinstance(event, AllBlocksCleared):
+        msg.kind = events_pb2.KV_EVENT_KIND_CLEARED
+    else:
+        raise TypeError(f"unknown kv event {event!r}")
+    return msg
+
+
+def encode_event(item: Heartbeat | LoadSnapshot | KvChange):
+    """Domain event → its protobuf message (header left for the bus to stamp)."""
+    if isinstance(item, KvChange):
+        return kv_event_to_proto(item)
+    if isinstance(item, Heartbeat):
+        i = item.identity
+        return events_pb2.ExecutorHeartbeat(
+            name=i.name, address=i.address, model_id=i.model_id, block_size=i.block_size,
+            state=_STATES[item.state], max_num_seqs=i.max_num_seqs, num_blocks=i.num_blocks,
+            interval_ms=int(item.interval_s * 1000), max_model_len=i.max_model_len,
+        )
+    if isinstance(item, LoadSnapshot):
+        return events_pb2.LoadReport(num_running=item.num_running, num_waiting=item.num_waiting,
+                                     num_free_blocks=item.num_free_blocks, num_blocks=item.num_blocks)
+    raise TypeError(f"unknown event {item!r}")
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):

@@ -1,6 +1,7 @@
 """Events → membership and kv index, including resync on gaps and restarts."""
 from services.executor.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-from services.executor.events import kv_event_to_proto
+from services.executor.events import KvChange
+from services.executor.server import kv_event_to_proto
 from services.mesh.nats_bus import Delivery
 from services.scheduler.kv_index import KvIndex
 from services.scheduler.membership import ExecutorState, Membership
@@ -9,7 +10,7 @@ from weft.v1 import events_pb2
 
 
 def kv(event, source="ex", seq=1):
-    msg = kv_event_to_proto(event, "m", 16)
+    msg = kv_event_to_proto(KvChange(event, "m", 16))
     msg.header.source, msg.header.sequence = source, seq
     return msg
 
@@ -56,7 +57,7 @@ def test_heartbeats_drive_membership_and_removal_forgets_kv_entries():
 
 
 def test_kv_event_proto_carries_chain_order_parent_and_tier():
-    msg = kv_event_to_proto(BlockStored((5, 6), 4, "tenant-a"), "m", 16)
+    msg = kv_event_to_proto(KvChange(BlockStored((5, 6), 4, "tenant-a"), "m", 16))
     assert list(msg.block_hashes) == [5, 6] and msg.parent_hash == 4 and msg.partition == "tenant-a"
     assert msg.tier == events_pb2.TIER_ACTIVE and msg.kind == events_pb2.KV_EVENT_KIND_STORED
-    assert not kv_event_to_proto(BlockStored((5,), None, "p"), "m", 16).HasField("parent_hash")
+    assert not kv_event_to_proto(KvChange(BlockStored((5,), None, "p"), "m", 16)).HasField("parent_hash")
