@@ -114,7 +114,8 @@ class CacheStoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
                 yield cachestore_pb2.GetBlocksChunk(data=bytes(view[start:start + chunk_bytes]))
 
     async def Contains(self, request: cachestore_pb2.ContainsRequest, context) -> cachestore_pb2.ContainsResponse:
-        tiers = [self.store.tier_of(h) for h in request.block_hashes]
+        hashes = list(request.block_hashes)
+        tiers = await asyncio.to_thread(lambda: [self.store.tier_of(h) for h in hashes])  # the lock may wait on disk I/O
         return cachestore_pb2.ContainsResponse(
             tiers=[_TIERS[t] if t is not None else events_pb2.TIER_UNSPECIFIED for t in tiers])
 
