@@ -268,6 +268,27 @@ def report(args, model_dir: Path, results: dict[int, dict[str, Timings]]) -> str
                          ms(percentile(t.itl, 99)),
                          "—" if name == "in-process" else ms(percentile(t.ttft, 50) - percentile(base.ttft, 50)),
                          "—" if name == "in-process" else ms(percentile(t.itl, 50) - percentile(base.itl, 50))])
+    table = write_markdown(headers, rows)
+    if all(name in paths for name in PATHS for paths in results.values()):
+        table += "\n\n### Where the mesh's time goes (p50 differences, ms)\n\n" + breakdown(results)
+    return table
+
+
+def breakdown(results: dict[int, dict[str, Timings]]) -> str:
+    """Per-hop share of the mesh's p50 TTFT / ITL: each path minus the one inside it."""
+    hops = [("executor gRPC hop (vs in-process AsyncEngine)", "executor gRPC", "in-process"),
+            ("scheduler hop (placement + relay)", "scheduler gRPC", "executor gRPC"),
+            ("router hop, gRPC API (auth, validation, detokenize, relay)", "mesh gRPC", "scheduler gRPC"),
+            ("HTTP/SSE instead of gRPC at the router", "mesh HTTP", "mesh gRPC")]
+    headers = ["hop"] + [f"{n} tok: TTFT / ITL" for n in results]
+    rows = []
+    for label, outer, inner in hops:
+        cells = []
+        for paths in results.values():
+            d_ttft = percentile(paths[outer].ttft, 50) - percentile(paths[inner].ttft, 50)
+            d_itl = percentile(paths[outer].itl, 50) - percentile(paths[inner].itl, 50)
+            cells.append(f"{d_ttft * 1000:+.2f} / {d_itl * 1000:+.2f}")
+        rows.append([label, *cells])
     return write_markdown(headers, rows)
 
 
@@ -309,13 +330,17 @@ def main(argv=None) -> int:
     from services.mesh.logging import configure_logging
 
     configure_logging("bench", "warning")
+    load_before = os.getloadavg()[0]
     results = asyncio.run(bench(args, model_dir))
+    load_after = os.getloadavg()[0]
     table = report(args, model_dir, results)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(args.out_dir / "mesh_overhead.png", results)
     header = (f"# Mesh overhead\n\nModel: `{model_dir.name}` (preset {args.preset if args.model is None else 'n/a'}); "
               f"{args.num_requests} requests per prompt length and path, {args.max_tokens} tokens each, batch 1, "
-              f"greedy, prefix caching off; one executor; loopback.\n\n")
+              f"greedy, prefix caching off; one executor; loopback; {os.cpu_count()} CPUs, 1-minute load "
+              f"average {load_before:.1f} before and {load_after:.1f} after the run (other work on the machine "
+              f"shows up as stalls in the p99 columns).\n\n")
     (args.out_dir / "mesh_overhead.md").write_text(header + table + "\n")
     print(table)
     return 0

@@ -29,7 +29,7 @@ from services.mesh.metrics import REGISTRY
 from services.router import metrics as m
 from services.router.auth import KeyStore, bearer_token
 from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, RouterError,
-                                    UpstreamUnavailable)
+                                    UpstreamError, UpstreamUnavailable)
 from services.router.generation import Generator, new_request_id
 from services.router.openai_format import ChatFormatter, CompletionFormatter, error_body, sse, sum_usage
 from services.router.schema import Delta
@@ -54,7 +54,7 @@ def error_response(exc: BaseException) -> web.Response:
         status, body = 429, error_body(429, str(exc))
         headers["Retry-After"] = str(max(1, round(exc.retry_after_ms / 1000)))
         headers["retry-after-ms"] = str(exc.retry_after_ms)
-    elif isinstance(exc, UpstreamUnavailable):
+    elif isinstance(exc, (UpstreamUnavailable, UpstreamError)):
         status, body = 503, error_body(503, str(exc))
     elif isinstance(exc, web.HTTPException):
         status, body = exc.status, error_body(exc.status, exc.reason if exc.text is None else exc.text)
