@@ -285,3 +285,41 @@ def test_sigterm_drains_an_executor_in_flight_streams_finish_and_new_work_is_ref
                 request_id="drain-2", prompt_token_ids=[1, 2, 3], sampling=greedy(2)), timeout=10))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert executor.process.wait(20) == 0
+
+
+def test_executors_join_and_leave_while_the_scheduler_runs(nats_server, processes: ProcessGroup, tiny_model_dir):
+    """A new executor gets work within seconds; a killed one is skipped at once and
+    expires after its missed heartbeats; the scheduler is never restarted."""
+    common = ["--nats-url", nats_server.url]
+    ex_flags = ["--model-dir", str(tiny_model_dir), "--num-kv-blocks", "64", "--num-threads", "1",
+                "--heartbeat-interval-s", "0.2"]
+    scheduler = processes.start("scheduler", *common, name="scheduler-churn", wait=False)
+    processes.start("executor", *common, *ex_flags, "--name", "ex-1", name="ex-1")
+    scheduler.wait_healthy(30)
+    with grpc.insecure_channel(scheduler.address) as ch:
+        stub = scheduler_pb2_grpc.SchedulerStub(ch)
+
+        def known() -> dict[str, scheduler_pb2.ExecutorInfo]:
+            return {e.heartbeat.name: e for e in stub.ListExecutors(scheduler_pb2.ListExecutorsRequest(),
+                                                                   timeout=2).executors}
+
+        def generate(rid: str, prompt: list[int]) -> str:
+            chunks = list(stub.Generate(scheduler_pb2.ScheduleRequest(
+                request_id=rid, tenant="t-churn", prompt_token_ids=prompt, sampling=greedy(2)), timeout=30))
+            return chunks[-1].executor
+
+        wait_for(lambda: "ex-1" in known(), 20, "ex-1 to join")
+        ex2 = processes.start("executor", *common, *ex_flags, "--name", "ex-2", name="ex-2")
+        wait_for(lambda: known().get("ex-2") and known()["ex-2"].heartbeat.state == events_pb2.EXECUTOR_STATE_SERVING,
+                 10, "ex-2 to join the running scheduler")
+        prefix = [(29 * i + 6) % 1000 + 1 for i in range(6 * BLOCK_SIZE)]
+        with grpc.insecure_channel(ex2.address) as ch2:
+            list(executor_pb2_grpc.ExecutorStub(ch2).Generate(executor_pb2.ExecuteRequest(
+                request_id="warm-2", prompt_token_ids=prefix + [1], sampling=greedy(1), tenant_salt="t-churn"),
+                timeout=30))
+        wait_for(lambda: known()["ex-2"].num_indexed_blocks >= 6, 10, "ex-2's blocks in the index")
+        assert generate("churn-1", prefix + [2, 3]) == "ex-2"
+
+        ex2.kill()  # SIGKILL: no DRAINING goodbye
+        assert generate("churn-2", prefix + [4, 5]) == "ex-1"  # the dead holder is skipped at once
+        wait_for(lambda: "ex-2" not in known(), 5, "ex-2 to expire after missed heartbeats")
