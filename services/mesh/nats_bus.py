@@ -119,6 +119,7 @@ class EventBus:
         self._connect_task: asyncio.Task | None = None
         self._connected = asyncio.Event()
         self._closed = False
+        self._warned_unreachable = False
         self.num_published = 0
         self.num_dropped = 0
 
@@ -177,6 +178,7 @@ class EventBus:
                 await asyncio.sleep(min(self.reconnect_wait_s * (1 + attempt / 4), 2.0))
                 continue
             self._nc = nc
+            self._warned_unreachable = False
             for sub in self._subs:
                 await self._subscribe_on(nc, sub)
             log.info("nats_connected", url=self.url, source=self.source)
@@ -185,7 +187,13 @@ class EventBus:
             return
 
     async def _on_error(self, exc: Exception) -> None:
-        log.debug("nats_error", error=str(exc))
+        # nats-py retries connecting internally and reports each failure here: warn
+        # once per outage, the rest at debug.
+        if not self.connected and not self._warned_unreachable:
+            self._warned_unreachable = True
+            log.warning("nats_unreachable", url=self.url, error=str(exc))
+        else:
+            log.debug("nats_error", error=str(exc))
 
     async def _on_disconnected(self) -> None:
         self._connected.clear()
@@ -194,6 +202,7 @@ class EventBus:
 
     async def _on_reconnected(self) -> None:
         self._connected.set()
+        self._warned_unreachable = False
         log.info("nats_reconnected", url=self.url)
         await self._fire_on_connect()
 
