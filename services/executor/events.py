@@ -120,9 +120,9 @@ class ExecutorEvents:
             loop.call_soon_threadsafe(self._kv_queue.put_nowait, events)
 
     async def _publish_kv_forever(self) -> None:
-        ident = self.identity
         while True:
             events = await self._kv_queue.get()
+            ident = self.identity
             for event in events:
                 await self.publish("kv", KvChange(event, ident.model_id, ident.block_size))
 
