@@ -84,9 +84,10 @@ class AsyncEngine:
 
         cmd = _Add(request_id, list(prompt_token_ids), params, partition, tenant_salt, priority, sink)
         self._inbox.put(cmd)
-        await asyncio.wrap_future(cmd.accepted)
         finished = False
         try:
+            # Inside the try: a caller cancelled while the add is in flight still aborts.
+            await asyncio.wrap_future(cmd.accepted)
             while True:
                 item = await outq.get()
                 if isinstance(item, BaseException):

@@ -33,10 +33,13 @@ class StepPlan:
     decodes: list[ScheduledSeq]  # one new token each
     prefills: list[ScheduledSeq]  # a chunk each
     preempted: list[Sequence]
+    # Sequences that cannot fit even in an otherwise empty pool: taken out of the
+    # queues (blocks freed); the engine finishes them.
+    unservable: list[Sequence] = ()
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.unservable
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +114,7 @@ class BatchScheduler:
                 continue
             # ``seq`` itself was preempted: the list shifted, do not advance ``i``.
 
+        unservable: list[Sequence] = []
         if not preempted:
             self.policy.order_waiting(self.waiting)
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -119,6 +123,12 @@ class BatchScheduler:
                 cached = len(hits) * self.kv.block_size
                 n = min(seq.num_tokens - cached, budget, self.max_prefill_chunk)
                 if not self.kv.allocate_slots(seq, n, hits):
+                    if not self.running and not decodes and not prefills:
+                        # Nothing else holds blocks, yet it does not fit: it never will.
+                        self.waiting.popleft()
+                        self.kv.free(seq)
+                        unservable.append(seq)
+                        continue
                     break
                 self.waiting.popleft()
                 if seq.status is SequenceStatus.WAITING:
@@ -127,4 +137,4 @@ class BatchScheduler:
                 self.running.append(seq)
                 (decodes if n == 1 else prefills).append(ScheduledSeq(seq, n))
                 budget -= n
-        return StepPlan(decodes, prefills, preempted)
+        return StepPlan(decodes, prefills, preempted, unservable)

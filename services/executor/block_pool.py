@@ -192,6 +192,10 @@ class BlockPool:
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self._cached
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash resident here (for a subscriber's resync). Does not modify the pool."""
+        return list(self._cached)
+
     # -- allocation -------------------------------------------------------------
     def _hold(self, block: Block, partition: str) -> None:
         block.ref_cnt += 1

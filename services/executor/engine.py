@@ -156,11 +156,20 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        outputs = []
+        for seq in plan.unservable:
+            # It outgrew the pool (or its partition's quota): end it as a length stop.
+            log.warning("request_outgrew_kv_pool", request_id=seq.request_id, num_tokens=seq.num_tokens)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason.LENGTH
+            self.requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq, 0))
+        if not plan.decodes and not plan.prefills:
+            return outputs
         result = self.runner.execute(plan)
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted)
         self._advance(plan)
-        outputs = []
         logprobs = result.tokens.logprobs
         for row, item in enumerate(result.sampled):
             seq = item.seq
@@ -196,8 +205,8 @@ class LLMEngine:
     def _output(seq: Sequence, num_new: int) -> StepOutput:
         return StepOutput(
             request_id=seq.request_id,
-            new_token_ids=tuple(seq.output_token_ids[-num_new:]),
-            new_logprobs=tuple(seq.output_logprobs[-num_new:]) if seq.params.logprobs else (),
+            new_token_ids=tuple(seq.output_token_ids[-num_new:]) if num_new else (),
+            new_logprobs=tuple(seq.output_logprobs[-num_new:]) if seq.params.logprobs and num_new else (),
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,

@@ -80,3 +80,13 @@ def test_greedy_matches_transformers_when_the_pool_forces_preemption(checkpoint)
     assert [o.token_ids for o in outs] == expected
     assert llm.engine.num_preemptions > 0
     assert llm.engine.pool.num_free_blocks == num_blocks  # everything given back
+
+
+def test_a_request_that_outgrows_the_pool_ends_with_length_instead_of_hanging(checkpoint):
+    path, _ = checkpoint
+    llm = LLM(path, num_kv_blocks=4, block_size=16)
+    (out,) = llm.generate([list(range(10, 39))], SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
+    assert out.finish_reason == "length"
+    # the last sampled token needs no slot until it is fed back
+    assert 0 < len(out.token_ids) <= 4 * 16 - 29 + 1
+    assert llm.engine.pool.num_free_blocks == 4
