@@ -309,7 +309,8 @@ def plot(path: Path, results: dict[int, dict[str, Timings]]) -> None:
             ax.bar_label(bars, fmt="%.1f", fontsize=7)
         ax.set_xticks([g + width * (len(names) - 1) / 2 for g in range(len(lens))], [f"{n} prompt tokens" for n in lens])
         ax.set_title(title)
-        ax.legend(fontsize=8)
+        ax.margins(y=0.3)  # headroom for the legend
+        ax.legend(fontsize=7, ncol=3, loc="upper left")
     fig.suptitle("Weft mesh overhead vs in-process engine (batch 1, loopback)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -183,7 +183,14 @@ def test_greedy_output_through_the_mesh_equals_in_process_llm(mesh):
     reply = mesh.openai().completions.create(model=MODEL, prompt=prompts, max_tokens=16, temperature=0,
                                              extra_body={"return_token_ids": True})
     through_mesh = [c.model_extra["token_ids"] for c in sorted(reply.choices, key=lambda c: c.index)]
-    local = LLM(mesh.model_dir, block_size=BLOCK_SIZE).generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
+    import torch
+
+    threads = torch.get_num_threads()
+    try:  # one thread, as the mesh's executors run: same reduction order in every matmul
+        local = LLM(mesh.model_dir, block_size=BLOCK_SIZE, num_threads=1).generate(
+            prompts, SamplingParams(max_tokens=16, temperature=0.0))
+    finally:
+        torch.set_num_threads(threads)
     assert through_mesh == [out.token_ids for out in local]
 
 
