@@ -1,0 +1,108 @@
+"""Chat messages and tools of ``/v1/chat/completions``, validated into the plain dicts
+the chat template expects (role, content text, tool_calls with parsed arguments,
+tool_call_id, name). Rejections name the field (``messages[2].tool_calls[0].function``)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from services.router.errors import InvalidRequestError
+from services.router.json_fields import json_object, json_type, optional_field
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def text_content(value: Any, field: str, allow_null: bool) -> str | None:
+    if value is None:
+        if allow_null:
+            return None
+        raise InvalidRequestError(field, "is required")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for i, part in enumerate(value):
+            part = json_object(part, f"{field}[{i}]")
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"{field}[{i}]", "only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidRequestError(field, f"must be a string or an array of text parts, got {json_type(value)}")
+
+
+def parse_message(value: Any, field: str) -> dict[str, Any]:
+    m = json_object(value, field)
+    role = m.get("role")
+    if role not in ROLES:
+        raise InvalidRequestError(f"{field}.role", f"must be one of {list(ROLES)}, got {role!r}")
+    tool_calls = m.get("tool_calls") if role == "assistant" else None
+    out: dict[str, Any] = {
+        "role": "system" if role == "developer" else role,
+        "content": text_content(m.get("content"), f"{field}.content", allow_null=bool(tool_calls)),
+    }
+    if m.get("name") is not None:
+        out["name"] = optional_field(m, "name", str, None)
+    if role == "tool":
+        out["tool_call_id"] = optional_field(m, "tool_call_id", str, None)
+        if out["tool_call_id"] is None:
+            raise InvalidRequestError(f"{field}.tool_call_id", "is required for role 'tool'")
+    if tool_calls is not None:
+        out["tool_calls"] = _assistant_tool_calls(tool_calls, f"{field}.tool_calls")
+    return out
+
+
+def _assistant_tool_calls(value: Any, field: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise InvalidRequestError(field, f"must be an array, got {json_type(value)}")
+    calls = []
+    for i, call in enumerate(value):
+        call = json_object(call, f"{field}[{i}]")
+        fn = json_object(call.get("function"), f"{field}[{i}].function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"{field}[{i}].function.name", "must be a non-empty string")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            # Templates render arguments with ``tojson``: hand them the object, not its text.
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                pass
+        calls.append({"id": call.get("id") or f"call_{i}", "type": "function",
+                      "function": {"name": name, "arguments": args}})
+    return calls
+
+
+def parse_tools(value: Any) -> tuple[dict[str, Any], ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InvalidRequestError("tools", f"must be an array, got {json_type(value)}")
+    tools = []
+    for i, tool in enumerate(value):
+        tool = json_object(tool, f"tools[{i}]")
+        if tool.get("type", "function") != "function":
+            raise InvalidRequestError(f"tools[{i}].type", "only 'function' tools are supported")
+        fn = json_object(tool.get("function"), f"tools[{i}].function")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequestError(f"tools[{i}].function.name", "must be a non-empty string")
+        if fn.get("parameters") is not None:
+            json_object(fn["parameters"], f"tools[{i}].function.parameters")
+        tools.append({"type": "function", "function": dict(fn)})
+    return tuple(tools)
+
+
+def parse_tool_choice(value: Any, tools: tuple[dict[str, Any], ...] | None) -> Any:
+    if value is None:
+        return "auto" if tools else "none"
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise InvalidRequestError("tool_choice", f"must be one of {list(TOOL_CHOICES)} or an object")
+        return value
+    choice = json_object(value, "tool_choice")
+    name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), Mapping) else None
+    if not tools or name not in {t["function"]["name"] for t in tools}:
+        raise InvalidRequestError("tool_choice", f"names function {name!r}, which is not in tools")
+    return dict(choice)
