@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
@@ -30,6 +29,7 @@ from services.router import metrics as m
 from services.router.auth import KeyStore, bearer_token
 from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, RouterError,
                                     UpstreamError, UpstreamUnavailable)
+from services.router.delta_streams import merge, timed
 from services.router.generation import Generator, new_request_id
 from services.router.openai_format import ChatFormatter, CompletionFormatter, error_body, sse, sum_usage
 from services.router.schema import Delta
@@ -139,7 +139,7 @@ class HttpApi:
         with request_context(rid, tenant=tenant):
             token_req = await self.generator.chat_token_request_async(req, tenant, rid)
             fmt = ChatFormatter(rid, req.model, req.include_usage)
-            deltas = _timed(self.generator.stream(token_req, req.stop), "http")
+            deltas = timed(self.generator.stream(token_req, req.stop), "http")
             try:
                 if req.stream:
                     return await self._stream_chat(request, req, fmt, deltas, rid)
@@ -217,8 +217,8 @@ class HttpApi:
                 for i, p in enumerate(req.prompts)
             ]
             fmt = CompletionFormatter(rid, req.model, req.include_usage)
-            streams = [_timed(self.generator.stream(t, req.stop), "http") for t in token_reqs]
-            merged = _merge(streams)
+            streams = [timed(self.generator.stream(t, req.stop), "http") for t in token_reqs]
+            merged = merge(streams)
             try:
                 if req.stream:
                     return await self._stream_completions(request, req, fmt, merged, rid)
@@ -264,62 +264,3 @@ class HttpApi:
             log.info("client_disconnected", request_id=rid)
             raise
         return resp
-
-
-async def _timed(deltas: AsyncIterator[Delta], api: str) -> AsyncIterator[Delta]:
-    """Pass deltas through, recording TTFT, latency and token counts."""
-    start = time.perf_counter()
-    first = True
-    m.IN_FLIGHT.labels(api).inc()
-    try:
-        async for delta in deltas:
-            if first and delta.token_ids:
-                m.TTFT_S.labels(api).observe(time.perf_counter() - start)
-                first = False
-            m.GENERATED_TOKENS.inc(len(delta.token_ids))
-            if delta.finish_reason is not None:
-                m.REQUEST_S.labels(api).observe(time.perf_counter() - start)
-                m.PROMPT_TOKENS.inc(delta.usage.prompt_tokens)
-                m.CACHED_TOKENS.inc(delta.usage.cached_tokens)
-            yield delta
-    finally:
-        m.IN_FLIGHT.labels(api).dec()
-        await deltas.aclose()
-
-
-async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """Interleave several streams as (index, delta); one stream passes straight through."""
-    if len(streams) == 1:
-        try:
-            async for delta in streams[0]:
-                yield 0, delta
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
-        try:
-            async for delta in stream:
-                await queue.put((i, delta, None))
-        except Exception as exc:
-            await queue.put((i, None, exc))
-        finally:
-            await stream.aclose()
-            await queue.put((i, None, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, delta, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            if delta is None:
-                remaining -= 1
-                continue
-            yield i, delta
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
