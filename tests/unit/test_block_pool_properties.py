@@ -244,7 +244,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
                     assert self.parent_of[x] == prev, f"{ev} is not one chain"
                     prev = x
         _replay(events, self.resident)
-        assert self.resident == _registered_hashes(self.pool)
+        assert self.resident == _registered_hashes(self.pool) == set(self.pool.cached_hashes())
 
 
 BlockPoolMachine.TestCase.settings = settings(
