@@ -19,7 +19,6 @@ import structlog
 
 from services.executor.block_pool import DEFAULT_PARTITION, KVEvent
 from services.executor.engine import LLMEngine, StepOutput
-from services.executor.errors import InvalidRequestError
 from services.executor.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -105,6 +104,8 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], object]) -> object:
         """Run ``fn(engine)`` on the engine thread between steps (stats, partitions, ...)."""
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine thread is not running")
         cmd = _Call(fn)
         self._inbox.put(cmd)
         return await asyncio.wrap_future(cmd.done)
@@ -125,7 +126,7 @@ class AsyncEngine:
                 self.engine.add_request(
                     cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.partition, cmd.tenant_salt, cmd.priority
                 )
-            except InvalidRequestError as exc:
+            except Exception as exc:  # refused: handed back to the caller, the engine lives on
                 cmd.accepted.set_exception(exc)
                 return
             self._sinks[cmd.request_id] = cmd.sink
@@ -170,7 +171,18 @@ class AsyncEngine:
                 events = self.engine.take_kv_events()
                 if events:
                     self._on_kv_events(events)
-        self._fail_all(EngineDeadError("engine stopped"))
+        dead = EngineDeadError("engine stopped")
+        self._fail_all(dead)
+        # Answer whatever is still queued so no caller waits forever.
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                cmd.accepted.set_exception(dead)
+            elif isinstance(cmd, _Call):
+                cmd.done.set_exception(dead)
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid, sink in list(self._sinks.items()):

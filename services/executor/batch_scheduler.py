@@ -88,6 +88,18 @@ class BatchScheduler:
         victim.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(victim)
 
+    def _useful_victims(self, seq: Sequence, n: int, scheduled_ids: set[str]) -> list[Sequence]:
+        """Running sequences whose blocks ``seq`` could actually use: its own partition's
+        when its quota is what blocks it, else its own or a borrower's (others'
+        reserved blocks stay protected even when freed). ``seq`` itself as a last resort."""
+        pool = self.kv.pool
+        unscheduled = [s for s in self.running if s.request_id not in scheduled_ids]
+        if not pool.usage_allows(self.kv.num_blocks_needed(seq, n), seq.partition):
+            useful = [s for s in unscheduled if s.partition == seq.partition]
+        else:
+            useful = [s for s in unscheduled if s.partition == seq.partition or pool.borrowed_blocks(s.partition) > 0]
+        return useful or [seq]
+
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
@@ -100,8 +112,7 @@ class BatchScheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget, self.max_prefill_chunk)
             while not self.kv.allocate_slots(seq, n):
-                candidates = [s for s in self.running if s.request_id not in scheduled_ids]
-                victim = self.policy.pick_victim(candidates, self.kv.pool)
+                victim = self.policy.pick_victim(self._useful_victims(seq, n, scheduled_ids), self.kv.pool)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:

@@ -168,8 +168,15 @@ class BlockPool:
         new_to_partition = num_new + sum(1 for b in hits if partition not in b.holders)
         if self._used.get(partition, 0) + new_to_partition > self.spec(partition).limit_blocks:
             return False
+        protected = self._protected_for_others(partition)
         taken_from_free = num_new + sum(1 for b in hits if b.ref_cnt == 0)
-        return self.num_free_blocks - taken_from_free >= self._protected_for_others(partition)
+        if self.num_free_blocks - taken_from_free < protected:
+            return False
+        # Count every partition's holdings in full too: a hit on a block another
+        # partition holds takes no free block now, but once that partition lets go the
+        # block is ours alone, and others' reservations must still be coverable then.
+        unheld = self.num_blocks - sum(self._used.values())
+        return unheld - new_to_partition >= protected
 
     def usage_allows(self, num_blocks: int, partition: str) -> bool:
         """Whether the partition's quota alone admits ``num_blocks`` more references."""
@@ -266,18 +273,25 @@ class BlockPool:
         already resident on another block leaves this block uncached (a duplicate)."""
         if not self.enable_prefix_caching:
             return
-        stored: list[BlockHash] = []
-        first_parent = parent_hash
+        # One BlockStored per unbroken run: a duplicate (hash already resident on another
+        # block) in the middle would otherwise make a subscriber chain across it.
+        run: list[BlockHash] = []
+        parent = run_parent = parent_hash
         for block, h in zip(blocks, block_hashes, strict=True):
             if block.block_hash is not None or h in self._cached:
-                if not stored:
-                    first_parent = h
+                if run:
+                    self._events.append(BlockStored(tuple(run), run_parent, partition))
+                    run = []
+                parent = h
                 continue
             block.block_hash = h
             self._cached[h] = block
-            stored.append(h)
-        if stored:
-            self._events.append(BlockStored(tuple(stored), first_parent, partition))
+            if not run:
+                run_parent = parent
+            run.append(h)
+            parent = h
+        if run:
+            self._events.append(BlockStored(tuple(run), run_parent, partition))
 
     def evict_cached(self, block_hashes: Iterable[BlockHash]) -> int:
         """Forget the given hashes where their blocks are free (e.g. a released session's

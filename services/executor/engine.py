@@ -105,6 +105,9 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must contain at least one token")
         vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int)), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt", f"token ids must be integers, got {bad!r}")
         bad = next((t for t in prompt_token_ids if not (0 <= t < vocab)), None)
         if bad is not None:
             raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")

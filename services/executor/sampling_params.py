@@ -1,6 +1,7 @@
 """Sampling parameters of one request, validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from services.executor.errors import InvalidRequestError
@@ -30,9 +31,14 @@ class SamplingParams:
             raise InvalidRequestError("max_tokens", f"must be an integer, got {self.max_tokens!r}")
         if self.max_tokens <= 0:
             raise InvalidRequestError("max_tokens", f"must be > 0, got {self.max_tokens}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError("top_k", f"must be an integer >= 0, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
