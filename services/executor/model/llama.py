@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from services.executor.attention.base import AttentionBackend, AttentionMetadata
 from services.executor.errors import CheckpointError
+from services.executor.model.linear import Linear, make_linear, onednn_usable
 from services.executor.model_config import ModelConfig
 from services.executor.rope import rope_inv_freq
 
@@ -22,20 +23,20 @@ from services.executor.rope import rope_inv_freq
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, hidden]
-    qkv_bias: torch.Tensor | None  # [q_dim + 2 * kv_dim]
-    o: torch.Tensor  # [hidden, q_dim]
-    o_bias: torch.Tensor | None  # [hidden] (Llama's attention_bias also biases o_proj)
+    qkv: Linear  # [q_dim + 2 * kv_dim, hidden], bias for Qwen2
+    o: Linear  # [hidden, q_dim] (Llama's attention_bias also biases o_proj)
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
+    """HF's LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, same math in fp32
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    return weight * x32.to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -53,6 +54,7 @@ class LlamaModel:
         backend_factory: Callable[..., AttentionBackend],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        use_onednn: bool | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -64,6 +66,7 @@ class LlamaModel:
         self.q_dim = c.num_attention_heads * c.head_dim
         self.kv_dim = c.num_key_value_heads * c.head_dim
         self.eps = c.rms_norm_eps
+        self.use_onednn = onednn_usable(self.device, dtype) if use_onednn is None else use_onednn
         self.attn = backend_factory(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             scale=self.head_dim**-0.5,
@@ -85,10 +88,10 @@ class LlamaModel:
 
     def _load(self, sd: dict[str, torch.Tensor]) -> None:
         c = self.config
+        lin = lambda w, b=None: make_linear(w, b, self.use_onednn)  # noqa: E731
         self.embed = self._take(sd, "model.embed_tokens.weight")  # [vocab, hidden]
-        self.lm_head = (
-            self.embed if c.tie_word_embeddings and "lm_head.weight" not in sd else self._take(sd, "lm_head.weight")
-        )
+        tied = c.tie_word_embeddings and "lm_head.weight" not in sd
+        self.lm_head = lin(self.embed if tied else self._take(sd, "lm_head.weight"))
         self.final_norm = self._take(sd, "model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(c.num_hidden_layers):
@@ -101,16 +104,15 @@ class LlamaModel:
             gate_up = torch.cat(
                 [self._take(sd, p + "mlp.gate_proj.weight"), self._take(sd, p + "mlp.up_proj.weight")], dim=0
             ).contiguous()
+            o_bias = self._take(sd, a + "o_proj.bias") if c.attention_output_bias else None
             self.layers.append(
                 LayerWeights(
                     input_norm=self._take(sd, p + "input_layernorm.weight"),
-                    qkv=qkv,
-                    qkv_bias=bias,
-                    o=self._take(sd, a + "o_proj.weight"),
-                    o_bias=self._take(sd, a + "o_proj.bias") if c.attention_output_bias else None,
+                    qkv=lin(qkv, bias),
+                    o=lin(self._take(sd, a + "o_proj.weight"), o_bias),
                     post_norm=self._take(sd, p + "post_attention_layernorm.weight"),
-                    gate_up=gate_up,
-                    down=self._take(sd, p + "mlp.down_proj.weight"),
+                    gate_up=lin(gate_up),
+                    down=lin(self._take(sd, p + "mlp.down_proj.weight")),
                 )
             )
 
@@ -120,12 +122,9 @@ class LlamaModel:
 
     def param_bytes(self) -> int:
         """Bytes of weights read per forward pass (the lm_head once even when tied)."""
-        tensors = [self.lm_head, self.final_norm]
-        for lw in self.layers:
-            tensors += [lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down]
-            if lw.qkv_bias is not None:
-                tensors.append(lw.qkv_bias)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        norms = [self.final_norm] + [t for lw in self.layers for t in (lw.input_norm, lw.post_norm)]
+        linears = [self.lm_head] + [m for lw in self.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        return sum(t.numel() * t.element_size() for t in norms) + sum(m.num_bytes for m in linears)
 
     @torch.inference_mode()
     def forward(
@@ -139,22 +138,22 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)  # [n, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [n, 1, d]
         sin = self.sin[positions].unsqueeze(1)
-        split = [self.q_dim, self.kv_dim, self.kv_dim]
+        split = [self.q_dim + self.kv_dim, self.kv_dim]
         for lw, kv_cache in zip(self.layers, kv_caches):
             x = rms_norm(h, lw.input_norm, self.eps)
-            q, k, v = F.linear(x, lw.qkv, lw.qkv_bias).split(split, dim=-1)
-            q = q.view(n, self.num_heads, self.head_dim)
-            k = k.view(n, self.num_kv_heads, self.head_dim)
+            qk, v = lw.qkv(x).split(split, dim=-1)
+            # q and k heads rotate together: one set of rope ops instead of two
+            qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = v.view(n, self.num_kv_heads, self.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
             o = self.attn.forward(q, k, v, kv_cache, meta)  # [n, heads, d]
-            h = h + F.linear(o.view(n, self.q_dim), lw.o, lw.o_bias)
+            h = h + lw.o(o.reshape(n, self.q_dim))
             x = rms_norm(h, lw.post_norm, self.eps)
-            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw.down)
+            gate, up = lw.gate_up(x).chunk(2, dim=-1)
+            h = h + lw.down(F.silu(gate) * up)
         return rms_norm(h, self.final_norm, self.eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] fp32
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

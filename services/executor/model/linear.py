@@ -1,0 +1,57 @@
+"""Matmul back ends for the model's projections.
+
+On a CPU, torch's default fp32 ``F.linear`` runs these decode-shaped matmuls (a handful
+of rows against a large weight) on one MKL thread whatever ``torch.set_num_threads``
+says. oneDNN's linear with the weight reordered once at load (for a 16-row batch,
+which also serves 1 row and long prefills well) uses every thread: on the 2-core
+machines the model's matmuls take 8.9 ms instead of 27 ms at 16 rows, 6.4 instead of
+8.6 at one row, and no longer at 512 rows (``benchmarks/results/offline_throughput.md``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class Linear:
+    """``y = x @ W.T + b`` with the weight held in the layout its back end wants."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.num_bytes = weight.numel() * weight.element_size() + (
+            bias.numel() * bias.element_size() if bias is not None else 0
+        )
+        self.weight = weight  # [out_features, in_features]
+        self.bias = bias  # [out_features]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        return F.linear(x, self.weight, self.bias)
+
+
+_PACK_ROWS = 16  # the batch size oneDNN lays the weight out for
+
+
+class OneDnnLinear(Linear):
+    """fp32 CPU linear through oneDNN with the weight reordered once at load."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight, bias)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.weight, self.bias, "none", [], "")
+        return y.view(*shape[:-1], self.out_features)
+
+
+def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, use_onednn: bool) -> Linear:
+    return OneDnnLinear(weight, bias) if use_onednn else Linear(weight, bias)
