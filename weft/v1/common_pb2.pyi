@@ -21,6 +21,14 @@ class RequestClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REQUEST_CLASS_INTERACTIVE: _ClassVar[RequestClass]
     REQUEST_CLASS_DETERMINISTIC: _ClassVar[RequestClass]
     REQUEST_CLASS_BATCH: _ClassVar[RequestClass]
+    REQUEST_CLASS_AGENTIC: _ClassVar[RequestClass]
+
+class PauseDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAUSE_DECISION_UNSPECIFIED: _ClassVar[PauseDecision]
+    PAUSE_DECISION_KEEP: _ClassVar[PauseDecision]
+    PAUSE_DECISION_DEMOTE: _ClassVar[PauseDecision]
+    PAUSE_DECISION_DROP: _ClassVar[PauseDecision]
 
 class DegradeStep(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -45,6 +53,11 @@ REQUEST_CLASS_UNSPECIFIED: RequestClass
 REQUEST_CLASS_INTERACTIVE: RequestClass
 REQUEST_CLASS_DETERMINISTIC: RequestClass
 REQUEST_CLASS_BATCH: RequestClass
+REQUEST_CLASS_AGENTIC: RequestClass
+PAUSE_DECISION_UNSPECIFIED: PauseDecision
+PAUSE_DECISION_KEEP: PauseDecision
+PAUSE_DECISION_DEMOTE: PauseDecision
+PAUSE_DECISION_DROP: PauseDecision
 DEGRADE_STEP_UNSPECIFIED: DegradeStep
 DEGRADE_STEP_KV_INT8: DegradeStep
 DEGRADE_STEP_KV_COMPRESS: DegradeStep
@@ -92,20 +105,22 @@ class Contract(_message.Message):
     def __init__(self, kv_quota_blocks: _Optional[int] = ..., ttft_ceiling_ms: _Optional[int] = ..., tpot_ceiling_ms: _Optional[int] = ..., fallback: _Optional[_Union[FallbackPath, str]] = ..., accepted_degrade_steps: _Optional[_Iterable[_Union[DegradeStep, str]]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "program_id", "hop_index", "expected_tool_ms", "request_class", "contract")
+    __slots__ = ("session_id", "program_id", "hop_index", "expected_tool_ms", "request_class", "contract", "stateful")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
     HOP_INDEX_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_TOOL_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    STATEFUL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     program_id: str
     hop_index: int
     expected_tool_ms: int
     request_class: RequestClass
     contract: Contract
-    def __init__(self, session_id: _Optional[str] = ..., program_id: _Optional[str] = ..., hop_index: _Optional[int] = ..., expected_tool_ms: _Optional[int] = ..., request_class: _Optional[_Union[RequestClass, str]] = ..., contract: _Optional[_Union[Contract, _Mapping]] = ...) -> None: ...
+    stateful: bool
+    def __init__(self, session_id: _Optional[str] = ..., program_id: _Optional[str] = ..., hop_index: _Optional[int] = ..., expected_tool_ms: _Optional[int] = ..., request_class: _Optional[_Union[RequestClass, str]] = ..., contract: _Optional[_Union[Contract, _Mapping]] = ..., stateful: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant_salt", "partition", "priority", "session")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant_salt", "partition", "priority", "session", "pin_ttl_ms", "kv_quota_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class ExecuteRequest(_message.Message):
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    PIN_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_QUOTA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -23,23 +25,27 @@ class ExecuteRequest(_message.Message):
     partition: str
     priority: float
     session: _common_pb2.SessionInfo
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[str] = ..., partition: _Optional[str] = ..., priority: _Optional[float] = ..., session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ...) -> None: ...
+    pin_ttl_ms: int
+    kv_quota_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[str] = ..., partition: _Optional[str] = ..., priority: _Optional[float] = ..., session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ..., pin_ttl_ms: _Optional[int] = ..., kv_quota_blocks: _Optional[int] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor")
+    __slots__ = ("request_id", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "mean_entropy")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_DELTA_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ENTROPY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids_delta: _containers.RepeatedScalarFieldContainer[int]
     logprobs_delta: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     executor: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ...) -> None: ...
+    mean_entropy: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., mean_entropy: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -76,3 +82,19 @@ class GetStatsResponse(_message.Message):
     num_waiting: int
     num_steps: int
     def __init__(self, executor: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ...) -> None: ...
+
+class ReleaseSessionRequest(_message.Message):
+    __slots__ = ("session_id", "evict_block_hashes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EVICT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    evict_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., evict_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseSessionResponse(_message.Message):
+    __slots__ = ("num_unpinned_blocks", "num_evicted_blocks")
+    NUM_UNPINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_unpinned_blocks: int
+    num_evicted_blocks: int
+    def __init__(self, num_unpinned_blocks: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ...) -> None: ...

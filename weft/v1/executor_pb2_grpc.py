@@ -50,6 +50,11 @@ class ExecutorStub:
                 request_serializer=weft_dot_v1_dot_executor__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=weft_dot_v1_dot_executor__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.ReleaseSession = channel.unary_unary(
+                '/weft.v1.Executor/ReleaseSession',
+                request_serializer=weft_dot_v1_dot_executor__pb2.ReleaseSessionRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_executor__pb2.ReleaseSessionResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -77,6 +82,13 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseSession(self, request, context):
+        """Unpin a paused session's blocks and forget stale cached blocks (intent shift, end).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +106,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=weft_dot_v1_dot_executor__pb2.GetStatsRequest.FromString,
                     response_serializer=weft_dot_v1_dot_executor__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'ReleaseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSession,
+                    request_deserializer=weft_dot_v1_dot_executor__pb2.ReleaseSessionRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_executor__pb2.ReleaseSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +195,33 @@ class Executor:
             '/weft.v1.Executor/GetStats',
             weft_dot_v1_dot_executor__pb2.GetStatsRequest.SerializeToString,
             weft_dot_v1_dot_executor__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.Executor/ReleaseSession',
+            weft_dot_v1_dot_executor__pb2.ReleaseSessionRequest.SerializeToString,
+            weft_dot_v1_dot_executor__pb2.ReleaseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
