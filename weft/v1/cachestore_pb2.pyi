@@ -1,5 +1,6 @@
 from weft.v1 import events_pb2 as _events_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,8 +8,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SemanticKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEMANTIC_KIND_UNSPECIFIED: _ClassVar[SemanticKind]
+    SEMANTIC_KIND_RESPONSE: _ClassVar[SemanticKind]
+    SEMANTIC_KIND_SESSION_PREFIX: _ClassVar[SemanticKind]
+SEMANTIC_KIND_UNSPECIFIED: SemanticKind
+SEMANTIC_KIND_RESPONSE: SemanticKind
+SEMANTIC_KIND_SESSION_PREFIX: SemanticKind
+
 class BlockHeader(_message.Message):
-    __slots__ = ("block_hash", "dtype", "shape", "size_bytes", "checksum", "model_id", "block_size")
+    __slots__ = ("block_hash", "dtype", "shape", "size_bytes", "checksum", "model_id", "block_size", "priority", "expected_pause_ms")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +26,8 @@ class BlockHeader(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_PAUSE_MS_FIELD_NUMBER: _ClassVar[int]
     block_hash: int
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +35,9 @@ class BlockHeader(_message.Message):
     checksum: int
     model_id: str
     block_size: int
-    def __init__(self, block_hash: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    priority: float
+    expected_pause_ms: int
+    def __init__(self, block_hash: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., priority: _Optional[float] = ..., expected_pause_ms: _Optional[int] = ...) -> None: ...
 
 class PutBlocksChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -102,3 +116,87 @@ class CacheStatsResponse(_message.Message):
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     num_corrupt_blocks: int
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_corrupt_blocks: _Optional[int] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "dim")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    dim: int
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class SimilarityRequest(_message.Message):
+    __slots__ = ("text_a", "text_b")
+    TEXT_A_FIELD_NUMBER: _ClassVar[int]
+    TEXT_B_FIELD_NUMBER: _ClassVar[int]
+    text_a: str
+    text_b: str
+    def __init__(self, text_a: _Optional[str] = ..., text_b: _Optional[str] = ...) -> None: ...
+
+class SimilarityResponse(_message.Message):
+    __slots__ = ("similarity", "similar", "threshold")
+    SIMILARITY_FIELD_NUMBER: _ClassVar[int]
+    SIMILAR_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    similarity: float
+    similar: bool
+    threshold: float
+    def __init__(self, similarity: _Optional[float] = ..., similar: _Optional[bool] = ..., threshold: _Optional[float] = ...) -> None: ...
+
+class SemanticLookupRequest(_message.Message):
+    __slots__ = ("tenant", "kind", "text", "scope")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    kind: SemanticKind
+    text: str
+    scope: str
+    def __init__(self, tenant: _Optional[str] = ..., kind: _Optional[_Union[SemanticKind, str]] = ..., text: _Optional[str] = ..., scope: _Optional[str] = ...) -> None: ...
+
+class SemanticLookupResponse(_message.Message):
+    __slots__ = ("hit", "similarity", "token_ids", "threshold")
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    SIMILARITY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    hit: bool
+    similarity: float
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    threshold: float
+    def __init__(self, hit: _Optional[bool] = ..., similarity: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., threshold: _Optional[float] = ...) -> None: ...
+
+class SemanticStoreRequest(_message.Message):
+    __slots__ = ("tenant", "kind", "text", "scope", "token_ids")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    kind: SemanticKind
+    text: str
+    scope: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tenant: _Optional[str] = ..., kind: _Optional[_Union[SemanticKind, str]] = ..., text: _Optional[str] = ..., scope: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SemanticStoreResponse(_message.Message):
+    __slots__ = ("stored", "num_entries")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    num_entries: int
+    def __init__(self, stored: _Optional[bool] = ..., num_entries: _Optional[int] = ...) -> None: ...

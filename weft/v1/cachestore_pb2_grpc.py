@@ -55,6 +55,26 @@ class CacheStoreStub:
                 request_serializer=weft_dot_v1_dot_cachestore__pb2.CacheStatsRequest.SerializeToString,
                 response_deserializer=weft_dot_v1_dot_cachestore__pb2.CacheStatsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/weft.v1.CacheStore/Embed',
+                request_serializer=weft_dot_v1_dot_cachestore__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_cachestore__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Similarity = channel.unary_unary(
+                '/weft.v1.CacheStore/Similarity',
+                request_serializer=weft_dot_v1_dot_cachestore__pb2.SimilarityRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_cachestore__pb2.SimilarityResponse.FromString,
+                _registered_method=True)
+        self.SemanticLookup = channel.unary_unary(
+                '/weft.v1.CacheStore/SemanticLookup',
+                request_serializer=weft_dot_v1_dot_cachestore__pb2.SemanticLookupRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_cachestore__pb2.SemanticLookupResponse.FromString,
+                _registered_method=True)
+        self.SemanticStore = channel.unary_unary(
+                '/weft.v1.CacheStore/SemanticStore',
+                request_serializer=weft_dot_v1_dot_cachestore__pb2.SemanticStoreRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_cachestore__pb2.SemanticStoreResponse.FromString,
+                _registered_method=True)
 
 
 class CacheStoreServicer:
@@ -89,6 +109,34 @@ class CacheStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Sentence embeddings of texts (all-MiniLM-L6-v2, L2-normalised).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Similarity(self, request, context):
+        """Cosine similarity of two texts, and whether it clears the configured threshold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SemanticLookup(self, request, context):
+        """Nearest semantic entry of a tenant above the threshold (response cache, session prefix).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SemanticStore(self, request, context):
+        """Remember a text's entry (a deterministic response, or a session's prefix tokens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +159,26 @@ def add_CacheStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=weft_dot_v1_dot_cachestore__pb2.CacheStatsRequest.FromString,
                     response_serializer=weft_dot_v1_dot_cachestore__pb2.CacheStatsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=weft_dot_v1_dot_cachestore__pb2.EmbedRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_cachestore__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Similarity': grpc.unary_unary_rpc_method_handler(
+                    servicer.Similarity,
+                    request_deserializer=weft_dot_v1_dot_cachestore__pb2.SimilarityRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_cachestore__pb2.SimilarityResponse.SerializeToString,
+            ),
+            'SemanticLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.SemanticLookup,
+                    request_deserializer=weft_dot_v1_dot_cachestore__pb2.SemanticLookupRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_cachestore__pb2.SemanticLookupResponse.SerializeToString,
+            ),
+            'SemanticStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.SemanticStore,
+                    request_deserializer=weft_dot_v1_dot_cachestore__pb2.SemanticStoreRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_cachestore__pb2.SemanticStoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +290,114 @@ class CacheStore:
             '/weft.v1.CacheStore/Stats',
             weft_dot_v1_dot_cachestore__pb2.CacheStatsRequest.SerializeToString,
             weft_dot_v1_dot_cachestore__pb2.CacheStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.CacheStore/Embed',
+            weft_dot_v1_dot_cachestore__pb2.EmbedRequest.SerializeToString,
+            weft_dot_v1_dot_cachestore__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Similarity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.CacheStore/Similarity',
+            weft_dot_v1_dot_cachestore__pb2.SimilarityRequest.SerializeToString,
+            weft_dot_v1_dot_cachestore__pb2.SimilarityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SemanticLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.CacheStore/SemanticLookup',
+            weft_dot_v1_dot_cachestore__pb2.SemanticLookupRequest.SerializeToString,
+            weft_dot_v1_dot_cachestore__pb2.SemanticLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SemanticStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.CacheStore/SemanticStore',
+            weft_dot_v1_dot_cachestore__pb2.SemanticStoreRequest.SerializeToString,
+            weft_dot_v1_dot_cachestore__pb2.SemanticStoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

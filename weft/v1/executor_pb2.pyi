@@ -98,3 +98,61 @@ class ReleaseSessionResponse(_message.Message):
     num_unpinned_blocks: int
     num_evicted_blocks: int
     def __init__(self, num_unpinned_blocks: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ...) -> None: ...
+
+class DemoteBlocksRequest(_message.Message):
+    __slots__ = ("block_hashes", "token_ids", "tenant_salt", "priority", "expected_pause_ms", "evict_local")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_PAUSE_MS_FIELD_NUMBER: _ClassVar[int]
+    EVICT_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tenant_salt: str
+    priority: float
+    expected_pause_ms: int
+    evict_local: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., tenant_salt: _Optional[str] = ..., priority: _Optional[float] = ..., expected_pause_ms: _Optional[int] = ..., evict_local: _Optional[bool] = ...) -> None: ...
+
+class DemoteBlocksResponse(_message.Message):
+    __slots__ = ("num_demoted_blocks", "num_already_stored_blocks", "num_missing_blocks", "demoted_bytes", "num_evicted_blocks")
+    NUM_DEMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ALREADY_STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MISSING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_demoted_blocks: int
+    num_already_stored_blocks: int
+    num_missing_blocks: int
+    demoted_bytes: int
+    num_evicted_blocks: int
+    def __init__(self, num_demoted_blocks: _Optional[int] = ..., num_already_stored_blocks: _Optional[int] = ..., num_missing_blocks: _Optional[int] = ..., demoted_bytes: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ...) -> None: ...
+
+class PromoteBlocksRequest(_message.Message):
+    __slots__ = ("token_ids", "tenant_salt", "partition", "force")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tenant_salt: str
+    partition: str
+    force: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tenant_salt: _Optional[str] = ..., partition: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class PromoteBlocksResponse(_message.Message):
+    __slots__ = ("num_local_blocks", "num_promoted_blocks", "num_available_blocks", "promoted_bytes", "load_ms", "skipped_by_cost_model")
+    NUM_LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_BY_COST_MODEL_FIELD_NUMBER: _ClassVar[int]
+    num_local_blocks: int
+    num_promoted_blocks: int
+    num_available_blocks: int
+    promoted_bytes: int
+    load_ms: float
+    skipped_by_cost_model: bool
+    def __init__(self, num_local_blocks: _Optional[int] = ..., num_promoted_blocks: _Optional[int] = ..., num_available_blocks: _Optional[int] = ..., promoted_bytes: _Optional[int] = ..., load_ms: _Optional[float] = ..., skipped_by_cost_model: _Optional[bool] = ...) -> None: ...

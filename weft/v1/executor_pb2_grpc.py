@@ -55,6 +55,16 @@ class ExecutorStub:
                 request_serializer=weft_dot_v1_dot_executor__pb2.ReleaseSessionRequest.SerializeToString,
                 response_deserializer=weft_dot_v1_dot_executor__pb2.ReleaseSessionResponse.FromString,
                 _registered_method=True)
+        self.DemoteBlocks = channel.unary_unary(
+                '/weft.v1.Executor/DemoteBlocks',
+                request_serializer=weft_dot_v1_dot_executor__pb2.DemoteBlocksRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_executor__pb2.DemoteBlocksResponse.FromString,
+                _registered_method=True)
+        self.PromoteBlocks = channel.unary_unary(
+                '/weft.v1.Executor/PromoteBlocks',
+                request_serializer=weft_dot_v1_dot_executor__pb2.PromoteBlocksRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_executor__pb2.PromoteBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -89,6 +99,20 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DemoteBlocks(self, request, context):
+        """Copy cached blocks to the cachestore (sleeping tier), optionally dropping the local copies.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PromoteBlocks(self, request, context):
+        """Load the cachestore's blocks of a token prefix into the local pool ahead of a request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +135,16 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.ReleaseSession,
                     request_deserializer=weft_dot_v1_dot_executor__pb2.ReleaseSessionRequest.FromString,
                     response_serializer=weft_dot_v1_dot_executor__pb2.ReleaseSessionResponse.SerializeToString,
+            ),
+            'DemoteBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.DemoteBlocks,
+                    request_deserializer=weft_dot_v1_dot_executor__pb2.DemoteBlocksRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_executor__pb2.DemoteBlocksResponse.SerializeToString,
+            ),
+            'PromoteBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromoteBlocks,
+                    request_deserializer=weft_dot_v1_dot_executor__pb2.PromoteBlocksRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_executor__pb2.PromoteBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +256,60 @@ class Executor:
             '/weft.v1.Executor/ReleaseSession',
             weft_dot_v1_dot_executor__pb2.ReleaseSessionRequest.SerializeToString,
             weft_dot_v1_dot_executor__pb2.ReleaseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DemoteBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.Executor/DemoteBlocks',
+            weft_dot_v1_dot_executor__pb2.DemoteBlocksRequest.SerializeToString,
+            weft_dot_v1_dot_executor__pb2.DemoteBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromoteBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.Executor/PromoteBlocks',
+            weft_dot_v1_dot_executor__pb2.PromoteBlocksRequest.SerializeToString,
+            weft_dot_v1_dot_executor__pb2.PromoteBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
