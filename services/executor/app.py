@@ -49,7 +49,15 @@ async def main(argv: Sequence[str] | None = None) -> None:
     await metrics_server.start()
 
     engine = await asyncio.to_thread(LLMEngine, config.model_dir, config.engine_config)
+    if config.partitions:
+        engine.set_partitions(config.partitions)
     async_engine = AsyncEngine(engine, on_kv_events=events.on_kv_events)
+    audit = None
+    if config.partitions and config.credit_audit_period_s:
+        from services.executor.quota_audit import CreditAuditor
+
+        audit = asyncio.create_task(_audit_credit_forever(
+            async_engine, CreditAuditor(config.partitions), config.credit_audit_period_s), name="credit-audit")
     events.read_load = lambda: async_engine.call(lambda e: e.stats())
     servicer = ExecutorServicer(async_engine, name, engine.model_id, config.block_size)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, grpc_server.server)
@@ -69,8 +77,22 @@ async def main(argv: Sequence[str] | None = None) -> None:
     try:
         await grpc_server.serve_until_signal()
     finally:
+        if audit is not None:
+            audit.cancel()
         await events.stop()
         await bus.close()
         await metrics_server.stop()
         async_engine.shutdown()
         log.info("executor_stopped", executor=name)
+
+
+async def _audit_credit_forever(async_engine, auditor, period_s: float) -> None:
+    """Every period: decay the credit of tenants that keep borrowing (quota_audit.py)."""
+    while True:
+        await asyncio.sleep(period_s)
+        usage = await async_engine.call(lambda e: e.pool.usage())
+        result = auditor.audit(usage)
+        await async_engine.call(lambda e: e.set_partitions(list(result.specs)))
+        if result.decayed:
+            log.info("credit_decayed", partitions=list(result.decayed),
+                     credit_blocks={s.name: s.credit_blocks for s in result.specs})

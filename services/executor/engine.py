@@ -25,7 +25,8 @@ from services.executor.model_config import ModelConfig
 from services.executor.model_runner import ModelRunner
 from services.executor.preemption import make_preemption_policy
 from services.executor.sampling_params import SamplingParams
-from services.executor.sequence import FinishReason, Sequence, SequenceStatus
+from services.executor.pinning import PinTable
+from services.executor.sequence import NO_SESSION, FinishReason, Sequence, SequenceStatus, SessionOptions
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +43,7 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    mean_entropy: float = 0.0  # nats; sessions that track entropy, on the last output
 
 
 class LLMEngine:
@@ -70,6 +72,7 @@ class LLMEngine:
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
         self.pool = BlockPool(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
+        self.pins = PinTable(self.pool)
         self.scheduler = BatchScheduler(
             self.kv,
             make_preemption_policy(config.preemption_policy),
@@ -97,6 +100,7 @@ class LLMEngine:
         partition: str = DEFAULT_PARTITION,
         tenant_salt: str = "",
         priority: float = 0.0,
+        session: SessionOptions = NO_SESSION,
     ) -> None:
         """Queue a request. Raises ``InvalidRequestError`` (naming the field) when it can
         never be served; the engine state is unchanged then."""
@@ -117,6 +121,11 @@ class LLMEngine:
             )
         need_blocks = -(-len(prompt_token_ids) // self.config.block_size) + 1
         limit = min(self.num_blocks, self.pool.spec(partition).limit_blocks)
+        if session.kv_quota_blocks and need_blocks > session.kv_quota_blocks:
+            raise InvalidRequestError(
+                "session.contract.kv_quota_blocks",
+                f"{len(prompt_token_ids)} tokens need {need_blocks} KV blocks, more than the task's quota of "
+                f"{session.kv_quota_blocks}")
         if need_blocks > limit:
             raise InvalidRequestError(
                 "prompt", f"{len(prompt_token_ids)} tokens need {need_blocks} KV blocks, more than the {limit} available"
@@ -128,6 +137,9 @@ class LLMEngine:
             partition=partition,
             extra_keys=extra_keys_for(self.model_id, tenant_salt),
             priority=priority,
+            session=session,
+            max_num_tokens=min(self.max_model_len, session.kv_quota_blocks * self.config.block_size
+                               or self.max_model_len),
         )
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -149,6 +161,12 @@ class LLMEngine:
     def set_partitions(self, partitions: list[PartitionSpec]) -> None:
         self.pool.set_partitions(partitions)
 
+    def release_session(self, session_id: str, evict_block_hashes=()) -> tuple[int, int]:
+        """Unpin a session and forget the given cached hashes where no request holds
+        them (its stale part); returns (blocks unpinned, hashes forgotten)."""
+        unpinned = self.pins.release(session_id)
+        return unpinned, self.pool.evict_cached(evict_block_hashes)
+
     def take_kv_events(self) -> list[KVEvent]:
         return self.pool.take_events()
 
@@ -156,6 +174,8 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Schedule, run and apply one batch. Returns one output per request that got a
         token or finished."""
+        if self.pins.next_expiry_s <= time.monotonic():
+            self.pins.expire()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -174,13 +194,17 @@ class LLMEngine:
         self.num_preemptions += len(plan.preempted)
         self._advance(plan)
         logprobs = result.tokens.logprobs
+        entropies = result.tokens.entropies
         for row, item in enumerate(result.sampled):
             seq = item.seq
             lp = logprobs[row] if logprobs is not None and seq.params.logprobs else None
             seq.append_token(result.tokens.token_ids[row], lp)
+            if entropies is not None:
+                seq.entropy_sum += entropies[row]
             self._check_stop(seq)
             outputs.append(self._output(seq, 1))
             if seq.is_finished:
+                self._finish_session(seq)
                 self.scheduler.remove(seq)
                 self.requests.pop(seq.request_id, None)
         return outputs
@@ -190,6 +214,17 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(item.seq)
 
+    def _finish_session(self, seq: Sequence) -> None:
+        """A hop ended: its previous pin goes; a keep decision pins this hop's blocks
+        (taken before the sequence frees its own references, so nothing is evicted)."""
+        sid = seq.session.session_id
+        if not sid:
+            return
+        if seq.session.pin_ttl_s > 0:
+            self.pins.pin(sid, seq.blocks, seq.partition, seq.session.pin_ttl_s)
+        else:
+            self.pins.release(sid)
+
     def _check_stop(self, seq: Sequence) -> None:
         p = seq.params
         tok = seq.output_token_ids[-1]
@@ -198,7 +233,7 @@ class LLMEngine:
             (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
         ):
             reason = FinishReason.STOP
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= seq.max_num_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:
             seq.status = SequenceStatus.FINISHED
@@ -215,6 +250,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
+            mean_entropy=seq.mean_entropy if seq.session.track_entropy and seq.is_finished else 0.0,
         )
 
     def stats(self) -> dict[str, float]:
@@ -224,5 +260,6 @@ class LLMEngine:
             "num_free_blocks": self.pool.num_free_blocks,
             "num_preemptions": self.num_preemptions,
             "num_blocks": self.num_blocks,
+            "num_pinned_blocks": self.pins.num_pinned_blocks,
             "time": time.monotonic(),
         }

@@ -20,7 +20,7 @@ from services.executor.engine import StepOutput
 from services.executor.errors import CapacityError, InvalidRequestError
 from services.executor.events import ExecutorState, Heartbeat, KvChange, LoadSnapshot
 from services.executor.sampling_params import SamplingParams
-from services.executor.sequence import FinishReason
+from services.executor.sequence import FinishReason, SessionOptions
 from services.mesh import metrics
 from services.mesh.grpc_server import DrainingError, ErrorRule
 from services.mesh.logging import request_context
@@ -78,7 +78,17 @@ def step_to_proto(out: StepOutput, executor: str) -> executor_pb2.ExecuteRespons
             num_output_tokens=out.num_output_tokens,
         ),
         executor=executor,
+        mean_entropy=out.mean_entropy,
     )
+
+
+def session_from_proto(request: executor_pb2.ExecuteRequest) -> SessionOptions:
+    """The hop's pause / quota / entropy options (raises InvalidRequestError naming the field)."""
+    sid = request.session.session_id
+    if request.pin_ttl_ms and not sid:
+        raise InvalidRequestError("pin_ttl_ms", "needs session.session_id")
+    return SessionOptions(session_id=sid, pin_ttl_s=request.pin_ttl_ms / 1000.0,
+                          kv_quota_blocks=request.kv_quota_blocks, track_entropy=bool(sid))
 
 
 _STATES = {
@@ -142,13 +152,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if rid in self._streams:
             raise InvalidRequestError("request_id", f"{rid!r} is already running")
         params = sampling_from_proto(request.sampling, request.HasField("sampling"))
+        session = session_from_proto(request)
         remaining_s = context.time_remaining()
         if remaining_s is not None and remaining_s <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before start")
         with request_context(rid):
             queue: asyncio.Queue = asyncio.Queue()
             self._streams[rid] = queue
-            pump = asyncio.create_task(self._pump(request, params, queue), name=f"pump-{rid}")
+            pump = asyncio.create_task(self._pump(request, params, session, queue), name=f"pump-{rid}")
             RUNNING.inc()
             outcome = "cancelled"
             try:
@@ -178,12 +189,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 if outcome == "cancelled":
                     log.info("request_cancelled", executor=self.name)
 
-    async def _pump(self, request, params: SamplingParams, queue: asyncio.Queue) -> None:
+    async def _pump(self, request, params: SamplingParams, session: SessionOptions, queue: asyncio.Queue) -> None:
         try:
             async for out in self.engine.generate(
                 request.request_id, list(request.prompt_token_ids), params,
-                partition=request.partition or "default", tenant_salt=request.tenant_salt,
-                priority=request.priority,
+                # Each tenant is charged to its own partition (its quota, when one is configured).
+                partition=request.partition or request.tenant_salt or "default", tenant_salt=request.tenant_salt,
+                # The wire says "higher runs first"; the engine's sequences "lower runs first".
+                priority=-request.priority, session=session,
             ):
                 queue.put_nowait(out)
         except asyncio.CancelledError:
@@ -199,6 +212,16 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         queue.put_nowait(_ABORTED)
         log.info("request_abort_requested", request_id=request.request_id)
         return executor_pb2.AbortResponse(aborted=True)
+
+    async def ReleaseSession(self, request: executor_pb2.ReleaseSessionRequest,
+                             context) -> executor_pb2.ReleaseSessionResponse:
+        if not request.session_id:
+            raise InvalidRequestError("session_id", "must not be empty")
+        hashes = list(request.evict_block_hashes)
+        unpinned, evicted = await self.engine.call(lambda e: e.release_session(request.session_id, hashes))
+        log.info("session_released", session_id=request.session_id, num_unpinned_blocks=unpinned,
+                 num_evicted_blocks=evicted)
+        return executor_pb2.ReleaseSessionResponse(num_unpinned_blocks=unpinned, num_evicted_blocks=evicted)
 
     async def GetStats(self, request, context) -> executor_pb2.GetStatsResponse:
         stats = await self.engine.call(lambda e: {**e.stats(), "num_steps": e.num_steps})

@@ -44,6 +44,15 @@ class FallbackPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FALLBACK_PATH_DEGRADE: _ClassVar[FallbackPath]
     FALLBACK_PATH_REROUTE: _ClassVar[FallbackPath]
     FALLBACK_PATH_FAIL_FAST: _ClassVar[FallbackPath]
+
+class DegradationRung(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DEGRADATION_RUNG_UNSPECIFIED: _ClassVar[DegradationRung]
+    DEGRADATION_RUNG_NONE: _ClassVar[DegradationRung]
+    DEGRADATION_RUNG_KV_INT8: _ClassVar[DegradationRung]
+    DEGRADATION_RUNG_KV_COMPRESS: _ClassVar[DegradationRung]
+    DEGRADATION_RUNG_SMALLER_MODEL: _ClassVar[DegradationRung]
+    DEGRADATION_RUNG_SHED: _ClassVar[DegradationRung]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -67,6 +76,12 @@ FALLBACK_PATH_UNSPECIFIED: FallbackPath
 FALLBACK_PATH_DEGRADE: FallbackPath
 FALLBACK_PATH_REROUTE: FallbackPath
 FALLBACK_PATH_FAIL_FAST: FallbackPath
+DEGRADATION_RUNG_UNSPECIFIED: DegradationRung
+DEGRADATION_RUNG_NONE: DegradationRung
+DEGRADATION_RUNG_KV_INT8: DegradationRung
+DEGRADATION_RUNG_KV_COMPRESS: DegradationRung
+DEGRADATION_RUNG_SMALLER_MODEL: DegradationRung
+DEGRADATION_RUNG_SHED: DegradationRung
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "logprobs", "min_tokens")

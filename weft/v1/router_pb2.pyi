@@ -56,7 +56,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text_delta", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor")
+    __slots__ = ("request_id", "text_delta", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "degradation_rung", "num_migrations")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,8 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    DEGRADATION_RUNG_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text_delta: str
     token_ids_delta: _containers.RepeatedScalarFieldContainer[int]
@@ -71,7 +73,9 @@ class GenerateResponse(_message.Message):
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     executor: str
-    def __init__(self, request_id: _Optional[str] = ..., text_delta: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ...) -> None: ...
+    degradation_rung: _common_pb2.DegradationRung
+    num_migrations: int
+    def __init__(self, request_id: _Optional[str] = ..., text_delta: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., degradation_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., num_migrations: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

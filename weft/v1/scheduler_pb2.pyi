@@ -29,7 +29,7 @@ class ScheduleRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., priority: _Optional[float] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "queue_ms", "fallback_taken", "fallback_reason", "request_class", "pause_decision")
+    __slots__ = ("request_id", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "queue_ms", "fallback_taken", "fallback_reason", "request_class", "pause_decision", "degradation_rung", "num_migrations")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_DELTA_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class ScheduleResponse(_message.Message):
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_DECISION_FIELD_NUMBER: _ClassVar[int]
+    DEGRADATION_RUNG_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids_delta: _containers.RepeatedScalarFieldContainer[int]
     logprobs_delta: _containers.RepeatedScalarFieldContainer[float]
@@ -52,7 +54,9 @@ class ScheduleResponse(_message.Message):
     fallback_reason: str
     request_class: _common_pb2.RequestClass
     pause_decision: _common_pb2.PauseDecision
-    def __init__(self, request_id: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., queue_ms: _Optional[int] = ..., fallback_taken: _Optional[_Union[_common_pb2.FallbackPath, str]] = ..., fallback_reason: _Optional[str] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ..., pause_decision: _Optional[_Union[_common_pb2.PauseDecision, str]] = ...) -> None: ...
+    degradation_rung: _common_pb2.DegradationRung
+    num_migrations: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., queue_ms: _Optional[int] = ..., fallback_taken: _Optional[_Union[_common_pb2.FallbackPath, str]] = ..., fallback_reason: _Optional[str] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ..., pause_decision: _Optional[_Union[_common_pb2.PauseDecision, str]] = ..., degradation_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., num_migrations: _Optional[int] = ...) -> None: ...
 
 class ListExecutorsRequest(_message.Message):
     __slots__ = ()
