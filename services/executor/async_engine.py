@@ -20,6 +20,7 @@ import structlog
 from services.executor.block_pool import DEFAULT_PARTITION, KVEvent
 from services.executor.engine import LLMEngine, StepOutput
 from services.executor.sampling_params import SamplingParams
+from services.executor.sequence import NO_SESSION, SessionOptions
 
 log = structlog.get_logger(__name__)
 
@@ -37,6 +38,7 @@ class _Add:
     tenant_salt: str
     priority: float
     sink: Callable[[StepOutput | BaseException], None]
+    session: SessionOptions = NO_SESSION
     accepted: Future = field(default_factory=Future)
 
 
@@ -70,6 +72,7 @@ class AsyncEngine:
         partition: str = DEFAULT_PARTITION,
         tenant_salt: str = "",
         priority: float = 0.0,
+        session: SessionOptions = NO_SESSION,
     ) -> AsyncIterator[StepOutput]:
         """Stream the request's step outputs until it finishes. Raises
         ``InvalidRequestError`` before the first output if the engine refuses it."""
@@ -81,7 +84,7 @@ class AsyncEngine:
         def sink(item: StepOutput | BaseException) -> None:
             loop.call_soon_threadsafe(outq.put_nowait, item)
 
-        cmd = _Add(request_id, list(prompt_token_ids), params, partition, tenant_salt, priority, sink)
+        cmd = _Add(request_id, list(prompt_token_ids), params, partition, tenant_salt, priority, sink, session)
         self._inbox.put(cmd)
         finished = False
         try:
@@ -124,7 +127,8 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             try:
                 self.engine.add_request(
-                    cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.partition, cmd.tenant_salt, cmd.priority
+                    cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.partition, cmd.tenant_salt, cmd.priority,
+                    cmd.session,
                 )
             except Exception as exc:  # refused: handed back to the caller, the engine lives on
                 cmd.accepted.set_exception(exc)

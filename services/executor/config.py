@@ -40,6 +40,13 @@ class ExecutorConfig:
     max_prefill_chunk: int = option("Longest prefill chunk one request gets per step.", default=512)
     max_model_len: int | None = option("Context limit in tokens; none: the model's.", default=None)
     enable_prefix_caching: bool = option("Reuse KV blocks across requests by block hash.", default=True)
+    preemption_policy: str = option("Who loses blocks under pressure: fcfs (newest) or priority (borrowers, then "
+                                    "lowest priority).", default="fcfs", choices=("fcfs", "priority"))
+    tenant_partitions: str = option(
+        "KV partitions per tenant, name=reserved:credit blocks, comma-separated (e.g. acme=32:16); "
+        "requests are charged to their tenant's partition.", default="")
+    credit_audit_period_s: float = option("Seconds between audits that decay a borrowing tenant's credit; "
+                                          "0 disables.", default=2.0)
     num_threads: int | None = option("Torch CPU threads; none: torch's choice.", default=None)
     heartbeat_interval_s: float = option("Seconds between membership heartbeats.", default=1.0)
     load_report_interval_s: float = option("Seconds between load reports.", default=0.25)
@@ -64,6 +71,9 @@ class ExecutorConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.name:
             subject("heartbeat", self.name)  # a subject-safe name, or ValueError
+        if self.credit_audit_period_s < 0:
+            raise ValueError(f"credit_audit_period_s must be >= 0, got {self.credit_audit_period_s}")
+        self.partitions  # validates the partition table (raises ValueError)
         self.engine_config  # validates the engine options (raises ValueError)
 
     @property
@@ -74,8 +84,14 @@ class ExecutorConfig:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_prefill_chunk=self.max_prefill_chunk,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
-            model_id=self.model_id, num_threads=self.num_threads,
+            model_id=self.model_id, num_threads=self.num_threads, preemption_policy=self.preemption_policy,
         )
+
+    @property
+    def partitions(self):
+        from services.executor.quota_audit import parse_partitions
+
+        return parse_partitions(self.tenant_partitions)
 
     @property
     def resolved_name(self) -> str:

@@ -90,5 +90,6 @@ class ModelRunner:
         if not sampled:
             return StepResult([], SampledTokens([], None))
         logits = self.model.compute_logits(hidden[sample_rows])  # [rows, vocab]
-        tokens = sample(logits, [s.seq.params for s in sampled], [s.seq.generator for s in sampled])
+        tokens = sample(logits, [s.seq.params for s in sampled], [s.seq.generator for s in sampled],
+                        [s.seq.session.track_entropy for s in sampled])
         return StepResult(sampled, tokens)

@@ -36,6 +36,7 @@ def sample(
     logits: torch.Tensor,  # [rows, vocab] fp32
     params: Seq[SamplingParams],
     generators: Seq[torch.Generator | None],
+    entropy_rows: Seq[bool] = (),
 ) -> SampledTokens:
     """One token per row. Greedy rows are batched; sampled rows use their own generator
     (seeded requests are reproducible whatever else is in the batch)."""
@@ -51,4 +52,13 @@ def sample(
     if any(p.logprobs for p in params):
         lp = logits.log_softmax(-1)
         logprobs = lp.gather(1, torch.tensor(token_ids, device=logits.device)[:, None]).squeeze(1).tolist()
-    return SampledTokens(token_ids, logprobs)
+    entropies = None
+    if any(entropy_rows):
+        # Only rows that asked (agent sessions): one log_softmax over those rows.
+        rows = [i for i, want in enumerate(entropy_rows) if want]
+        lp = logits[rows].log_softmax(-1)  # [len(rows), vocab]
+        ent = (-(lp.exp() * lp).sum(-1)).tolist()
+        entropies = [0.0] * len(token_ids)
+        for i, e in zip(rows, ent):
+            entropies[i] = e
+    return SampledTokens(token_ids, logprobs, entropies)

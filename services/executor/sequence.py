@@ -26,6 +26,25 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
+@dataclass(frozen=True)
+class SessionOptions:
+    """What an agent hop asks of the engine beyond sampling (all optional)."""
+
+    session_id: str = ""
+    pin_ttl_s: float = 0.0  # keep decision: pin the hop's full blocks this long when it finishes
+    kv_quota_blocks: int = 0  # the contract's per-task KV quota; 0 = none
+    track_entropy: bool = False  # report the mean entropy of the sampled distributions
+
+    def __post_init__(self) -> None:
+        if self.pin_ttl_s < 0 or self.kv_quota_blocks < 0:
+            raise ValueError("pin_ttl_s and kv_quota_blocks must be >= 0")
+        if self.pin_ttl_s and not self.session_id:
+            raise ValueError("pin_ttl_s needs a session_id")
+
+
+NO_SESSION = SessionOptions()
+
+
 @dataclass
 class Sequence:
     """A request's tokens, its place in the KV pool and its progress.
@@ -52,6 +71,9 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, in order
     generator: torch.Generator | None = None
     first_token_time: float | None = None
+    session: SessionOptions = NO_SESSION
+    max_num_tokens: int = 1 << 62  # context cap: the model's, or the per-task KV quota's
+    entropy_sum: float = 0.0  # nats, over sampled tokens (only when session.track_entropy)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -85,6 +107,10 @@ class Sequence:
             self.output_logprobs.append(logprob)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+
+    @property
+    def mean_entropy(self) -> float:
+        return self.entropy_sum / self.num_output_tokens if self.num_output_tokens else 0.0
 
     def block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]
