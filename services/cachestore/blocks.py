@@ -25,6 +25,8 @@ class BlockMeta:
     checksum: int
     model_id: str = ""
     block_size: int = 0
+    priority: float = 0.0  # program priority hint for the demotion policy
+    expected_pause_ms: int = 0  # expected pause before the block is needed again; 0 = unknown
 
     @property
     def expected_size_bytes(self) -> int:

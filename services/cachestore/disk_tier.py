@@ -81,6 +81,7 @@ class DiskTier:
         meta = json.dumps({
             "block_hash": m.block_hash, "dtype": m.dtype, "shape": list(m.shape), "size_bytes": m.size_bytes,
             "checksum": m.checksum, "model_id": m.model_id, "block_size": m.block_size,
+            "priority": m.priority, "expected_pause_ms": m.expected_pause_ms,
         }).encode()
         return _PREFIX.pack(MAGIC, len(meta)) + meta
 
@@ -147,6 +148,7 @@ class DiskTier:
             block_hash=int(raw["block_hash"]), dtype=raw["dtype"], shape=tuple(raw["shape"]),
             size_bytes=int(raw["size_bytes"]), checksum=int(raw["checksum"]),
             model_id=raw.get("model_id", ""), block_size=int(raw.get("block_size", 0)),
+            priority=float(raw.get("priority", 0.0)), expected_pause_ms=int(raw.get("expected_pause_ms", 0)),
         )
         payload = data[start:]
         if meta.block_hash != block_hash:
@@ -177,6 +179,10 @@ class DiskTier:
             self.num_evictions += 1
             evicted.append(block_hash)
         return evicted
+
+    def hashes(self) -> list[int]:
+        """Every indexed hash, least recently used first. Reads no file."""
+        return list(self._index)
 
     def __len__(self) -> int:
         return len(self._index)

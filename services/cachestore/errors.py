@@ -1,5 +1,5 @@
 """Domain errors of the cachestore; ``ERROR_RULES`` is the interceptor's mapping:
-InvalidBlockError → INVALID_ARGUMENT (names the field), StoreFullError →
+InvalidBlockError / InvalidQueryError → INVALID_ARGUMENT (names the field), StoreFullError →
 RESOURCE_EXHAUSTED, anything else → INTERNAL."""
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ class InvalidBlockError(CacheStoreError, ValueError):
         self.field = field
 
 
+class InvalidQueryError(CacheStoreError, ValueError):
+    """A malformed semantic request (too many / too long texts, unknown kind)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
 class StoreFullError(CacheStoreError):
     """A block fits no tier."""
 
@@ -30,5 +38,6 @@ class StoreFullError(CacheStoreError):
 
 ERROR_RULES = (
     ErrorRule(InvalidBlockError, grpc.StatusCode.INVALID_ARGUMENT),
+    ErrorRule(InvalidQueryError, grpc.StatusCode.INVALID_ARGUMENT),
     ErrorRule(StoreFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )

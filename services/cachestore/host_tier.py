@@ -60,5 +60,9 @@ class HostTier:
             self.used_bytes -= block.size_bytes
         return block
 
+    def blocks(self) -> list[Block]:
+        """Every block, least recently used first. Does not touch recency."""
+        return list(self._blocks.values())
+
     def __len__(self) -> int:
         return len(self._blocks)

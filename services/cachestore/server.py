@@ -15,7 +15,9 @@ import asyncio
 import structlog
 
 from services.cachestore.blocks import DTYPE_BYTES, Block, BlockMeta, checksum
-from services.cachestore.errors import InvalidBlockError, StoreFullError
+from services.cachestore.errors import InvalidBlockError, InvalidQueryError, StoreFullError
+from services.cachestore.semantic import SemanticKind
+from services.cachestore.semantic_service import SemanticService
 from services.cachestore.tiers import Tier, TieredStore
 from services.mesh import metrics
 from weft.v1 import cachestore_pb2, cachestore_pb2_grpc, events_pb2
@@ -27,6 +29,30 @@ _TIERS = {Tier.SLEEPING: events_pb2.TIER_SLEEPING, Tier.ARCHIVED: events_pb2.TIE
 BLOCKS_STORED = metrics.counter("weft_cachestore_blocks_stored_total", "Blocks written by PutBlocks.")
 BYTES_STORED = metrics.counter("weft_cachestore_bytes_stored_total", "Payload bytes written by PutBlocks.")
 LOOKUPS = metrics.counter("weft_cachestore_lookups_total", "GetBlocks lookups by result.", ["result"])
+TIER_BYTES = metrics.gauge("weft_cachestore_tier_bytes", "Payload bytes held per tier.", ["tier"])
+TIER_BLOCKS = metrics.gauge("weft_cachestore_tier_blocks", "Blocks held per tier.", ["tier"])
+TIER_HIT_RATIO = metrics.gauge("weft_cachestore_tier_hit_ratio", "Hits / lookups per tier since start.", ["tier"])
+DEMOTIONS = metrics.counter("weft_kv_demotions_total",
+                            "KV blocks moved down a tier (stored into the cachestore, or host RAM to disk).",
+                            ["from_tier", "to_tier"])
+PROMOTIONS = metrics.counter("weft_kv_promotions_total",
+                             "KV blocks moved up a tier (served by the cachestore back towards an executor).",
+                             ["from_tier", "to_tier"])
+SEMANTIC_LOOKUPS = metrics.counter("weft_cachestore_semantic_lookups_total", "Semantic lookups by kind and result.",
+                                   ["kind", "result"])
+_SEMANTIC_KINDS = {cachestore_pb2.SEMANTIC_KIND_RESPONSE: SemanticKind.RESPONSE,
+                   cachestore_pb2.SEMANTIC_KIND_SESSION_PREFIX: SemanticKind.SESSION_PREFIX}
+
+
+def export_tier_gauges(store: TieredStore) -> None:
+    """Set the per-tier gauges from the store's counters (cheap; called after changes)."""
+    for name, tier in (("sleeping", store.host), ("archived", store.disk)):
+        if tier is None:
+            continue
+        TIER_BYTES.labels(name).set(tier.used_bytes)
+        TIER_BLOCKS.labels(name).set(len(tier))
+        lookups = tier.num_hits + tier.num_misses
+        TIER_HIT_RATIO.labels(name).set(tier.num_hits / lookups if lookups else 0.0)
 
 
 def meta_from_header(h: cachestore_pb2.BlockHeader, max_block_bytes: int) -> BlockMeta:
@@ -37,7 +63,10 @@ def meta_from_header(h: cachestore_pb2.BlockHeader, max_block_bytes: int) -> Blo
         raise InvalidBlockError("header.shape", f"must be non-empty with positive dimensions, got {list(h.shape)}")
     if h.size_bytes == 0 or h.size_bytes > max_block_bytes:
         raise InvalidBlockError("header.size_bytes", f"must be in [1, {max_block_bytes}], got {h.size_bytes}")
-    meta = BlockMeta(h.block_hash, h.dtype, tuple(h.shape), h.size_bytes, h.checksum, h.model_id, h.block_size)
+    if h.priority != h.priority:  # NaN
+        raise InvalidBlockError("header.priority", "must be a number")
+    meta = BlockMeta(h.block_hash, h.dtype, tuple(h.shape), h.size_bytes, h.checksum, h.model_id, h.block_size,
+                     h.priority, h.expected_pause_ms)
     if meta.expected_size_bytes != h.size_bytes:
         raise InvalidBlockError(
             "header.size_bytes", f"{h.size_bytes} disagrees with shape {list(h.shape)} of {h.dtype} "
@@ -49,14 +78,17 @@ def header_from_meta(m: BlockMeta) -> cachestore_pb2.BlockHeader:
     return cachestore_pb2.BlockHeader(
         block_hash=m.block_hash, dtype=m.dtype, shape=m.shape, size_bytes=m.size_bytes,
         checksum=m.checksum, model_id=m.model_id, block_size=m.block_size,
+        priority=m.priority, expected_pause_ms=m.expected_pause_ms,
     )
 
 
 class CacheStoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
-    def __init__(self, store: TieredStore, max_block_bytes: int, chunk_bytes: int) -> None:
+    def __init__(self, store: TieredStore, max_block_bytes: int, chunk_bytes: int,
+                 semantic: SemanticService | None = None) -> None:
         self.store = store
         self.max_block_bytes = max_block_bytes
         self.chunk_bytes = chunk_bytes
+        self.semantic = semantic or SemanticService()
 
     async def PutBlocks(self, request_iterator, context) -> cachestore_pb2.PutBlocksResponse:
         reply = cachestore_pb2.PutBlocksResponse()
@@ -98,16 +130,18 @@ class CacheStoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
             reply.stored_bytes += meta.size_bytes
             BLOCKS_STORED.inc()
             BYTES_STORED.inc(meta.size_bytes)
+            DEMOTIONS.labels("active", "sleeping").inc()
 
     async def GetBlocks(self, request: cachestore_pb2.GetBlocksRequest, context):
         chunk_bytes = min(request.max_chunk_bytes or self.chunk_bytes, self.chunk_bytes)
         for block_hash in request.block_hashes:
-            block = await asyncio.to_thread(self.store.get, block_hash)
+            tier, block = await asyncio.to_thread(lambda h=block_hash: (self.store.tier_of(h), self.store.get(h)))
             if block is None:
                 LOOKUPS.labels("miss").inc()
                 yield cachestore_pb2.GetBlocksChunk(missing_block_hash=block_hash)
                 continue
             LOOKUPS.labels("hit").inc()
+            PROMOTIONS.labels(tier.value if tier else "sleeping", "active").inc()
             yield cachestore_pb2.GetBlocksChunk(header=header_from_meta(block.meta))
             view = memoryview(block.payload)
             for start in range(0, len(view), chunk_bytes):
@@ -116,6 +150,7 @@ class CacheStoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
     async def Contains(self, request: cachestore_pb2.ContainsRequest, context) -> cachestore_pb2.ContainsResponse:
         hashes = list(request.block_hashes)
         tiers = await asyncio.to_thread(lambda: [self.store.tier_of(h) for h in hashes])  # the lock may wait on disk I/O
+        export_tier_gauges(self.store)
         return cachestore_pb2.ContainsResponse(
             tiers=[_TIERS[t] if t is not None else events_pb2.TIER_UNSPECIFIED for t in tiers])
 
@@ -130,3 +165,40 @@ class CacheStoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
                           capacity_bytes=disk.capacity_bytes, num_hits=disk.num_hits, num_misses=disk.num_misses,
                           num_evictions=disk.num_evictions)
         return out
+
+    # -- semantic index ---------------------------------------------------------------
+    async def Embed(self, request: cachestore_pb2.EmbedRequest, context) -> cachestore_pb2.EmbedResponse:
+        vectors = await self.semantic.embed(list(request.texts))
+        return cachestore_pb2.EmbedResponse(
+            embeddings=[cachestore_pb2.Embedding(values=v.tolist()) for v in vectors], dim=self.semantic.dim)
+
+    async def Similarity(self, request: cachestore_pb2.SimilarityRequest, context) -> cachestore_pb2.SimilarityResponse:
+        sim = await self.semantic.similarity(request.text_a, request.text_b)
+        t = self.semantic.index.threshold
+        return cachestore_pb2.SimilarityResponse(similarity=sim, similar=sim >= t, threshold=t)
+
+    async def SemanticLookup(self, request: cachestore_pb2.SemanticLookupRequest,
+                             context) -> cachestore_pb2.SemanticLookupResponse:
+        kind = _semantic_kind(request.kind)
+        best = await self.semantic.best(request.tenant, kind, request.scope, request.text)
+        t = self.semantic.index.threshold
+        hit = best is not None and best.similarity >= t
+        SEMANTIC_LOOKUPS.labels(kind.value, "hit" if hit else "miss").inc()
+        return cachestore_pb2.SemanticLookupResponse(
+            hit=hit, similarity=best.similarity if best else 0.0, token_ids=best.token_ids if hit else (),
+            threshold=t)
+
+    async def SemanticStore(self, request: cachestore_pb2.SemanticStoreRequest,
+                            context) -> cachestore_pb2.SemanticStoreResponse:
+        kind = _semantic_kind(request.kind)
+        if not request.text or not request.token_ids:
+            return cachestore_pb2.SemanticStoreResponse(stored=False)
+        n = await self.semantic.store(request.tenant, kind, request.scope, request.text, tuple(request.token_ids))
+        return cachestore_pb2.SemanticStoreResponse(stored=True, num_entries=n)
+
+
+def _semantic_kind(value: int) -> SemanticKind:
+    kind = _SEMANTIC_KINDS.get(value)
+    if kind is None:
+        raise InvalidQueryError("kind", "must be SEMANTIC_KIND_RESPONSE or SEMANTIC_KIND_SESSION_PREFIX")
+    return kind

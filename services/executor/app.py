@@ -60,6 +60,11 @@ async def main(argv: Sequence[str] | None = None) -> None:
             async_engine, CreditAuditor(config.partitions), config.credit_audit_period_s), name="credit-audit")
     events.read_load = lambda: async_engine.call(lambda e: e.stats())
     servicer = ExecutorServicer(async_engine, name, engine.model_id, config.block_size)
+    if config.cachestore_address:
+        from services.executor.tier_ops import build_tier_ops
+
+        servicer.tiers = build_tier_ops(async_engine, config.cachestore_address, engine.model_id, config.block_size,
+                                        config.demote_on_finish, config.promote_before_prefill)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, grpc_server.server)
 
     async def announce_draining() -> None:

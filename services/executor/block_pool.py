@@ -199,6 +199,11 @@ class BlockPool:
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self._cached
 
+    def cached_block(self, block_hash: BlockHash) -> Block | None:
+        """The block holding ``block_hash``, or None. Does not take a reference or touch
+        recency: the result is valid only until the pool is next modified."""
+        return self._cached.get(block_hash)
+
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash resident here (for a subscriber's resync). Does not modify the pool."""
         return list(self._cached)

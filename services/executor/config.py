@@ -53,6 +53,13 @@ class ExecutorConfig:
     grace_s: float = option("On SIGTERM, seconds in-flight requests get to finish.", default=10.0)
     max_message_bytes: int = option("Largest gRPC message sent or received.", default=64 * 1024 * 1024)
     metrics_port: int = option("Port of the Prometheus /metrics endpoint; 0 disables it.", default=0)
+    cachestore_address: str = option(
+        "host:port of the cachestore for KV demotion / promotion; empty: no lower tiers.", default="")
+    demote_on_finish: str = option("Which finished requests' blocks are written to the cachestore.",
+                                   default="sessions", choices=("never", "sessions", "all"))
+    promote_before_prefill: bool = option(
+        "Load a prompt's prefix blocks from the cachestore before its prefill when cheaper than recompute.",
+        default=True)
     log_level: str = option("Log level.", default="info", choices=LOG_LEVELS, shared=True)
     log_format: str = option("Log format (auto: JSON unless stderr is a terminal).", default="auto",
                              choices=LOG_FORMATS, shared=True)

