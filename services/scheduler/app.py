@@ -13,12 +13,14 @@ from services.mesh.logging import configure_logging
 from services.mesh.metrics import MetricsServer
 from services.mesh.nats_bus import EventBus
 from services.scheduler.admission import Admission
+from services.scheduler.degradation import DegradationLadder
 from services.scheduler.config import DESCRIPTION, SchedulerConfig
 from services.scheduler.errors import ERROR_RULES
 from services.scheduler.kv_index import KvIndex
 from services.scheduler.membership import Membership
 from services.scheduler.placement import make_placer
 from services.scheduler.server import ChannelPool, MeshView, SchedulerServicer
+from services.scheduler.tenant_limits import TenantAdmission
 from weft.v1 import scheduler_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -29,10 +31,12 @@ async def main(argv: Sequence[str] | None = None) -> None:
     configure_logging("scheduler", config.log_level, config.log_format)
     view = MeshView(Membership(config.missed_heartbeats), KvIndex())
     channels = ChannelPool(config.max_message_bytes)
+    admission = Admission(config.max_in_flight, config.max_queue, config.retry_after_ms)
     servicer = SchedulerServicer(
-        view, make_placer(config.placement_policy, config.kv_overlap_weight),
-        Admission(config.max_in_flight, config.max_queue, config.retry_after_ms), channels,
-        placement_attempts=config.placement_attempts,
+        view, make_placer(config.placement_policy, config.kv_overlap_weight), admission, channels,
+        placement_attempts=config.placement_attempts, migration=config.migration_policy,
+        tenant_admission=TenantAdmission(admission, config.max_in_flight_per_tenant, config.max_queue_per_tenant),
+        ladder=DegradationLadder(config.ladder_config),
     )
     grpc_server = GrpcServer("weft.v1.Scheduler", config.host, config.port, rules=ERROR_RULES,
                              max_message_bytes=config.max_message_bytes, grace_s=config.grace_s)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from services.mesh.env_config import option
 from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
 from services.mesh.nats_bus import subject
+from services.scheduler.degradation import LadderConfig, Rung
+from services.scheduler.migration import MigrationPolicy
 from services.scheduler.placement import PlacementPolicy
 
 DESCRIPTION = (
@@ -31,6 +33,23 @@ class SchedulerConfig:
     retry_after_ms: int = option("Retry hint sent with RESOURCE_EXHAUSTED.", default=200)
     missed_heartbeats: int = option("Heartbeats an executor may miss before it is dropped.", default=3)
     placement_attempts: int = option("Executors tried when one is unreachable before the first token.", default=2)
+    max_in_flight_per_tenant: int = option(
+        "Requests of one tenant streaming at once (keep below max_in_flight so one tenant cannot fill it).",
+        default=128)
+    max_queue_per_tenant: int = option(
+        "Requests of one tenant waiting for a slot; beyond it that tenant gets RESOURCE_EXHAUSTED.", default=512)
+    migration_attempts: int = option(
+        "Executors a stream may use in all when executors die or stall mid-stream (1 = no migration).", default=3)
+    migration_stall_factor: float = option(
+        "An executor is hung after this many expected step times (mean inter-token gap) without a token.",
+        default=20.0)
+    migration_min_stall_s: float = option("Floor of the hang-detection ceiling, seconds.", default=2.0)
+    migration_first_token_timeout_s: float = option(
+        "Hang-detection ceiling before an attempt's first token (prefill, queueing), seconds.", default=60.0)
+    degradation_rungs: str = option(
+        "Comma-separated degradation-ladder rungs to use (none, kv_int8, kv_compress, smaller_model, shed); "
+        "only none and shed act today.", default="none,shed")
+    degradation_min_dwell_s: float = option("Seconds a class stays on a rung before it may step down.", default=2.0)
     grace_s: float = option("On SIGTERM, seconds in-flight streams get to finish.", default=10.0)
     max_message_bytes: int = option("Largest gRPC message sent or received.", default=64 * 1024 * 1024)
     metrics_port: int = option("Port of the Prometheus /metrics endpoint; 0 disables it.", default=0)
@@ -42,12 +61,28 @@ class SchedulerConfig:
         subject("x", self.name)  # subject-safe, or ValueError
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("port and metrics_port must be in [0, 65535]")
-        for name in ("max_in_flight", "missed_heartbeats", "placement_attempts", "max_message_bytes"):
+        for name in ("max_in_flight", "missed_heartbeats", "placement_attempts", "max_message_bytes",
+                     "max_in_flight_per_tenant", "migration_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue", "retry_after_ms", "kv_overlap_weight", "grace_s"):
+        for name in ("max_queue", "retry_after_ms", "kv_overlap_weight", "grace_s", "max_queue_per_tenant",
+                     "degradation_min_dwell_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+        self.ladder_config  # validates the rung list
+        self.migration_policy  # validates the migration settings
+
+    @property
+    def migration_policy(self) -> MigrationPolicy:
+        return MigrationPolicy(
+            max_attempts=self.migration_attempts, stall_factor=self.migration_stall_factor,
+            min_stall_s=self.migration_min_stall_s, first_token_timeout_s=self.migration_first_token_timeout_s)
+
+    @property
+    def ladder_config(self) -> LadderConfig:
+        rungs = frozenset(Rung.parse(r) for r in self.degradation_rungs.split(",") if r.strip())
+        return LadderConfig(enabled=rungs | {Rung.NONE}, min_dwell_s=self.degradation_min_dwell_s)
 
     @property
     def placement_policy(self) -> PlacementPolicy:

@@ -22,12 +22,18 @@ from services.mesh.grpc_server import DrainingError, channel_options
 from services.mesh.logging import request_context
 from services.mesh.nats_bus import Delivery, EventBus
 from services.scheduler.admission import Admission
+from services.scheduler.degradation import DegradationContract, DegradationLadder, LoadSignal, Rung, served_rung
 from services.scheduler.errors import (
     DeadlineError, ExecutorLostError, InvalidScheduleRequest, NoExecutorError, OverloadedError,
 )
 from services.scheduler.kv_index import KvIndex
+from services.scheduler.migration import (
+    ExecutorFailed, MigrationExhausted, MigrationPolicy, NoReplacement, Piece, StreamProgress, migrating_stream,
+)
 from services.scheduler.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
 from services.scheduler.placement import Candidate, InflightTracker, Placement, Placer
+from services.scheduler.tenant_limits import TenantAdmission
+from weft.v1.common_pb2 import DegradationRung as DegradationRungPb, RequestClass as RequestClassPb
 from weft.v1 import events_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -144,10 +150,15 @@ def _blocks(num_tokens: int, block_size: int) -> int:
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, view: MeshView, placer: Placer, admission: Admission, channels: ChannelPool,
-                 placement_attempts: int = 2) -> None:
+                 placement_attempts: int = 2, migration: MigrationPolicy | None = None,
+                 tenant_admission: TenantAdmission | None = None, ladder: DegradationLadder | None = None) -> None:
         self.view = view
         self.placer = placer
         self.admission = admission
+        self.migration = migration or MigrationPolicy()
+        self.tenant_admission = tenant_admission or TenantAdmission(
+            admission, admission.max_in_flight, admission.max_queue)  # default: no tighter per-tenant cap
+        self.ladder = ladder or DegradationLadder()
         self.channels = channels
         self.placement_attempts = placement_attempts
         self.inflight = InflightTracker()
@@ -191,7 +202,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         with request_context(rid):
             t0 = time.monotonic()
             try:
-                await self.admission.enter()
+                self._shed_if_degraded(request)
+                await self.tenant_admission.enter(request.tenant)
             except OverloadedError:
                 REQUESTS.labels("rejected").inc()
                 raise
@@ -203,14 +215,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if not ranked:
                     outcome = "no_executor"
                     raise NoExecutorError(f"no serving executor for model {request.model_id or '(any)'!r}")
-                async for chunk in self._relay(request, prompt, ranked, context, int(queue_s * 1000)):
+                async for chunk in self._migrating_relay(request, prompt, ranked, context, int(queue_s * 1000)):
                     yield chunk
                 outcome = "finished"
             except Exception:
                 outcome = "error" if outcome == "cancelled" else outcome
                 raise
             finally:
-                self.admission.leave()
+                self.tenant_admission.leave(request.tenant)
                 REQUESTS.labels(outcome).inc()
 
     def _timeout_s(self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext) -> float | None:
@@ -271,6 +283,75 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             finally:
                 call.cancel()  # no-op when the call finished; aborts the executor's request otherwise
                 self.inflight.finish(placement.name, request.request_id)
+
+    # -- degradation and migration (services/scheduler/degradation.py, migration.py) --
+    def _shed_if_degraded(self, request: scheduler_pb2.ScheduleRequest) -> Rung:
+        """Observe load for the request's class; OverloadedError when the ladder sheds."""
+        rung = self.ladder.observe(RequestClassPb.Name(request.session.request_class),
+                                   LoadSignal(admission_fraction=self.tenant_admission.load_fraction()))
+        if served_rung(rung, DegradationContract()) is Rung.SHED:
+            raise OverloadedError("shed by the degradation ladder", retry_after_ms=self.admission.retry_after_ms())
+        return rung
+
+    async def _migrating_relay(self, request, prompt, ranked: list[Placement], context, queue_ms: int, *relay_args):
+        """``_relay`` wrapped in migration: when the executor dies or stalls mid-stream the
+        request continues elsewhere from prompt + tokens so far (one stream to the client,
+        usage counted across attempts). Attempts are bounded; then UNAVAILABLE."""
+        sampling = request.sampling
+        progress = StreamProgress(tuple(prompt), sampling.max_tokens, sampling.min_tokens,
+                                  sampling.seed if sampling.HasField("seed") else None)
+        rung = served_rung(self.ladder.rungs().get(RequestClassPb.Name(request.session.request_class), Rung.NONE),
+                           DegradationContract())
+        cached: list[int] = []
+
+        def open_attempt(attempt):
+            placements = ranked
+            if attempt.index:
+                placements = [p for p in self.rank(request.model_id, request.tenant, list(attempt.prompt_token_ids))
+                              if p.name not in attempt.exclude]
+                if not placements:
+                    raise NoReplacement(f"every placeable executor failed: {sorted(attempt.exclude)}")
+            sub = scheduler_pb2.ScheduleRequest()
+            sub.CopyFrom(request)
+            del sub.prompt_token_ids[:]
+            sub.prompt_token_ids.extend(attempt.prompt_token_ids)
+            if request.HasField("sampling"):
+                sub.sampling.max_tokens, sub.sampling.min_tokens = attempt.max_tokens, attempt.min_tokens
+                if attempt.seed is not None:
+                    sub.sampling.seed = attempt.seed
+            return pieces(sub, placements, 0 if attempt.index else queue_ms)
+
+        async def pieces(sub, placements, attempt_queue_ms):
+            executor = placements[0].name
+            try:
+                async for chunk in self._relay(sub, list(sub.prompt_token_ids), placements, context,
+                                               attempt_queue_ms, *relay_args):
+                    executor = chunk.executor or executor
+                    yield Piece(tuple(chunk.token_ids_delta), chunk.executor, chunk.finish_reason != 0, chunk)
+            except ExecutorLostError as exc:
+                raise ExecutorFailed(executor, str(exc)) from exc
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                    raise
+                raise ExecutorFailed(executor, f"{exc.code().name}: {exc.details()}") from exc
+
+        first = True
+        try:
+            async for piece in migrating_stream(progress, self.migration, open_attempt):
+                chunk = piece.payload
+                if first:
+                    cached.append(chunk.usage.num_cached_tokens)
+                    chunk.degradation_rung = DegradationRungPb.Value(f"DEGRADATION_RUNG_{rung.name}")
+                    first = False
+                if progress.num_migrations:
+                    chunk.usage.num_prompt_tokens = len(prompt)
+                    chunk.usage.num_cached_tokens = cached[0]
+                    chunk.usage.num_output_tokens = len(progress.output_token_ids)
+                    if chunk.finish_reason:
+                        chunk.num_migrations = progress.num_migrations
+                yield chunk
+        except MigrationExhausted as exc:
+            raise ExecutorLostError(str(exc)) from exc
 
     async def ListExecutors(self, request, context) -> scheduler_pb2.ListExecutorsResponse:
         now = self.view.membership.clock()

@@ -1,0 +1,191 @@
+"""The scheduler's agent-native layer: one object that the servicer asks, per hop,
+"what is this request, when does it run, what happens to its KV afterwards".
+
+    begin(hop)          validate session / hop / contract, resolve a stateful prompt,
+                        class, priority score (re-evaluated at every slot hand-off),
+                        intent-shift release of stale kept KV
+    fallback(plan, …)   contract ceilings → the fallback path (or FAIL_FAST)
+    pause(plan, …)      keep / demote / drop for the tool call after this hop
+    finish(plan, …)     record the hop: session context, program attained service,
+                        entropy, kept-block accounting
+
+Domain types only (no protobuf): ``server.py`` converts. Mutates only its own tables.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from services.scheduler.contracts import ContractBook, ContractTerms, Fallback, FallbackChoice
+from services.scheduler.intent_shift import IntentShiftDetector
+from services.scheduler.pause_policy import PauseDecision, PauseInputs, PausePlan, PausePolicy
+from services.scheduler.priority import PriorityInputs, Prioritizer, RequestClassName
+from services.scheduler.sessions import HopContext, SessionState, SessionTable
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class HopRequest:
+    request_id: str
+    tenant: str
+    prompt_token_ids: Sequence[int]
+    session_id: str = ""
+    program_id: str = ""
+    hop_index: int = 0
+    expected_tool_ms: int = 0
+    stateful: bool = False
+    request_class: RequestClassName | None = None  # None: decided here
+    terms: ContractTerms = ContractTerms()
+    caller_priority: float = 0.0
+
+
+@dataclass(frozen=True)
+class StaleRelease:
+    """Kept KV a session's new turn will not use: unpin it and forget these tokens' blocks."""
+
+    executor: str
+    session_id: str
+    stale_context_token_ids: tuple[int, ...]
+    new_prompt_token_ids: tuple[int, ...]
+
+
+@dataclass
+class HopPlan:
+    request: HopRequest
+    prompt_token_ids: list[int]
+    request_class: RequestClassName
+    arrival_s: float
+    inputs: PriorityInputs
+    score: Callable[[float], float]
+    resumes_demoted: str = ""  # executor whose demoted blocks should be promoted first
+    release: StaleRelease | None = None
+    fallback: FallbackChoice = field(default_factory=lambda: FallbackChoice(Fallback.NONE))
+    pause: PausePlan = field(default_factory=lambda: PausePlan(PauseDecision.NONE))
+
+    @property
+    def pauses_after(self) -> bool:
+        r = self.request
+        return bool(r.session_id) and (r.expected_tool_ms > 0 or self.request_class is RequestClassName.AGENTIC)
+
+
+class AgentPlane:
+    def __init__(self, prioritizer: Prioritizer, pause_policy: PausePolicy, contracts: ContractBook,
+                 intent: IntentShiftDetector | None = None, sessions: SessionTable | None = None,
+                 block_size_of: Callable[[str], int] = lambda _: 16,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.prioritizer = prioritizer
+        self.pause_policy = pause_policy
+        self.contracts = contracts
+        self.intent = intent or IntentShiftDetector()
+        self.sessions = sessions or SessionTable(clock=clock)
+        self.block_size_of = block_size_of
+        self.clock = clock
+        self._pinned: dict[str, dict[str, tuple[int, float]]] = {}  # executor -> session -> (blocks, until)
+        self.can_demote = True
+
+    # -- before admission -------------------------------------------------------------
+    def begin(self, hop: HopRequest, pool_num_blocks: int) -> HopPlan:
+        """Validate and plan a hop; raises InvalidScheduleRequest naming the field.
+        Modifies nothing but the session's observed pause length."""
+        self.contracts.validate(hop.terms, hop.tenant, pool_num_blocks)
+        ctx: HopContext = self.sessions.begin_hop(hop.tenant, hop.session_id, hop.program_id, hop.hop_index,
+                                                  hop.stateful, hop.prompt_token_ids)
+        ses = ctx.session
+        now = self.clock()
+        cls = hop.request_class or (RequestClassName.AGENTIC if hop.session_id else RequestClassName.INTERACTIVE)
+        fresh = False
+        release = None
+        resumes_demoted = ""
+        if ses is not None:
+            fresh = ses.pinned_until_s > now
+            if ses.demoted:
+                resumes_demoted = ses.executor
+            self.sessions.resumed(ses)
+            new_turn = ctx.prompt_token_ids[len(ctx.prompt_token_ids) - ctx.num_new_tokens:]
+            if fresh and self.intent.shifted(ses.context_token_ids, new_turn):
+                release = StaleRelease(ses.executor, ses.session_id, tuple(ses.context_token_ids),
+                                       tuple(ctx.prompt_token_ids))
+                self._unpin(ses.executor, ses.session_id)
+                ses.pinned_until_s = 0.0
+                log.info("intent_shift_release", session_id=ses.session_id, executor=ses.executor)
+        inputs = PriorityInputs(
+            arrival_s=now, request_class=cls, caller_priority=hop.caller_priority,
+            attained_tokens=ctx.program.attained_tokens if ctx.program else 0,
+            ttft_ceiling_ms=hop.terms.ttft_ceiling_ms, fresh_resume=fresh,
+            mean_entropy=ses.mean_entropy if ses else 0.0,
+        )
+        prioritizer = self.prioritizer
+        return HopPlan(hop, ctx.prompt_token_ids, cls, now, inputs, lambda t: prioritizer.score(inputs, t),
+                       resumes_demoted, release)
+
+    def fallback(self, plan: HopPlan, num_ahead: int, num_slots: int) -> FallbackChoice:
+        """Contract check at admission; raises OverloadedError for FAIL_FAST."""
+        plan.fallback = self.contracts.choose_fallback(
+            plan.request.terms, plan.request_class is RequestClassName.INTERACTIVE, num_ahead, num_slots,
+            len(plan.prompt_token_ids))
+        return plan.fallback
+
+    # -- at placement -----------------------------------------------------------------
+    def pause(self, plan: HopPlan, executor: str, pool_used_blocks: int, pool_num_blocks: int) -> PausePlan:
+        """Decide keep / demote / drop for the tool call after this hop (known before it
+        runs: the executor applies a keep atomically when the hop finishes)."""
+        if not plan.pauses_after:
+            return plan.pause
+        ses = self.sessions.get(plan.request.tenant, plan.request.session_id)
+        expected = plan.request.expected_tool_ms or (ses.observed_pause_ms if ses else 0.0) \
+            or self.pause_policy_default_ms()
+        bs = max(1, self.block_size_of(executor))
+        num_tokens = len(plan.prompt_token_ids)
+        plan.pause = self.pause_policy.decide(PauseInputs(
+            num_context_tokens=num_tokens, num_blocks=num_tokens // bs, expected_pause_ms=float(expected),
+            pool_used_blocks=pool_used_blocks, pool_num_blocks=pool_num_blocks,
+            pool_pinned_blocks=self.pinned_blocks(executor), can_demote=self.can_demote,
+        ))
+        return plan.pause
+
+    def pause_policy_default_ms(self) -> float:
+        return getattr(getattr(self.pause_policy, "c", None), "default_pause_ms", 2000.0)
+
+    # -- after the hop ----------------------------------------------------------------
+    def finish(self, plan: HopPlan, executor: str, output_token_ids: Sequence[int], num_cached_tokens: int,
+               mean_entropy: float, elapsed_ms: float) -> SessionState | None:
+        r = plan.request
+        self.contracts.observe_request_ms(elapsed_ms)
+        ses = self.sessions.end_hop(
+            r.tenant, r.session_id, r.program_id, r.hop_index, plan.prompt_token_ids, output_token_ids, executor,
+            len(plan.prompt_token_ids) - num_cached_tokens, r.expected_tool_ms, mean_entropy)
+        if ses is None:
+            return None
+        if plan.pause.decision is PauseDecision.KEEP:
+            until = self.clock() + plan.pause.pin_ttl_ms / 1000.0
+            blocks = len(ses.context_token_ids) // max(1, self.block_size_of(executor))
+            self._pinned.setdefault(executor, {})[ses.session_id] = (blocks, until)
+            ses.pinned_until_s, ses.pinned_blocks = until, blocks
+        else:
+            self._unpin(executor, ses.session_id)
+            ses.pinned_until_s, ses.pinned_blocks = 0.0, 0
+        ses.demoted = plan.pause.decision is PauseDecision.DEMOTE
+        return ses
+
+    def demote_unavailable(self, ses: SessionState | None) -> None:
+        """The executor cannot demote (RPC missing): stop choosing it; the session's
+        blocks are left to LRU (a drop)."""
+        if self.can_demote:
+            log.warning("demote_unavailable", detail="executors lack DemoteBlocks; falling back to keep/drop")
+        self.can_demote = False
+        if ses is not None:
+            ses.demoted = False
+
+    def pinned_blocks(self, executor: str) -> int:
+        now = self.clock()
+        table = self._pinned.get(executor, {})
+        for sid in [s for s, (_, until) in table.items() if until <= now]:
+            del table[sid]
+        return sum(b for b, _ in table.values())
+
+    def _unpin(self, executor: str, session_id: str) -> None:
+        self._pinned.get(executor, {}).pop(session_id, None)

@@ -1,0 +1,103 @@
+"""Per-task contracts: KV quota, TTFT / TPOT ceilings and the fallback path.
+
+NOTE: admission estimates a request's time to first token before it queues,
+
+    ttft_est_ms = (requests ahead of it / in-flight slots) × mean request time (EWMA)
+                + new prompt tokens × prefill_ms_per_token
+
+and when that passes the contract's ceiling it takes the contract's fallback path:
+
+    FAIL_FAST  refuse now (RESOURCE_EXHAUSTED): the caller can go elsewhere at once
+    REROUTE    place on the least-loaded executor instead of the KV-best one
+    DEGRADE    serve it; the degradation steps it accepts are applied where the
+               executor offers them (none today: it is served at full quality, and says so)
+    (unset)    interactive → REROUTE, everything else → DEGRADE
+
+The path taken is visible in the response (``fallback_taken``, ``fallback_reason``).
+The KV quota per task is enforced by the executor (the request ends with LENGTH at its
+quota); here it is checked against the tenant's quota (a task may not ask more than
+its tenant has).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from services.scheduler.errors import InvalidScheduleRequest, OverloadedError
+
+
+class Fallback(enum.Enum):
+    NONE = "none"
+    DEGRADE = "degrade"
+    REROUTE = "reroute"
+    FAIL_FAST = "fail_fast"
+
+
+@dataclass(frozen=True)
+class ContractTerms:
+    kv_quota_blocks: int = 0
+    ttft_ceiling_ms: int = 0
+    tpot_ceiling_ms: int = 0
+    fallback: Fallback = Fallback.NONE  # NONE: chosen by class
+
+
+@dataclass(frozen=True)
+class FallbackChoice:
+    path: Fallback
+    reason: str = ""
+    ttft_estimate_ms: float = 0.0
+
+
+def parse_tenant_quotas(text: str) -> dict[str, int]:
+    """``"acme=64,globex=32"`` → most KV blocks each tenant may hold per executor."""
+    out: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip().isdigit():
+            raise ValueError(f"tenant quota {item!r}: expected name=blocks")
+        out[name.strip()] = int(value)
+    return out
+
+
+class ContractBook:
+    """Validates contracts and picks fallbacks. Keeps one EWMA (mean request time);
+    ``validate`` and ``choose_fallback`` do not modify it."""
+
+    def __init__(self, tenant_quotas: dict[str, int] | None = None, prefill_ms_per_token: float = 0.2,
+                 initial_request_ms: float = 500.0) -> None:
+        self.tenant_quotas = dict(tenant_quotas or {})
+        self.prefill_ms_per_token = prefill_ms_per_token
+        self.mean_request_ms = initial_request_ms
+
+    def validate(self, terms: ContractTerms, tenant: str, pool_num_blocks: int) -> None:
+        """Raises InvalidScheduleRequest naming the field when the contract asks for more
+        than the tenant's quota (or, with no tenant quota, than an executor's pool)."""
+        quota = self.tenant_quotas.get(tenant) or pool_num_blocks
+        if terms.kv_quota_blocks and quota and terms.kv_quota_blocks > quota:
+            raise InvalidScheduleRequest(
+                "session.contract.kv_quota_blocks",
+                f"{terms.kv_quota_blocks} blocks asked, tenant {tenant!r} may hold {quota}")
+
+    def estimate_ttft_ms(self, num_ahead: int, num_slots: int, num_new_tokens: int) -> float:
+        return num_ahead / max(1, num_slots) * self.mean_request_ms + num_new_tokens * self.prefill_ms_per_token
+
+    def choose_fallback(self, terms: ContractTerms, interactive: bool, num_ahead: int, num_slots: int,
+                        num_new_tokens: int) -> FallbackChoice:
+        """The path to take for this request now; raises OverloadedError for FAIL_FAST."""
+        if not terms.ttft_ceiling_ms:
+            return FallbackChoice(Fallback.NONE)
+        est = self.estimate_ttft_ms(num_ahead, num_slots, num_new_tokens)
+        if est <= terms.ttft_ceiling_ms:
+            return FallbackChoice(Fallback.NONE, ttft_estimate_ms=est)
+        path = terms.fallback
+        if path is Fallback.NONE:
+            path = Fallback.REROUTE if interactive else Fallback.DEGRADE
+        reason = f"ttft estimate {est:.0f} ms > ceiling {terms.ttft_ceiling_ms} ms"
+        if path is Fallback.FAIL_FAST:
+            raise OverloadedError(f"contract cannot be met: {reason}", retry_after_ms=int(est))
+        if path is Fallback.DEGRADE:
+            reason += "; no degradation step offered by the executors: served at full quality"
+        return FallbackChoice(path, reason, est)
+
+    def observe_request_ms(self, ms: float) -> None:
+        self.mean_request_ms = 0.9 * self.mean_request_ms + 0.1 * ms

@@ -1,0 +1,172 @@
+"""The degradation ladder: under load, each request class steps down to cheaper rungs
+before anything is refused, and climbs back only when load has clearly fallen.
+
+    none → kv_int8 → kv_compress → smaller_model → shed
+    (full)  (int8 KV)  (heavy hitters   (small-model    (RESOURCE_EXHAUSTED
+                        + recent window) pool)           + retry hint)
+
+NOTE: hysteresis. Each rung has an *enter* threshold and a lower *exit* threshold on
+the load signal (0 = idle, 1 = admission full). A class moves up one rung when load
+reaches the next rung's enter threshold and down one rung when load falls below its
+current rung's exit threshold *and* it has stayed on that rung ``min_dwell_s``; so a
+load hovering at one threshold cannot flap the rung on every request.
+
+Mechanism only today: the state machine moves through every *enabled* rung, but only
+``none`` and ``shed`` act. The ladder is built from the rungs enabled in config
+(default: none, shed), so a rung whose mechanism has not landed is never entered.
+A task's contract lists the rungs it accepts; a request served while its class sits
+on a rung it does not accept is served on the highest accepted rung below it (shed
+always applies: it is the last resort, not a quality choice).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+
+class Rung(enum.IntEnum):
+    NONE = 0
+    KV_INT8 = 1
+    KV_COMPRESS = 2
+    SMALLER_MODEL = 3
+    SHED = 4
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, text: str) -> Rung:
+        try:
+            return cls[text.strip().upper()]
+        except KeyError:
+            raise ValueError(f"unknown degradation rung {text!r}; known: {[r.label for r in cls]}") from None
+
+
+# Rungs whose mechanism exists today (the rest are state-machine positions only).
+ACTING_RUNGS = frozenset({Rung.NONE, Rung.SHED})
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Load at which a rung is entered, and below which it is left (exit < enter)."""
+
+    enter: float
+    exit: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.exit < self.enter:
+            raise ValueError(f"need 0 <= exit < enter, got exit={self.exit} enter={self.enter}")
+
+
+DEFAULT_THRESHOLDS = {
+    Rung.KV_INT8: Thresholds(enter=0.60, exit=0.45),
+    Rung.KV_COMPRESS: Thresholds(enter=0.70, exit=0.55),
+    Rung.SMALLER_MODEL: Thresholds(enter=0.80, exit=0.65),
+    Rung.SHED: Thresholds(enter=0.95, exit=0.75),
+}
+
+
+@dataclass(frozen=True)
+class LadderConfig:
+    """Which rungs exist and where they start; ``none`` is always the bottom rung."""
+
+    enabled: frozenset[Rung] = frozenset({Rung.NONE, Rung.SHED})
+    thresholds: dict[Rung, Thresholds] = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
+    min_dwell_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if Rung.NONE not in self.enabled:
+            raise ValueError("the 'none' rung cannot be disabled")
+        missing = [r.label for r in self.enabled if r is not Rung.NONE and r not in self.thresholds]
+        if missing:
+            raise ValueError(f"no thresholds for rungs {missing}")
+        if self.min_dwell_s < 0:
+            raise ValueError("min_dwell_s must be >= 0")
+
+    @property
+    def rungs(self) -> list[Rung]:
+        """Enabled rungs, bottom (none) first."""
+        return sorted(self.enabled)
+
+
+@dataclass(frozen=True)
+class LoadSignal:
+    """What the ladder reads. Fractions in [0, 1]."""
+
+    admission_fraction: float  # (in flight + queued) / (max in flight + max queue)
+    kv_used_fraction: float = 0.0  # KV blocks in use across executors
+
+    @property
+    def load(self) -> float:
+        return max(self.admission_fraction, self.kv_used_fraction)
+
+
+@dataclass(frozen=True)
+class DegradationContract:
+    """Rungs a task accepts besides ``none`` (shed is never negotiable)."""
+
+    accepted: frozenset[Rung] = frozenset(Rung)
+
+    @classmethod
+    def from_labels(cls, labels: Iterable[str]) -> DegradationContract:
+        rungs = {Rung.parse(x) for x in labels if x.strip()}
+        return cls(frozenset(rungs | {Rung.NONE, Rung.SHED})) if rungs else cls()
+
+
+class ClassLadder:
+    """The rung of one request class. ``observe`` mutates; ``rung`` does not."""
+
+    def __init__(self, config: LadderConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self._index = 0  # into config.rungs
+        self._since_s = clock()
+
+    @property
+    def rung(self) -> Rung:
+        return self.config.rungs[self._index]
+
+    def observe(self, signal: LoadSignal) -> Rung:
+        """Move at most one rung for this observation; returns the rung after it."""
+        rungs, load, now = self.config.rungs, signal.load, self.clock()
+        if self._index + 1 < len(rungs) and load >= self.config.thresholds[rungs[self._index + 1]].enter:
+            self._index += 1
+            self._since_s = now
+        elif (self._index > 0 and load < self.config.thresholds[rungs[self._index]].exit
+              and now - self._since_s >= self.config.min_dwell_s):
+            self._index -= 1
+            self._since_s = now
+        return self.rung
+
+
+class DegradationLadder:
+    """One ``ClassLadder`` per request class, created on first sight."""
+
+    def __init__(self, config: LadderConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or LadderConfig()
+        self.clock = clock
+        self._classes: dict[str, ClassLadder] = {}
+
+    def observe(self, request_class: str, signal: LoadSignal) -> Rung:
+        ladder = self._classes.get(request_class)
+        if ladder is None:
+            ladder = self._classes[request_class] = ClassLadder(self.config, self.clock)
+        return ladder.observe(signal)
+
+    def rungs(self) -> dict[str, Rung]:
+        """Current rung per class seen so far (does not modify)."""
+        return {name: ladder.rung for name, ladder in self._classes.items()}
+
+
+def served_rung(class_rung: Rung, contract: DegradationContract) -> Rung:
+    """The rung a request is actually served on: shed always applies; otherwise the
+    highest rung at or below the class's that the contract accepts and that acts today."""
+    if class_rung is Rung.SHED:
+        return Rung.SHED
+    for rung in sorted((r for r in Rung if r <= class_rung), reverse=True):
+        if rung in contract.accepted and rung in ACTING_RUNGS:
+            return rung
+    return Rung.NONE

@@ -1,0 +1,163 @@
+"""Sessions and programs: what the scheduler remembers between the hops of an agent.
+
+A *session* is one conversation (its context grows every hop); a *program* is one
+agent run that may own several sessions. The scheduler keeps, per session, the
+context it last saw (prompt + output of the last completed hop) so that a stateful
+hop may send only its new tokens, the executor that holds its KV, and when its tool
+call started; per program, the service it has attained (for least-attained-service
+priority). Both tables are bounded (least recently used entries go first) and keyed by
+tenant, so one tenant can never name another's session.
+
+Validation (bad input names the field):
+
+    stateful hop, unknown session   → session.session_id
+    hop_index not last + 1          → session.hop_index
+    stateful hop_index 0            → session.stateful
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from services.scheduler.errors import InvalidScheduleRequest
+
+
+@dataclass
+class SessionState:
+    tenant: str
+    session_id: str
+    program_id: str
+    last_hop: int = -1  # last completed hop
+    context_token_ids: list[int] = field(default_factory=list)  # prompt + output of the last completed hop
+    executor: str = ""  # where its KV lives
+    pause_started_s: float | None = None  # when the last hop ended (its tool call began)
+    expected_pause_ms: int = 0  # the hint given with the last hop
+    pinned_until_s: float = 0.0  # keep decision in force until then
+    pinned_blocks: int = 0
+    demoted: bool = False  # blocks sent to the cachestore's host tier
+    mean_entropy: float = 0.0  # EWMA of the hops' mean token entropy (nats)
+    observed_pause_ms: float = 0.0  # EWMA of real tool-call lengths (0: none seen yet)
+
+
+@dataclass
+class ProgramState:
+    program_id: str
+    first_arrival_s: float
+    attained_tokens: int = 0  # prompt tokens computed + tokens generated, all hops
+    num_hops: int = 0
+
+
+@dataclass(frozen=True)
+class HopContext:
+    """A validated hop: its full prompt and the state it continues (None: a new session)."""
+
+    prompt_token_ids: list[int]
+    session: SessionState | None
+    program: ProgramState | None
+    num_new_tokens: int  # tokens beyond the session's known context
+
+
+class SessionTable:
+    """Bounded LRU tables of sessions and programs. Mutated only by ``begin_hop`` /
+    ``end_hop`` / ``forget``; lookups do not modify."""
+
+    def __init__(self, max_sessions: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+        self.max_sessions = max_sessions
+        self.clock = clock
+        self._sessions: OrderedDict[tuple[str, str], SessionState] = OrderedDict()
+        self._programs: OrderedDict[tuple[str, str], ProgramState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, tenant: str, session_id: str) -> SessionState | None:
+        return self._sessions.get((tenant, session_id))
+
+    def program(self, tenant: str, program_id: str) -> ProgramState | None:
+        return self._programs.get((tenant, program_id))
+
+    def begin_hop(self, tenant: str, session_id: str, program_id: str, hop_index: int, stateful: bool,
+                  prompt_token_ids: Sequence[int]) -> HopContext:
+        """Validate a hop and resolve its full prompt. Creates nothing yet (a refused or
+        failed hop leaves no trace); raises InvalidScheduleRequest naming the field."""
+        program = self._programs.get((tenant, program_id or session_id)) if (program_id or session_id) else None
+        if not session_id:
+            if stateful:
+                raise InvalidScheduleRequest("session.session_id", "a stateful hop needs a session_id")
+            return HopContext(list(prompt_token_ids), None, program, len(prompt_token_ids))
+        ses = self._sessions.get((tenant, session_id))
+        if stateful and hop_index == 0:
+            raise InvalidScheduleRequest("session.stateful", "hop 0 starts the session: send its full prompt")
+        if ses is None:
+            if stateful:
+                raise InvalidScheduleRequest(
+                    "session.session_id", f"unknown session {session_id!r}: a stateful hop continues a known session")
+            return HopContext(list(prompt_token_ids), None, program, len(prompt_token_ids))
+        if hop_index != ses.last_hop + 1:
+            raise InvalidScheduleRequest(
+                "session.hop_index", f"session {session_id!r} expects hop {ses.last_hop + 1}, got {hop_index}")
+        if stateful:
+            prompt = ses.context_token_ids + list(prompt_token_ids)
+            return HopContext(prompt, ses, program, len(prompt_token_ids))
+        shared = _common_prefix(ses.context_token_ids, prompt_token_ids)
+        return HopContext(list(prompt_token_ids), ses, program, len(prompt_token_ids) - shared)
+
+    def end_hop(self, tenant: str, session_id: str, program_id: str, hop_index: int,
+                prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], executor: str,
+                num_computed_tokens: int, expected_pause_ms: int, mean_entropy: float) -> SessionState | None:
+        """Record a completed hop; returns the session (None for one-shot requests)."""
+        now = self.clock()
+        pid = program_id or session_id
+        if pid:
+            key = (tenant, pid)
+            prog = self._programs.get(key) or ProgramState(pid, now)
+            prog.attained_tokens += num_computed_tokens + len(output_token_ids)
+            prog.num_hops += 1
+            self._programs[key] = prog
+            self._programs.move_to_end(key)
+            _trim(self._programs, self.max_sessions)
+        if not session_id:
+            return None
+        key = (tenant, session_id)
+        ses = self._sessions.get(key) or SessionState(tenant, session_id, pid)
+        ses.last_hop = max(ses.last_hop, hop_index)
+        ses.context_token_ids = list(prompt_token_ids) + list(output_token_ids)
+        ses.executor = executor
+        ses.pause_started_s = now
+        ses.expected_pause_ms = expected_pause_ms
+        ses.demoted = False
+        if mean_entropy > 0:
+            ses.mean_entropy = mean_entropy if not ses.mean_entropy else 0.5 * ses.mean_entropy + 0.5 * mean_entropy
+        self._sessions[key] = ses
+        self._sessions.move_to_end(key)
+        _trim(self._sessions, self.max_sessions)
+        return ses
+
+    def resumed(self, ses: SessionState) -> float | None:
+        """A session's next hop arrived: learn the real pause length; returns it in ms."""
+        if ses.pause_started_s is None:
+            return None
+        pause_ms = (self.clock() - ses.pause_started_s) * 1000.0
+        ses.observed_pause_ms = pause_ms if not ses.observed_pause_ms else 0.7 * ses.observed_pause_ms + 0.3 * pause_ms
+        ses.pause_started_s = None
+        return pause_ms
+
+    def forget(self, tenant: str, session_id: str) -> SessionState | None:
+        return self._sessions.pop((tenant, session_id), None)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _trim(table: OrderedDict, limit: int) -> None:
+    while len(table) > limit:
+        table.popitem(last=False)
