@@ -7,6 +7,12 @@ expiry) the source's entries are dropped and rebuilt from its next events; a sta
 
     hash -> {executor, ...}         (lookup by prompt block)
     executor -> {hash, ...}         (removal of a whole source)
+
+Blocks in a cachestore tier (sleeping = host RAM, archived = disk) are kept apart: they
+make no executor a prefix holder, but any executor can load them, so placement counts
+them as cheaper-than-compute work for every candidate (``num_store_blocks``).
+
+    hash -> {(cachestore, tier), ...}
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ class KvIndex:
     def __init__(self) -> None:
         self._holders: dict[int, set[str]] = {}
         self._by_source: dict[str, set[int]] = {}
+        self._in_store: dict[int, set[tuple[str, str]]] = {}
+        self._store_by_source: dict[str, set[tuple[int, str]]] = {}
 
     def stored(self, source: str, block_hashes: Iterable[int]) -> None:
         owned = self._by_source.setdefault(source, set())
@@ -69,3 +77,45 @@ class KvIndex:
 
     def holders(self, block_hash: int) -> frozenset[str]:
         return frozenset(self._holders.get(block_hash, ()))
+
+    # -- cachestore tiers ---------------------------------------------------------
+    def store_stored(self, source: str, tier: str, block_hashes: Iterable[int]) -> None:
+        owned = self._store_by_source.setdefault(source, set())
+        for h in block_hashes:
+            self._in_store.setdefault(h, set()).add((source, tier))
+            owned.add((h, tier))
+
+    def store_removed(self, source: str, tier: str, block_hashes: Iterable[int]) -> None:
+        owned = self._store_by_source.get(source)
+        if not owned:
+            return
+        for h in block_hashes:
+            owned.discard((h, tier))
+            self._discard_store(h, source, tier)
+
+    def drop_store(self, source: str) -> int:
+        """Forget every block of cachestore ``source`` (gap, restart, cleared)."""
+        owned = self._store_by_source.pop(source, set())
+        for h, tier in owned:
+            self._discard_store(h, source, tier)
+        return len(owned)
+
+    def _discard_store(self, block_hash: int, source: str, tier: str) -> None:
+        holders = self._in_store.get(block_hash)
+        if holders is not None:
+            holders.discard((source, tier))
+            if not holders:
+                del self._in_store[block_hash]
+
+    def num_store_blocks(self, block_hashes: Sequence[int], start: int = 0) -> int:
+        """How many blocks of ``block_hashes`` from ``start`` on, without a gap, some
+        cachestore tier holds. Does not modify the index."""
+        n = 0
+        for h in block_hashes[start:]:
+            if h not in self._in_store:
+                break
+            n += 1
+        return n
+
+    def store_tiers(self, block_hash: int) -> frozenset[str]:
+        return frozenset(tier for _, tier in self._in_store.get(block_hash, ()))

@@ -22,6 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
+# Loading a block from the cachestore costs about this fraction of recomputing it (the
+# executor's cost model decides for real; see docs/architecture.md, "Cachestore and tiers").
+STORE_LOAD_FRACTION = 0.5
+
+
 class PlacementPolicy(enum.Enum):
     KV = "kv"
     ROUND_ROBIN = "round_robin"
@@ -40,6 +45,13 @@ class Candidate:
     num_blocks: int  # KV pool size (0: unknown)
     num_active_requests: int  # running + waiting (estimate)
     max_num_seqs: int  # 0: unknown
+    num_store_blocks: int = 0  # prompt blocks right after the matched ones that a cachestore tier holds
+
+    @property
+    def num_compute_blocks(self) -> float:
+        """Prefill work in blocks: a block loadable from the cachestore counts as
+        ``STORE_LOAD_FRACTION`` of one computed."""
+        return self.num_new_blocks - (1.0 - STORE_LOAD_FRACTION) * self.num_store_blocks
 
     @property
     def num_new_blocks(self) -> int:
@@ -77,7 +89,7 @@ class KvAwarePlacer(Placer):
         self.overlap_weight = overlap_weight
 
     def cost(self, c: Candidate) -> float:
-        cost = self.overlap_weight * c.num_new_blocks + c.num_used_blocks
+        cost = self.overlap_weight * c.num_compute_blocks + c.num_used_blocks
         if c.is_full:
             cost += max(c.num_blocks, c.num_prompt_blocks + 1)
         return cost

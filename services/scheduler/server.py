@@ -112,7 +112,16 @@ class MeshView:
 
     def on_kv(self, msg: events_pb2.KvEvent, delivery: Delivery) -> None:
         if msg.tier not in (events_pb2.TIER_ACTIVE, events_pb2.TIER_UNSPECIFIED):
-            return  # cachestore tiers do not make an executor a prefix holder
+            # Cachestore tiers make no executor a prefix holder, but any executor can
+            # load those blocks: the index keeps them apart (kv_index.py).
+            source, tier = msg.header.source, events_pb2.Tier.Name(msg.tier)
+            if delivery.needs_resync or msg.kind == events_pb2.KV_EVENT_KIND_CLEARED:
+                self.kv_index.drop_store(source)
+            if msg.kind == events_pb2.KV_EVENT_KIND_STORED:
+                self.kv_index.store_stored(source, tier, msg.block_hashes)
+            elif msg.kind == events_pb2.KV_EVENT_KIND_REMOVED:
+                self.kv_index.store_removed(source, tier, msg.block_hashes)
+            return
         source = msg.header.source
         if delivery.needs_resync:
             dropped = self.kv_index.drop_source(source)
@@ -175,13 +184,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             key = (rec.model_id, rec.block_size)
             if key not in chains:
                 hashes = hash_block_chain(prompt, rec.block_size, extra_keys_for(rec.model_id, tenant))
-                chains[key] = (len(hashes), self.view.kv_index.match_prefix(hashes))
-            num_prompt_blocks, matched = chains[key]
+                chains[key] = (len(hashes), self.view.kv_index.match_prefix(hashes), hashes)
+            num_prompt_blocks, matched, hashes = chains[key]
             load = rec.load or ExecutorLoad()
             reported_used = max(0, load.num_blocks - load.num_free_blocks)
             candidates.append(Candidate(
                 name=rec.name, address=rec.address, num_prompt_blocks=num_prompt_blocks,
                 num_matched_blocks=matched.get(rec.name, 0),
+                num_store_blocks=self.view.kv_index.num_store_blocks(hashes, matched.get(rec.name, 0)),
                 num_used_blocks=max(reported_used, self.inflight.num_blocks(rec.name)),
                 num_blocks=rec.num_blocks or load.num_blocks,
                 num_active_requests=max(load.num_running + load.num_waiting, self.inflight.num_requests(rec.name)),
