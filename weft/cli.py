@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from weft import mesh_cli
+from weft import mesh_cli, top
 
 Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
@@ -70,6 +70,7 @@ COMMANDS: dict[str, Registrar] = {
     "up": mesh_cli.register_up,
     "ps": mesh_cli.register_ps,
     "scale": mesh_cli.register_scale,
+    "top": top.register_top,
 }
 
 

@@ -24,6 +24,14 @@ from services.mesh.nats_bus import EventBus
 log = structlog.get_logger(__name__)
 
 
+def _stats_and_gauges(engine) -> dict:
+    """Load report (engine thread); also refreshes the KV gauges, which a step sets
+    before its finished requests give their blocks back."""
+    if engine.step_trace is not None:
+        engine.step_trace.update_gauges(engine)
+    return engine.stats()
+
+
 async def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(ExecutorConfig, "executor", DESCRIPTION, sys.argv[1:] if argv is None else argv)
     configure_logging("executor", config.log_level, config.log_format)
@@ -32,6 +40,8 @@ async def main(argv: Sequence[str] | None = None) -> None:
     from services.executor.async_engine import AsyncEngine
     from services.executor.engine import LLMEngine
     from services.executor.server import ERROR_RULES, ExecutorServicer, encode_event
+    from services.executor.step_trace import StepTrace
+    from services.mesh import metric_catalogue as catalogue
     from weft.v1 import executor_pb2_grpc
 
     grpc_server = GrpcServer("weft.v1.Executor", config.host, config.port, rules=ERROR_RULES,
@@ -49,6 +59,9 @@ async def main(argv: Sequence[str] | None = None) -> None:
     await metrics_server.start()
 
     engine = await asyncio.to_thread(LLMEngine, config.model_dir, config.engine_config)
+    catalogue.register("executor")
+    engine.step_trace = StepTrace(name)
+    engine.step_trace.update_gauges(engine)
     if config.partitions:
         engine.set_partitions(config.partitions)
     async_engine = AsyncEngine(engine, on_kv_events=events.on_kv_events)
@@ -58,7 +71,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
 
         audit = asyncio.create_task(_audit_credit_forever(
             async_engine, CreditAuditor(config.partitions), config.credit_audit_period_s), name="credit-audit")
-    events.read_load = lambda: async_engine.call(lambda e: e.stats())
+    events.read_load = lambda: async_engine.call(_stats_and_gauges)
     servicer = ExecutorServicer(async_engine, name, engine.model_id, config.block_size)
     if config.cachestore_address:
         from services.executor.tier_ops import build_tier_ops

@@ -86,6 +86,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+        self.step_trace = None  # optional StepTrace (step_trace.py): per-request step timings, KV gauges
         log.info(
             "engine_ready", model=str(self.model_dir), num_kv_blocks=self.num_blocks,
             block_size=config.block_size, attention=config.resolved_attention_backend,
@@ -189,10 +190,13 @@ class LLMEngine:
             outputs.append(self._output(seq, 0))
         if not plan.decodes and not plan.prefills:
             return outputs
+        start_ns = time.time_ns()
         result = self.runner.execute(plan)
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted)
         self._advance(plan)
+        if self.step_trace is not None:
+            self.step_trace.on_step(self, plan, start_ns, time.time_ns())
         logprobs = result.tokens.logprobs
         entropies = result.tokens.entropies
         for row, item in enumerate(result.sampled):

@@ -10,6 +10,7 @@ FINISH_REASON_ABORT instead.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import structlog
@@ -21,8 +22,11 @@ from services.executor.errors import CapacityError, InvalidRequestError
 from services.executor.events import ExecutorState, Heartbeat, KvChange, LoadSnapshot
 from services.executor.sampling_params import SamplingParams
 from services.executor.sequence import FinishReason, SessionOptions
+from services.executor.step_trace import RequestSteps, add_executor_spans
+from services.mesh import metric_catalogue as catalogue
 from services.mesh import metrics
 from services.mesh.grpc_server import DrainingError, ErrorRule
+from services.mesh.timeline import STORE, Trace, context_from_metadata, spans_metadata
 from services.mesh.logging import request_context
 from weft.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc
 
@@ -158,6 +162,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if remaining_s is not None and remaining_s <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before start")
         with request_context(rid):
+            trace = Trace(rid, "executor", context_from_metadata(context.invocation_metadata()), executor=self.name)
+            first_token_ns = None
             queue: asyncio.Queue = asyncio.Queue()
             self._streams[rid] = queue
             pump = asyncio.create_task(self._pump(request, params, session, queue), name=f"pump-{rid}")
@@ -175,6 +181,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                         outcome = "error"
                         raise item
                     TOKENS.inc(len(item.new_token_ids))
+                    if first_token_ns is None and item.new_token_ids:
+                        first_token_ns = time.time_ns()
+                        catalogue.count_prefix_lookup(item.num_prompt_tokens, item.num_cached_tokens)
+                    if item.finished:
+                        context.set_trailing_metadata(spans_metadata(self._finish_trace(trace, item, first_token_ns)))
                     yield step_to_proto(item, self.name)
                     if item.finished:
                         outcome = "finished"
@@ -183,12 +194,23 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 RUNNING.dec()
                 REQUESTS.labels(outcome).inc()
                 self._streams.pop(rid, None)
+                self._steps(rid)  # forget the step record of a cancelled / failed request
                 pump.cancel()
                 # Covers a cancel that lands while the add is still in flight; a no-op
                 # when the request already finished or was aborted.
                 self.engine.abort(rid)
                 if outcome == "cancelled":
                     log.info("request_cancelled", executor=self.name)
+
+    def _steps(self, request_id: str) -> RequestSteps:
+        step_trace = getattr(self.engine.engine, "step_trace", None)
+        return step_trace.pop(request_id) if step_trace is not None else RequestSteps()
+
+    def _finish_trace(self, trace: Trace, out: StepOutput, first_token_ns: int | None) -> list:
+        """Close this request's executor spans (kept in this process's timeline store)."""
+        add_executor_spans(trace, self._steps(out.request_id), trace.start_ns, first_token_ns, time.time_ns(),
+                           out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
+        return trace.finish(STORE, num_output_tokens=out.num_output_tokens)
 
     async def _pump(self, request, params: SamplingParams, session: SessionOptions, queue: asyncio.Queue) -> None:
         try:

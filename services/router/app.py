@@ -8,6 +8,7 @@ from __future__ import annotations
 import structlog
 from aiohttp import web
 
+from services.mesh import metric_catalogue as catalogue
 from services.mesh.grpc_server import GrpcServer
 from services.router.auth import KeyStore
 from services.router.config import RouterConfig
@@ -24,6 +25,7 @@ log = structlog.get_logger(__name__)
 class RouterApp:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
+        catalogue.register("router")
         tokenizer = Tokenizer.from_dir(config.model_dir)
         limits = model_limits(config.model_dir, tokenizer, [config.model_name], config.max_model_len)
         self.scheduler = SchedulerClient(config.scheduler_address)

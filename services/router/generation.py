@@ -23,6 +23,7 @@ import structlog
 
 from services.router.detokenizer import IncrementalDetokenizer
 from services.router.errors import InvalidRequestError, UpstreamError
+from services.router.request_trace import RequestRecorder
 from services.router.schema import ChatRequest, Delta, Sampling, Session, TokenChunk, TokenRequest, Usage
 from services.router.stop_strings import StopStringMatcher
 from services.router.tokenizer import Tokenizer
@@ -120,9 +121,13 @@ class Generator:
         match it is "stop" and the downstream stream is cancelled."""
         detok = IncrementalDetokenizer(self.tokenizer)
         matcher = StopStringMatcher(tuple(stop))
+        recorder = RequestRecorder(request)  # this request's timeline; read by the scheduler client
         chunks = self.downstream.generate(request, self.request_timeout_s)
+        reason, num_output_tokens, executor = None, 0, ""
         try:
             async for chunk in chunks:
+                recorder.on_chunk(chunk)
+                num_output_tokens, executor = chunk.num_output_tokens, chunk.executor
                 finished = chunk.finish_reason is not None
                 text = detok.push(chunk.token_ids)
                 if finished:
@@ -138,3 +143,4 @@ class Generator:
             raise UpstreamError("the scheduler's stream ended without a finish reason")
         finally:
             await chunks.aclose()
+            recorder.finish(reason, num_output_tokens, executor)

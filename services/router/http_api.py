@@ -5,6 +5,8 @@
     GET  /v1/models             the served model
     GET  /health                200 while serving, 503 while draining
     GET  /metrics               Prometheus
+    GET  /v1/weft/verdict       the rolling p99 attribution (``attribution.py``)
+    GET  /v1/weft/requests/{id}/timeline   a recent request's spans across the mesh
 
 Every generation response carries ``x-weft-executor`` (the executor serving it) and
 ``x-request-id``. Streaming responses send headers only once the first chunk arrived,
@@ -25,7 +27,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.mesh.logging import request_context
 from services.mesh.metrics import REGISTRY
+from services.mesh.timeline import STORE, timeline_json
 from services.router import metrics as m
+from services.router.attribution import ATTRIBUTION
 from services.router.auth import KeyStore, bearer_token
 from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, RouterError,
                                     UpstreamError, UpstreamUnavailable)
@@ -79,6 +83,8 @@ class HttpApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/weft/verdict", self.verdict)
+        app.router.add_get("/v1/weft/requests/{request_id}/timeline", self.timeline)
         return app
 
     # -- plumbing -------------------------------------------------------------------
@@ -125,6 +131,25 @@ class HttpApi:
 
     async def metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def verdict(self, request: web.Request) -> web.Response:
+        """The p99 verdict; ``?window_s=N`` narrows it to requests finished in the last N s."""
+        raw = request.query.get("window_s")
+        try:
+            window_s = float(raw) if raw is not None else None
+        except ValueError:
+            raise InvalidRequestError("window_s", f"must be a number of seconds, got {raw!r}") from None
+        return web.json_response(ATTRIBUTION.verdict(max_age_s=window_s).to_json())
+
+    async def timeline(self, request: web.Request) -> web.Response:
+        """A recent request's timeline; only its own tenant may read it (404 otherwise)."""
+        tenant = self._tenant(request)
+        rid = request.match_info["request_id"]
+        spans = STORE.get(rid)
+        owner = next((s.attrs.get("tenant") for s in spans or () if s.name == "router.request"), None)
+        if not spans or owner != tenant:
+            raise web.HTTPNotFound(text=f"no recent timeline for request {rid!r}")
+        return web.json_response(timeline_json(rid, spans))
 
     async def models(self, request: web.Request) -> web.Response:
         self._tenant(request)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
+from services.mesh.timeline import CURRENT_TRACE, TRACEPARENT_KEY, spans_from_metadata
 from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
 from services.router.schema import TokenChunk, TokenRequest
 from weft.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -103,12 +104,18 @@ class SchedulerClient:
     async def generate(self, request: TokenRequest, timeout_s: float) -> AsyncIterator[TokenChunk]:
         """Stream the request's chunks. Closing this generator cancels the call."""
         message = to_proto(request)
+        trace = CURRENT_TRACE.get()
+        metadata = ((TRACEPARENT_KEY, trace.context().traceparent()),) if trace is not None else None
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            call = self._stub.Generate(message, timeout=timeout_s)
+            call = self._stub.Generate(message, timeout=timeout_s, metadata=metadata)
             got_first = False
             try:
                 async for resp in call:
                     got_first = True
+                    if resp.finish_reason and trace is not None:
+                        # The scheduler's and executor's spans come in the trailers, right
+                        # after this last message: take them before the stream is closed.
+                        trace.add_downstream(spans_from_metadata(await _trailers(call)))
                     yield from_proto(resp)
                 return
             except grpc.aio.AioRpcError as err:
@@ -127,6 +134,13 @@ class SchedulerClient:
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+async def _trailers(call, timeout_s: float = 1.0):
+    try:
+        return await asyncio.wait_for(call.trailing_metadata(), timeout_s)
+    except (asyncio.TimeoutError, grpc.RpcError):
+        return ()
 
 
 async def _backoff(attempt: int) -> None:

@@ -9,6 +9,7 @@ import structlog
 
 from services.mesh.env_config import load_config
 from services.mesh.grpc_server import GrpcServer
+from services.mesh import metric_catalogue as catalogue
 from services.mesh.logging import configure_logging
 from services.mesh.metrics import MetricsServer
 from services.mesh.nats_bus import EventBus
@@ -38,6 +39,8 @@ async def main(argv: Sequence[str] | None = None) -> None:
         tenant_admission=TenantAdmission(admission, config.max_in_flight_per_tenant, config.max_queue_per_tenant),
         ladder=DegradationLadder(config.ladder_config),
     )
+    catalogue.register("scheduler")
+    catalogue.metric("weft_queue_depth").labels("scheduler").set_function(lambda: servicer.admission.num_queued)
     grpc_server = GrpcServer("weft.v1.Scheduler", config.host, config.port, rules=ERROR_RULES,
                              max_message_bytes=config.max_message_bytes, grace_s=config.grace_s)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, grpc_server.server)

@@ -17,8 +17,12 @@ import grpc
 import structlog
 
 from services.executor.block_hash import extra_keys_for, hash_block_chain
+from services.mesh import metric_catalogue as catalogue
 from services.mesh import metrics
 from services.mesh.grpc_server import DrainingError, channel_options
+from services.mesh.timeline import (
+    STORE, TRACEPARENT_KEY, Trace, context_from_metadata, spans_from_metadata, spans_metadata,
+)
 from services.mesh.logging import request_context
 from services.mesh.nats_bus import Delivery, EventBus
 from services.scheduler.admission import Admission
@@ -34,7 +38,7 @@ from services.scheduler.membership import ExecutorLoad, ExecutorRecord, Executor
 from services.scheduler.placement import Candidate, InflightTracker, Placement, Placer
 from services.scheduler.tenant_limits import TenantAdmission
 from weft.v1.common_pb2 import DegradationRung as DegradationRungPb, RequestClass as RequestClassPb
-from weft.v1 import events_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from weft.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -157,6 +161,11 @@ def _blocks(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def _class_label(request: scheduler_pb2.ScheduleRequest) -> str:
+    name = common_pb2.RequestClass.Name(request.session.request_class) if request.HasField("session") else ""
+    return name.removeprefix("REQUEST_CLASS_").lower().replace("unspecified", "")
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, view: MeshView, placer: Placer, admission: Admission, channels: ChannelPool,
                  placement_attempts: int = 2, migration: MigrationPolicy | None = None,
@@ -211,29 +220,38 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         prompt = list(request.prompt_token_ids)
         with request_context(rid):
             t0 = time.monotonic()
+            trace = Trace(rid, "scheduler", context_from_metadata(context.invocation_metadata()))
             try:
                 self._shed_if_degraded(request)
                 await self.tenant_admission.enter(request.tenant)
             except OverloadedError:
                 REQUESTS.labels("rejected").inc()
+                catalogue.count_admission_rejection("queue_full")
+                trace.finish(STORE, outcome="rejected")
                 raise
             outcome = "cancelled"
             try:
                 queue_s = time.monotonic() - t0
                 QUEUE_SECONDS.observe(queue_s)
+                catalogue.observe_queue_wait(_class_label(request), queue_s)
+                admitted_ns = trace.span("scheduler.queue", trace.start_ns, time.time_ns()).end_ns
                 ranked = self.rank(request.model_id, request.tenant, prompt)
+                trace.span("scheduler.place", admitted_ns, time.time_ns(), num_candidates=len(ranked))
                 if not ranked:
                     outcome = "no_executor"
+                    catalogue.count_admission_rejection("no_executor")
                     raise NoExecutorError(f"no serving executor for model {request.model_id or '(any)'!r}")
-                async for chunk in self._migrating_relay(request, prompt, ranked, context, int(queue_s * 1000)):
+                async for chunk in self._migrating_relay(request, prompt, ranked, context, int(queue_s * 1000), trace):
                     yield chunk
                 outcome = "finished"
+                context.set_trailing_metadata(spans_metadata(trace.finish(STORE, outcome=outcome)))
             except Exception:
                 outcome = "error" if outcome == "cancelled" else outcome
                 raise
             finally:
                 self.tenant_admission.leave(request.tenant)
                 REQUESTS.labels(outcome).inc()
+                trace.finish(STORE, outcome=outcome)  # no-op when already finished
 
     def _timeout_s(self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext) -> float | None:
         timeouts = []
@@ -249,7 +267,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             raise DeadlineError("deadline passed before the request was placed")
         return timeout
 
-    async def _relay(self, request, prompt, ranked: list[Placement], context, queue_ms: int):
+    async def _relay(self, request, prompt, ranked: list[Placement], context, queue_ms: int,
+                     trace: Trace | None = None):
         exec_request = executor_pb2.ExecuteRequest(
             request_id=request.request_id, prompt_token_ids=prompt, sampling=request.sampling,
             tenant_salt=request.tenant, priority=request.priority, session=request.session,
@@ -260,8 +279,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         for i, placement in enumerate(attempts):
             rec = self.view.membership.get(placement.name)
             block_size = rec.block_size if rec else 16
+            call_ns = time.time_ns()
             call = self.channels.stub(placement.address).Generate(
-                exec_request, timeout=self._timeout_s(request, context))
+                exec_request, timeout=self._timeout_s(request, context),
+                metadata=((TRACEPARENT_KEY, trace.context().traceparent()),) if trace else None)
             self.inflight.start(placement.name, request.request_id, _blocks(len(prompt), block_size))
             sent_any = False
             try:
@@ -281,6 +302,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         queue_ms=queue_ms if not sent_any else 0,
                     )
                     sent_any = True
+                if trace is not None:
+                    trace.span("scheduler.executor_call", call_ns, time.time_ns(), executor=placement.name,
+                               attempt=i, num_matched_blocks=placement.num_matched_blocks)
+                    trace.add_downstream(spans_from_metadata(await call.trailing_metadata()))
                 return
             except grpc.aio.AioRpcError as exc:
                 retryable = exc.code() == grpc.StatusCode.UNAVAILABLE

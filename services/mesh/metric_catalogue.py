@@ -1,0 +1,247 @@
+"""The one metric catalogue of the mesh: every ``weft_*`` metric that explains latency
+and memory, with its type, labels and help, and the one function each event calls.
+
+NOTE: services never construct these metrics themselves. They call ``register(service)``
+once at start (so every metric they own is exported, even before its first event) and
+then the small recording functions below at the place the event happens. A metric whose
+feature has not landed yet is still declared here with ``waits_for`` naming the issue,
+so dashboards and ``weft top`` can already be written against it. ``docs/metrics.md``
+is this table in prose; a test keeps the two in step.
+
+Label values are bounded: request classes come from a fixed enum, tenants from the keys
+file, partitions from the executor's quota table, tiers from ``TIERS``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily
+
+from services.mesh import metrics
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TIERS = ("active", "sleeping", "archived")  # executor GPU/CPU pool, cachestore host RAM, cachestore disk
+KV_STATES = ("used", "reserved", "borrowed")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One catalogue entry. ``service`` is the process that exports it; ``waits_for``
+    names the issue whose feature makes it move (None: live now)."""
+
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    labels: tuple[str, ...]
+    help: str
+    service: str
+    waits_for: str | None = None
+    buckets: tuple[float, ...] | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.waits_for is None
+
+
+_SESSIONS = "issue 5 (sessions, pauses, priority, contracts)"
+_TIERING = "issue 6 (cachestore tiers, promotion/demotion)"
+_MIGRATION = "the migration issue (a request continued on another executor)"
+
+CATALOGUE: tuple[MetricSpec, ...] = (
+    # -- latency, by request class and tenant (router: where a request starts and ends)
+    MetricSpec("weft_ttft_seconds", "histogram", ("request_class", "tenant"),
+               "Time from the request reaching the router to its first token.", "router",
+               buckets=LATENCY_BUCKETS_S),
+    MetricSpec("weft_tpot_seconds", "histogram", ("request_class", "tenant"),
+               "Mean time per output token after the first, one observation per request.", "router",
+               buckets=TOKEN_LATENCY_BUCKETS_S),
+    MetricSpec("weft_e2e_seconds", "histogram", ("request_class", "tenant"),
+               "Time from the request reaching the router to its last token.", "router",
+               buckets=LATENCY_BUCKETS_S),
+    # -- queueing and admission (scheduler)
+    MetricSpec("weft_queue_depth", "gauge", ("service",),
+               "Requests waiting: for a scheduler in-flight slot, or in an executor's waiting queue.", "scheduler"),
+    MetricSpec("weft_queue_wait_seconds", "histogram", ("request_class",),
+               "Time a request waited for admission in the scheduler.", "scheduler",
+               buckets=LATENCY_BUCKETS_S),
+    MetricSpec("weft_admission_rejections_total", "counter", ("reason",),
+               "Requests refused at admission (reason: queue_full, no_executor).", "scheduler"),
+    # -- KV memory per partition (executor)
+    MetricSpec("weft_kv_blocks", "gauge", ("executor", "partition", "state"),
+               "KV blocks per partition: used, reserved (its guaranteed share), borrowed (used beyond it).",
+               "executor"),
+    MetricSpec("weft_kv_pool_blocks", "gauge", ("executor", "state"),
+               "KV pool size and free blocks (state: total, free).", "executor"),
+    MetricSpec("weft_kv_preemptions_total", "counter", ("executor",),
+               "Running requests preempted because the KV pool (or a partition quota) ran out.", "executor"),
+    MetricSpec("weft_executor_queue_depth", "gauge", ("executor",),
+               "Requests an executor holds but has not scheduled yet (waiting for KV or a slot).", "executor"),
+    # -- tiers: hit rates, demotion and promotion
+    MetricSpec("weft_kv_lookup_tokens_total", "counter", ("tier", "result"),
+               "Prompt tokens looked up in a KV tier, by result (hit, miss); active = executor prefix cache.",
+               "executor"),
+    MetricSpec("weft_cachestore_tier_lookups_total", "counter", ("tier", "result"),
+               "Block lookups in a cachestore tier (sleeping = host RAM, archived = disk) by result.", "cachestore"),
+    MetricSpec("weft_kv_demotions_total", "counter", ("from_tier", "to_tier"),
+               "KV blocks moved down a tier (executor to cachestore, host RAM to disk).", "cachestore",
+               waits_for=_TIERING),
+    MetricSpec("weft_kv_promotions_total", "counter", ("from_tier", "to_tier"),
+               "KV blocks moved up a tier (disk to host RAM, cachestore back to an executor).", "cachestore",
+               waits_for=_TIERING),
+    # -- agent-native features
+    MetricSpec("weft_session_pauses_total", "counter", ("action",),
+               "Tool-call pauses by what happened to the session's KV (keep, demote, drop).", "scheduler",
+               waits_for=_SESSIONS),
+    MetricSpec("weft_migrations_total", "counter", ("reason",),
+               "Requests continued on another executor mid-stream.", "scheduler", waits_for=_MIGRATION),
+    MetricSpec("weft_degradation_rung", "gauge", ("request_class",),
+               "Current rung of the degradation ladder per class (0 = full quality).", "scheduler",
+               waits_for=_SESSIONS),
+    # -- the verdict (router: it sees whole timelines)
+    MetricSpec("weft_p99_attribution_seconds", "gauge", ("component",),
+               "Mean time per component among the slowest 1 % of recent requests.", "router"),
+    MetricSpec("weft_p99_verdict", "gauge", ("cause",),
+               "1 for the component that dominates recent tail latency, 0 for the others.", "router"),
+    MetricSpec("weft_p99_latency_seconds", "gauge", ("quantile",),
+               "Rolling end-to-end latency quantiles (0.5, 0.99) over the attribution window.", "router"),
+)
+
+_BY_NAME = {spec.name: spec for spec in CATALOGUE}
+# Exported by ``TierStatsCollector`` at scrape time from the tiers' own hit/miss counters.
+COLLECTED = frozenset({"weft_cachestore_tier_lookups_total"})
+
+
+def spec(name: str) -> MetricSpec:
+    return _BY_NAME[name]
+
+
+def for_service(service: str) -> list[MetricSpec]:
+    return [s for s in CATALOGUE if s.service == service]
+
+
+def metric(name: str):
+    """The Prometheus object of a catalogue entry (get-or-create in the process registry)."""
+    s = _BY_NAME[name]
+    if name in COLLECTED:
+        raise ValueError(f"{name} is exported by TierStatsCollector, not recorded directly")
+    if s.kind == "counter":
+        return metrics.counter(s.name, s.help, s.labels)
+    if s.kind == "gauge":
+        return metrics.gauge(s.name, s.help, s.labels)
+    return metrics.histogram(s.name, s.help, s.labels, s.buckets)
+
+
+def register(service: str) -> None:
+    """Declare every metric ``service`` exports, so a scrape lists them before any event."""
+    for s in for_service(service):
+        if s.name not in COLLECTED:
+            metric(s.name)
+
+
+# -- recording: one function per event ------------------------------------------------
+def request_class_label(request_class: str) -> str:
+    return request_class or "unspecified"
+
+
+def observe_request(request_class: str, tenant: str, ttft_s: float | None, e2e_s: float,
+                    num_output_tokens: int) -> None:
+    """A request finished at the router. TPOT is (e2e - ttft) / (tokens - 1)."""
+    labels = (request_class_label(request_class), tenant or "default")
+    if ttft_s is not None:
+        metric("weft_ttft_seconds").labels(*labels).observe(ttft_s)
+        if num_output_tokens > 1:
+            metric("weft_tpot_seconds").labels(*labels).observe(max(0.0, e2e_s - ttft_s) / (num_output_tokens - 1))
+    metric("weft_e2e_seconds").labels(*labels).observe(e2e_s)
+
+
+def set_queue_depth(service: str, depth: int) -> None:
+    metric("weft_queue_depth").labels(service).set(depth)
+
+
+def observe_queue_wait(request_class: str, wait_s: float) -> None:
+    metric("weft_queue_wait_seconds").labels(request_class_label(request_class)).observe(wait_s)
+
+
+def count_admission_rejection(reason: str) -> None:
+    metric("weft_admission_rejections_total").labels(reason).inc()
+
+
+def set_kv_usage(executor: str, partitions: Iterable, num_blocks: int, num_free_blocks: int) -> None:
+    """``partitions``: objects with name / used_blocks / reserved_blocks / borrowed_blocks
+    (``BlockPool.usage()``)."""
+    kv = metric("weft_kv_blocks")
+    for p in partitions:
+        kv.labels(executor, p.name, "used").set(p.used_blocks)
+        kv.labels(executor, p.name, "reserved").set(p.reserved_blocks)
+        kv.labels(executor, p.name, "borrowed").set(p.borrowed_blocks)
+    pool = metric("weft_kv_pool_blocks")
+    pool.labels(executor, "total").set(num_blocks)
+    pool.labels(executor, "free").set(num_free_blocks)
+
+
+def set_executor_queue_depth(executor: str, depth: int) -> None:
+    metric("weft_executor_queue_depth").labels(executor).set(depth)
+
+
+def count_preemptions(executor: str, num: int) -> None:
+    if num:
+        metric("weft_kv_preemptions_total").labels(executor).inc(num)
+
+
+def count_prefix_lookup(num_prompt_tokens: int, num_cached_tokens: int) -> None:
+    """The executor's prefix cache (tier ``active``) served ``num_cached_tokens`` of a prompt."""
+    lookups = metric("weft_kv_lookup_tokens_total")
+    lookups.labels("active", "hit").inc(num_cached_tokens)
+    lookups.labels("active", "miss").inc(max(0, num_prompt_tokens - num_cached_tokens))
+
+
+def count_demotion(from_tier: str, to_tier: str, num_blocks: int = 1) -> None:
+    metric("weft_kv_demotions_total").labels(from_tier, to_tier).inc(num_blocks)
+
+
+def count_promotion(from_tier: str, to_tier: str, num_blocks: int = 1) -> None:
+    metric("weft_kv_promotions_total").labels(from_tier, to_tier).inc(num_blocks)
+
+
+def count_pause(action: str) -> None:
+    metric("weft_session_pauses_total").labels(action).inc()
+
+
+def count_migration(reason: str) -> None:
+    metric("weft_migrations_total").labels(reason).inc()
+
+
+def set_degradation_rung(request_class: str, rung: int) -> None:
+    metric("weft_degradation_rung").labels(request_class_label(request_class)).set(rung)
+
+
+class TierStatsCollector:
+    """Exports the cachestore's per-tier hit / miss counts at scrape time from the tiers'
+    own counters, so the tier code needs no metric calls of its own."""
+
+    def __init__(self, store=None) -> None:
+        self.store = store
+
+    def collect(self):
+        s = spec("weft_cachestore_tier_lookups_total")
+        lookups = CounterMetricFamily(s.name.removesuffix("_total"), s.help, labels=s.labels)
+        for tier, t in (("sleeping", getattr(self.store, "host", None)), ("archived", getattr(self.store, "disk", None))):
+            if t is not None:
+                lookups.add_metric([tier, "hit"], float(getattr(t, "num_hits", 0)))
+                lookups.add_metric([tier, "miss"], float(getattr(t, "num_misses", 0)))
+        yield lookups
+
+
+_watched: list[TierStatsCollector] = []
+
+
+def watch_cachestore(store=None) -> TierStatsCollector:
+    """Export ``store``'s tier metrics (one collector per process; a later store
+    replaces the earlier one, as tests build several)."""
+    if not _watched:
+        collector = TierStatsCollector()
+        metrics.REGISTRY.register(collector)
+        _watched.append(collector)
+    _watched[0].store = store
+    return _watched[0]
