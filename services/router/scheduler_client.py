@@ -3,19 +3,19 @@
 Like ``server.py`` on the inbound side, this is the only other router module that
 touches generated protobuf types; it converts ``TokenRequest`` / ``TokenChunk``
 dataclasses and maps gRPC status codes to the router's domain errors. A call that
-fails UNAVAILABLE before its first chunk is retried (bounded, jittered): nothing was
+fails UNAVAILABLE or RESOURCE_EXHAUSTED before its first chunk is retried (tenacity: bounded, jittered): nothing was
 generated yet, so a retry is invisible to the client.
 """
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 from collections.abc import AsyncIterator
 
 import grpc
 import structlog
 
+from services.mesh.retry import rpc_retrying
 from services.mesh.timeline import CURRENT_TRACE, TRACEPARENT_KEY, spans_from_metadata
 from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
 from services.router.schema import TokenChunk, TokenRequest
@@ -73,6 +73,9 @@ def from_proto(resp: scheduler_pb2.ScheduleResponse) -> TokenChunk:
         num_cached_tokens=resp.usage.num_cached_tokens,
         num_output_tokens=resp.usage.num_output_tokens,
         executor=resp.executor,
+        degradation_rung=common_pb2.DegradationRung.Name(resp.degradation_rung).removeprefix("DEGRADATION_RUNG_").lower()
+        if resp.degradation_rung else "",
+        num_migrations=resp.num_migrations,
     )
 
 
@@ -106,26 +109,39 @@ class SchedulerClient:
         message = to_proto(request)
         trace = CURRENT_TRACE.get()
         metadata = ((TRACEPARENT_KEY, trace.context().traceparent()),) if trace is not None else None
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            call = self._stub.Generate(message, timeout=timeout_s, metadata=metadata)
-            got_first = False
-            try:
-                async for resp in call:
-                    got_first = True
-                    if resp.finish_reason and trace is not None:
-                        # The scheduler's and executor's spans come in the trailers, right
-                        # after this last message: take them before the stream is closed.
-                        trace.add_downstream(spans_from_metadata(await _trailers(call)))
-                    yield from_proto(resp)
-                return
-            except grpc.aio.AioRpcError as err:
-                retryable = err.code() == grpc.StatusCode.UNAVAILABLE and not got_first and attempt < MAX_ATTEMPTS
-                if not retryable:
-                    raise domain_error(err) from None
-                log.warning("scheduler_retry", request_id=request.request_id, attempt=attempt, details=err.details())
-                await _backoff(attempt)
-            finally:
-                call.cancel()
+        try:
+            call, resp = await self._open(message, timeout_s, metadata, request.request_id)
+        except grpc.aio.AioRpcError as err:
+            raise domain_error(err) from None
+        try:
+            while resp is not grpc.aio.EOF:
+                if resp.finish_reason and trace is not None:
+                    # The scheduler's and executor's spans come in the trailers, right
+                    # after this last message: take them before the stream is closed.
+                    trace.add_downstream(spans_from_metadata(await _trailers(call)))
+                yield from_proto(resp)
+                resp = await call.read()
+        except grpc.aio.AioRpcError as err:
+            raise domain_error(err) from None
+        finally:
+            call.cancel()
+
+    async def _open(self, message, timeout_s: float, metadata, request_id: str):
+        """Start the call and read its first message: (call, first message or EOF).
+        Retried with tenacity (bounded, jittered, at least the server's retry-after hint,
+        capped at 0.5 s) only on UNAVAILABLE / RESOURCE_EXHAUSTED, and only here, before
+        anything was generated, so a retry is invisible to the client."""
+        async for attempt in rpc_retrying(max_attempts=MAX_ATTEMPTS, initial_s=0.05, max_wait_s=0.5):
+            with attempt:
+                if attempt.retry_state.attempt_number > 1:
+                    log.warning("scheduler_retry", request_id=request_id, attempt=attempt.retry_state.attempt_number)
+                call = self._stub.Generate(message, timeout=timeout_s, metadata=metadata)
+                try:
+                    return call, await call.read()
+                except BaseException:
+                    call.cancel()
+                    raise
+        raise AssertionError("unreachable: rpc_retrying reraises")  # pragma: no cover
 
     async def list_executors(self, timeout_s: float = 2.0) -> list[dict]:
         resp = await self._stub.ListExecutors(scheduler_pb2.ListExecutorsRequest(), timeout=timeout_s)
@@ -143,5 +159,3 @@ async def _trailers(call, timeout_s: float = 1.0):
         return ()
 
 
-async def _backoff(attempt: int) -> None:
-    await asyncio.sleep(min(0.05 * 2**attempt, 0.5) * (0.5 + random.random()))

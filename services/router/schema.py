@@ -97,6 +97,8 @@ class TokenChunk:
     num_cached_tokens: int
     num_output_tokens: int
     executor: str
+    degradation_rung: str = ""  # rung of the degradation ladder that served it (first chunk), "" = unknown
+    num_migrations: int = 0  # times the stream moved to another executor (last chunk)
 
 
 @dataclass(frozen=True)
@@ -121,3 +123,5 @@ class Delta:
     finish_reason: str | None
     usage: Usage
     executor: str
+    degradation_rung: str = ""  # see TokenChunk
+    num_migrations: int = 0  # see TokenChunk

@@ -137,4 +137,7 @@ def _response(rid: str, delta: Delta, logprobs: bool) -> router_pb2.GenerateResp
         request_id=rid, text_delta=delta.text, token_ids_delta=list(delta.token_ids),
         logprobs_delta=list(delta.logprobs) if logprobs else [], finish_reason=_FINISH.get(delta.finish_reason, 0),
         usage=usage, executor=delta.executor,
+        degradation_rung=common_pb2.DegradationRung.Value(f"DEGRADATION_RUNG_{delta.degradation_rung.upper()}")
+        if delta.degradation_rung else 0,
+        num_migrations=delta.num_migrations,
     )
