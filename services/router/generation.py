@@ -22,6 +22,7 @@ import jinja2
 import structlog
 
 from services.router.detokenizer import IncrementalDetokenizer
+from services.router.intent import prescreen
 from services.router.errors import InvalidRequestError, UpstreamError
 from services.router.request_trace import RequestRecorder
 from services.router.schema import ChatRequest, Delta, Sampling, Session, TokenChunk, TokenRequest, Usage
@@ -82,7 +83,7 @@ class Generator:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def token_request(self, prompt_ids: Sequence[int], sampling: Sampling, tenant: str, session: Session,
-                      prompt_field: str, request_id: str) -> TokenRequest:
+                      prompt_field: str, request_id: str, has_tools: bool = False) -> TokenRequest:
         """Check the prompt against the context and resolve max_tokens."""
         for i, t in enumerate(prompt_ids):
             if not 0 <= t < self.limits.vocab_size:
@@ -96,13 +97,14 @@ class Generator:
             sampling=replace(sampling, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens),
                              stop_token_ids=tuple(stop_ids)),
             tenant=tenant,
-            session=session,
+            # Intent pre-screen (intent.py): class and contract template, in microseconds.
+            session=prescreen(session, has_tools, len(prompt_ids), max_tokens),
             deadline_unix_ms=int((time.time() + self.request_timeout_s) * 1000),
         )
 
     def chat_token_request(self, req: ChatRequest, tenant: str, request_id: str) -> TokenRequest:
         ids = self.chat_prompt_ids(req.messages, req.tools)
-        return self.token_request(ids, req.sampling, tenant, req.session, "messages", request_id)
+        return self.token_request(ids, req.sampling, tenant, req.session, "messages", request_id, bool(req.tools))
 
     async def chat_token_request_async(self, req: ChatRequest, tenant: str, request_id: str) -> TokenRequest:
         size = sum(len(m.get("content") or "") for m in req.messages)

@@ -39,6 +39,13 @@ _CLASSES = {
     "interactive": common_pb2.REQUEST_CLASS_INTERACTIVE,
     "deterministic": common_pb2.REQUEST_CLASS_DETERMINISTIC,
     "batch": common_pb2.REQUEST_CLASS_BATCH,
+    "agentic": common_pb2.REQUEST_CLASS_AGENTIC,
+}
+_FALLBACKS = {
+    "": common_pb2.FALLBACK_PATH_UNSPECIFIED,
+    "degrade": common_pb2.FALLBACK_PATH_DEGRADE,
+    "reroute": common_pb2.FALLBACK_PATH_REROUTE,
+    "fail_fast": common_pb2.FALLBACK_PATH_FAIL_FAST,
 }
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.*)$", re.S)
 MAX_ATTEMPTS = 3
@@ -57,6 +64,9 @@ def to_proto(req: TokenRequest) -> scheduler_pb2.ScheduleRequest:
     session = common_pb2.SessionInfo(
         session_id=ses.session_id, program_id=ses.program_id, hop_index=ses.hop_index,
         expected_tool_ms=ses.expected_tool_ms, request_class=_CLASSES[ses.request_class],
+        stateful=ses.stateful, contract=common_pb2.Contract(
+            kv_quota_blocks=ses.contract.kv_quota_blocks, ttft_ceiling_ms=ses.contract.ttft_ceiling_ms,
+            tpot_ceiling_ms=ses.contract.tpot_ceiling_ms, fallback=_FALLBACKS[ses.contract.fallback]),
     )
     return scheduler_pb2.ScheduleRequest(
         request_id=req.request_id, model_id=req.model, prompt_token_ids=list(req.prompt_token_ids),

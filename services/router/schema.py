@@ -26,6 +26,16 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class ContractSpec:
+    """Per-task contract (``weft.v1.Contract``); zeros mean "none" / "by class"."""
+
+    kv_quota_blocks: int = 0
+    ttft_ceiling_ms: int = 0
+    tpot_ceiling_ms: int = 0
+    fallback: str = ""  # "", "degrade", "reroute", "fail_fast"
+
+
+@dataclass(frozen=True)
 class Session:
     """Agent session context (all optional)."""
 
@@ -33,7 +43,9 @@ class Session:
     program_id: str = ""
     hop_index: int = 0
     expected_tool_ms: int = 0
-    request_class: str = ""  # "", "interactive", "deterministic", "batch"
+    request_class: str = ""  # "", "interactive", "agentic", "deterministic", "batch"
+    stateful: bool = False  # the prompt holds only this hop's new tokens
+    contract: ContractSpec = field(default_factory=ContractSpec)
 
 
 @dataclass(frozen=True)

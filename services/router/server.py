@@ -21,7 +21,7 @@ from services.router.auth import KeyStore, bearer_token
 from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, UpstreamError,
                                     UpstreamUnavailable)
 from services.router.generation import Generator, new_request_id
-from services.router.schema import Delta, Sampling, Session
+from services.router.schema import ContractSpec, Delta, Sampling, Session
 from services.router.validation import parse_sampling, parse_stop
 from weft.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -38,7 +38,8 @@ _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH
            "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT,
            "error": common_pb2.FINISH_REASON_ERROR}
 _CLASSES = {common_pb2.REQUEST_CLASS_UNSPECIFIED: "", common_pb2.REQUEST_CLASS_INTERACTIVE: "interactive",
-            common_pb2.REQUEST_CLASS_DETERMINISTIC: "deterministic", common_pb2.REQUEST_CLASS_BATCH: "batch"}
+            common_pb2.REQUEST_CLASS_DETERMINISTIC: "deterministic", common_pb2.REQUEST_CLASS_BATCH: "batch",
+            common_pb2.REQUEST_CLASS_AGENTIC: "agentic"}
 
 
 def _api_key(context: grpc.aio.ServicerContext) -> str | None:
@@ -126,8 +127,16 @@ def _message(msg: router_pb2.ChatMessage) -> dict:
 
 
 def _session(s: common_pb2.SessionInfo):
+    c = s.contract
+    contract = ContractSpec(kv_quota_blocks=c.kv_quota_blocks, ttft_ceiling_ms=c.ttft_ceiling_ms,
+                            tpot_ceiling_ms=c.tpot_ceiling_ms, fallback=_FALLBACK_NAMES.get(c.fallback, ""))
     return Session(session_id=s.session_id, program_id=s.program_id, hop_index=s.hop_index,
-                   expected_tool_ms=s.expected_tool_ms, request_class=_CLASSES.get(s.request_class, ""))
+                   expected_tool_ms=s.expected_tool_ms, request_class=_CLASSES.get(s.request_class, ""),
+                   stateful=s.stateful, contract=contract)
+
+
+_FALLBACK_NAMES = {common_pb2.FALLBACK_PATH_DEGRADE: "degrade", common_pb2.FALLBACK_PATH_REROUTE: "reroute",
+                   common_pb2.FALLBACK_PATH_FAIL_FAST: "fail_fast"}
 
 
 def _response(rid: str, delta: Delta, logprobs: bool) -> router_pb2.GenerateResponse:

@@ -15,9 +15,10 @@ from typing import Any
 from services.router.chat_messages import parse_message, parse_tool_choice, parse_tools
 from services.router.errors import InvalidRequestError, ModelNotFoundError
 from services.router.json_fields import json_object, json_type, optional_field
-from services.router.schema import ChatRequest, CompletionRequest, Sampling, Session
+from services.router.schema import ChatRequest, CompletionRequest, ContractSpec, Sampling, Session
 
-_REQUEST_CLASSES = ("", "interactive", "deterministic", "batch")
+_REQUEST_CLASSES = ("", "interactive", "agentic", "deterministic", "batch")
+_FALLBACKS = ("", "degrade", "reroute", "fail_fast")
 
 
 @dataclass(frozen=True)
@@ -186,10 +187,32 @@ def _session(body: Mapping[str, Any]) -> Session:
     for name, value in (("hop_index", hop_index), ("expected_tool_ms", expected_tool_ms)):
         if not 0 <= value < 2**32:
             raise InvalidRequestError(name, f"must be in [0, 2^32), got {value}")
+    session_id = optional_field(body, "session_id", str, "")
+    stateful = optional_field(body, "session_stateful", bool, False)
+    if stateful and not session_id:
+        raise InvalidRequestError("session_stateful", "needs session_id")
     return Session(
-        session_id=optional_field(body, "session_id", str, ""), program_id=optional_field(body, "program_id", str, ""),
+        session_id=session_id, program_id=optional_field(body, "program_id", str, ""),
         hop_index=hop_index, expected_tool_ms=expected_tool_ms, request_class=request_class,
+        stateful=stateful, contract=_contract(body.get("contract")),
     )
+
+
+def _contract(value: Any) -> ContractSpec:
+    """The ``contract`` extension object: kv_quota_blocks, ttft_ceiling_ms, tpot_ceiling_ms, fallback."""
+    if value is None:
+        return ContractSpec()
+    obj = json_object(value, "contract")
+    numbers = {}
+    for name in ("kv_quota_blocks", "ttft_ceiling_ms", "tpot_ceiling_ms"):
+        v = optional_field(obj, name, int, 0)
+        if not 0 <= v < 2**32:
+            raise InvalidRequestError(f"contract.{name}", f"must be in [0, 2^32), got {v}")
+        numbers[name] = v
+    fallback = optional_field(obj, "fallback", str, "")
+    if fallback not in _FALLBACKS:
+        raise InvalidRequestError("contract.fallback", f"must be one of {list(_FALLBACKS[1:])}")
+    return ContractSpec(fallback=fallback, **numbers)
 
 
 def _is_token_id(value: Any, vocab_size: int) -> bool:

@@ -65,6 +65,10 @@ class HopPlan:
     release: StaleRelease | None = None
     fallback: FallbackChoice = field(default_factory=lambda: FallbackChoice(Fallback.NONE))
     pause: PausePlan = field(default_factory=lambda: PausePlan(PauseDecision.NONE))
+    # Filled while the hop streams (server.py):
+    output_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_chunks: int = 0
 
     @property
     def pauses_after(self) -> bool:

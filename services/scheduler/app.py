@@ -21,6 +21,12 @@ from services.scheduler.kv_index import KvIndex
 from services.scheduler.membership import Membership
 from services.scheduler.placement import make_placer
 from services.scheduler.server import ChannelPool, MeshView, SchedulerServicer
+from services.scheduler.agent_plane import AgentPlane
+from services.scheduler.contracts import ContractBook, parse_tenant_quotas
+from services.scheduler.intent_shift import IntentShiftDetector
+from services.scheduler.pause_policy import make_pause_policy
+from services.scheduler.priority import make_prioritizer
+from services.scheduler.sessions import SessionTable
 from services.scheduler.tenant_limits import TenantAdmission
 from weft.v1 import scheduler_pb2_grpc
 
@@ -38,6 +44,11 @@ async def main(argv: Sequence[str] | None = None) -> None:
         placement_attempts=config.placement_attempts, migration=config.migration_policy,
         tenant_admission=TenantAdmission(admission, config.max_in_flight_per_tenant, config.max_queue_per_tenant),
         ladder=DegradationLadder(config.ladder_config),
+        agent=AgentPlane(
+            make_prioritizer(config.policy), make_pause_policy(config.resolved_pause_policy, config.pause_costs),
+            ContractBook(parse_tenant_quotas(config.tenant_quotas), config.prefill_ms_per_token),
+            IntentShiftDetector(threshold=config.intent_shift_threshold), SessionTable(config.max_sessions),
+            block_size_of=lambda name: getattr(view.membership.get(name), "block_size", 16)),
     )
     catalogue.register("scheduler")
     catalogue.metric("weft_queue_depth").labels("scheduler").set_function(lambda: servicer.admission.num_queued)
@@ -56,7 +67,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     metrics_server = MetricsServer(config.host, config.metrics_port)
     await metrics_server.start()
     port = await grpc_server.start()
-    log.info("scheduler_ready", port=port, placement=config.placement)
+    log.info("scheduler_ready", port=port, policy=config.policy, placement=config.placement)
     try:
         await grpc_server.serve_until_signal()
     finally:

@@ -50,6 +50,27 @@ class SchedulerConfig:
         "Comma-separated degradation-ladder rungs to use (none, kv_int8, kv_compress, smaller_model, shed); "
         "only none and shed act today.", default="none,shed")
     degradation_min_dwell_s: float = option("Seconds a class stays on a rung before it may step down.", default=2.0)
+    policy: str = option(
+        "Scheduling policy: weft (dynamic per-program priority, cost-based tool-call pauses), fcfs (arrival "
+        "order, KV left to LRU: the vLLM-like baseline) or priority (static class + caller priority).",
+        default="weft", choices=("weft", "fcfs", "priority"))
+    pause_policy: str = option(
+        "What a session's KV does during a tool call: cost (keep / demote / drop by cost), keep, drop; "
+        "auto: cost under --policy weft, drop otherwise.", default="auto", choices=("auto", "cost", "keep", "drop"))
+    tenant_quotas: str = option(
+        "Most KV blocks per executor a tenant may hold, name=blocks comma-separated; a contract asking more "
+        "is refused. Tenants not listed: an executor's pool.", default="")
+    prefill_ms_per_token: float = option("Cost model: prefill time per prompt token, ms.", default=0.2)
+    block_second_ms: float = option("Cost model: price of holding one KV block idle for a second on a "
+                                    "half-full pool, in ms of compute.", default=2.0)
+    transfer_ms_per_block: float = option("Cost model: moving one KV block to or from the host tier, ms.",
+                                          default=0.5)
+    default_tool_ms: float = option("Expected tool-call pause when neither the caller nor the session's "
+                                    "history says, ms.", default=2000.0)
+    max_pinned_fraction: float = option("Most of an executor's pool that kept sessions may pin.", default=0.5)
+    intent_shift_threshold: float = option("Distance (0..1) of a new turn from its session's context above "
+                                           "which kept KV is released early.", default=0.9)
+    max_sessions: int = option("Sessions (and programs) remembered, least recently used dropped.", default=10000)
     grace_s: float = option("On SIGTERM, seconds in-flight streams get to finish.", default=10.0)
     max_message_bytes: int = option("Largest gRPC message sent or received.", default=64 * 1024 * 1024)
     metrics_port: int = option("Port of the Prometheus /metrics endpoint; 0 disables it.", default=0)
@@ -71,6 +92,12 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
         self.ladder_config  # validates the rung list
+        self.pause_costs  # validates the cost model
+        from services.scheduler.contracts import parse_tenant_quotas
+
+        parse_tenant_quotas(self.tenant_quotas)
+        if not 0 < self.intent_shift_threshold <= 1 or self.max_sessions < 1:
+            raise ValueError("intent_shift_threshold must be in (0, 1] and max_sessions >= 1")
         self.migration_policy  # validates the migration settings
 
     @property
@@ -83,6 +110,20 @@ class SchedulerConfig:
     def ladder_config(self) -> LadderConfig:
         rungs = frozenset(Rung.parse(r) for r in self.degradation_rungs.split(",") if r.strip())
         return LadderConfig(enabled=rungs | {Rung.NONE}, min_dwell_s=self.degradation_min_dwell_s)
+
+    @property
+    def pause_costs(self):
+        from services.scheduler.pause_policy import PauseCosts
+
+        return PauseCosts(prefill_ms_per_token=self.prefill_ms_per_token, block_second_ms=self.block_second_ms,
+                          transfer_ms_per_block=self.transfer_ms_per_block, default_pause_ms=self.default_tool_ms,
+                          max_pinned_fraction=self.max_pinned_fraction)
+
+    @property
+    def resolved_pause_policy(self) -> str:
+        if self.pause_policy != "auto":
+            return self.pause_policy
+        return "cost" if self.policy == "weft" else "drop"
 
     @property
     def placement_policy(self) -> PlacementPolicy:

@@ -26,6 +26,11 @@ from services.mesh.timeline import (
 from services.mesh.logging import request_context
 from services.mesh.nats_bus import Delivery, EventBus
 from services.scheduler.admission import Admission
+from services.scheduler.agent_plane import AgentPlane, HopPlan, HopRequest
+from services.scheduler.contracts import ContractTerms, Fallback
+from services.scheduler.pause_policy import PauseDecision
+from services.scheduler.priority import RequestClassName
+from weft.v1 import common_pb2 as common_v1
 from services.scheduler.degradation import DegradationContract, DegradationLadder, LoadSignal, Rung, served_rung
 from services.scheduler.errors import (
     DeadlineError, ExecutorLostError, InvalidScheduleRequest, NoExecutorError, OverloadedError,
@@ -169,7 +174,8 @@ def _class_label(request: scheduler_pb2.ScheduleRequest) -> str:
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, view: MeshView, placer: Placer, admission: Admission, channels: ChannelPool,
                  placement_attempts: int = 2, migration: MigrationPolicy | None = None,
-                 tenant_admission: TenantAdmission | None = None, ladder: DegradationLadder | None = None) -> None:
+                 tenant_admission: TenantAdmission | None = None, ladder: DegradationLadder | None = None,
+                 agent: AgentPlane | None = None) -> None:
         self.view = view
         self.placer = placer
         self.admission = admission
@@ -181,6 +187,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.placement_attempts = placement_attempts
         self.inflight = InflightTracker()
         self.draining = False
+        self.agent = agent  # sessions, dynamic priority, contracts, pauses (agent_plane.py); None: plain
+        self._agent_plans: dict[str, HopPlan] = {}
+        self._hop_entropy: dict[str, float] = {}
 
     # -- placement ------------------------------------------------------------------
     def rank(self, model_id: str, tenant: str, prompt: Sequence[int]) -> list[Placement]:
@@ -218,14 +227,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not request.prompt_token_ids:
             raise InvalidScheduleRequest("prompt_token_ids", "must contain at least one token")
         prompt = list(request.prompt_token_ids)
+        plan = self._agent_begin(request)  # validates session / hop / contract; a stateful hop's full prompt
+        if plan is not None:
+            prompt = plan.prompt_token_ids
         with request_context(rid):
             t0 = time.monotonic()
             trace = Trace(rid, "scheduler", context_from_metadata(context.invocation_metadata()))
             try:
                 self._shed_if_degraded(request)
-                await self.tenant_admission.enter(request.tenant)
+                await self.tenant_admission.enter(request.tenant, plan.score if plan is not None else None)
             except OverloadedError:
                 REQUESTS.labels("rejected").inc()
+                self._agent_plans.pop(rid, None)
                 catalogue.count_admission_rejection("queue_full")
                 trace.finish(STORE, outcome="rejected")
                 raise
@@ -241,7 +254,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     outcome = "no_executor"
                     catalogue.count_admission_rejection("no_executor")
                     raise NoExecutorError(f"no serving executor for model {request.model_id or '(any)'!r}")
+                ranked = await self._agent_place(plan, request, prompt, ranked)
                 async for chunk in self._migrating_relay(request, prompt, ranked, context, int(queue_s * 1000), trace):
+                    self._agent_observe(plan, chunk, t0)
                     yield chunk
                 outcome = "finished"
                 context.set_trailing_metadata(spans_metadata(trace.finish(STORE, outcome=outcome)))
@@ -250,6 +265,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 raise
             finally:
                 self.tenant_admission.leave(request.tenant)
+                self._agent_plans.pop(rid, None)
+                self._hop_entropy.pop(rid, None)
                 REQUESTS.labels(outcome).inc()
                 trace.finish(STORE, outcome=outcome)  # no-op when already finished
 
@@ -272,6 +289,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         exec_request = executor_pb2.ExecuteRequest(
             request_id=request.request_id, prompt_token_ids=prompt, sampling=request.sampling,
             tenant_salt=request.tenant, priority=request.priority, session=request.session,
+            **self._agent_exec_fields(request.request_id),
         )
         if not request.HasField("sampling"):
             exec_request.ClearField("sampling")
@@ -295,6 +313,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                  num_matched_blocks=placement.num_matched_blocks, queue_ms=queue_ms)
                     self.inflight.update(placement.name, request.request_id,
                                          _blocks(len(prompt) + chunk.usage.num_output_tokens, block_size))
+                    if chunk.finish_reason:
+                        self._hop_entropy[request.request_id] = chunk.mean_entropy
+                    if chunk.finish_reason and trace is not None:
+                        # The executor's spans are in the trailers that follow this last
+                        # message: take them now, as the consumer may close us after it.
+                        trace.span("scheduler.executor_call", call_ns, time.time_ns(), executor=placement.name,
+                                   attempt=i, num_matched_blocks=placement.num_matched_blocks)
                     yield scheduler_pb2.ScheduleResponse(
                         request_id=request.request_id, token_ids_delta=chunk.token_ids_delta,
                         logprobs_delta=chunk.logprobs_delta, finish_reason=chunk.finish_reason,
@@ -409,3 +434,137 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 ))
         return out
 
+    # -- agent-native serving (agent_plane.py): protos in, domain decisions out ------
+    def _agent_begin(self, request: scheduler_pb2.ScheduleRequest) -> HopPlan | None:
+        if self.agent is None:
+            return None
+        ses, c = request.session, request.session.contract
+        hop = HopRequest(
+            request_id=request.request_id, tenant=request.tenant, prompt_token_ids=list(request.prompt_token_ids),
+            session_id=ses.session_id, program_id=ses.program_id, hop_index=ses.hop_index,
+            expected_tool_ms=ses.expected_tool_ms, stateful=ses.stateful,
+            request_class=_CLASS_FROM_PB.get(ses.request_class),
+            terms=ContractTerms(c.kv_quota_blocks, c.ttft_ceiling_ms, c.tpot_ceiling_ms,
+                                _FALLBACK_FROM_PB.get(c.fallback, Fallback.NONE)),
+            caller_priority=request.priority,
+        )
+        pool = max((r.num_blocks for r in self.view.membership.placeable(request.model_id)), default=0)
+        plan = self.agent.begin(hop, pool)
+        a = self.admission
+        ahead = a.num_ahead(plan.score(a.clock())) + (1 if a.num_in_flight >= a.max_in_flight else 0)
+        self.agent.fallback(plan, ahead, a.max_in_flight)  # FAIL_FAST raises OverloadedError
+        self._agent_plans[request.request_id] = plan
+        return plan
+
+    async def _agent_place(self, plan: HopPlan | None, request, prompt: list[int],
+                           ranked: list[Placement]) -> list[Placement]:
+        """Reroute, pause decision, stale-KV release and promotion for one placed hop."""
+        if plan is None:
+            return ranked
+        if plan.fallback.path is Fallback.REROUTE and len(ranked) > 1:
+            def active(p: Placement) -> int:
+                rec = self.view.membership.get(p.name)
+                load = rec.load if rec and rec.load else ExecutorLoad()
+                return max(load.num_running + load.num_waiting, self.inflight.num_requests(p.name))
+            ranked = sorted(ranked, key=active)
+        top = ranked[0]
+        rec = self.view.membership.get(top.name)
+        load = (rec.load if rec else None) or ExecutorLoad()
+        total = (rec.num_blocks if rec else 0) or load.num_blocks
+        self.agent.pause(plan, top.name, max(0, load.num_blocks - load.num_free_blocks), total)
+        # The executor orders its own queue by this (higher first) under its priority policy.
+        request.priority = -plan.score(self.admission.clock())
+        if plan.release is not None:
+            await self._release_stale(plan, request.tenant)
+        if plan.resumes_demoted and rec is not None:
+            await self._promote(rec, request.tenant, prompt)
+        return ranked
+
+    def _agent_exec_fields(self, request_id: str) -> dict:
+        plan = self._agent_plans.get(request_id)
+        if plan is None:
+            return {}
+        return {"pin_ttl_ms": plan.pause.pin_ttl_ms, "kv_quota_blocks": plan.request.terms.kv_quota_blocks}
+
+    def _agent_observe(self, plan: HopPlan | None, chunk: scheduler_pb2.ScheduleResponse, t0: float) -> None:
+        """Stamp the class / fallback / pause on the stream; record the hop when it ends."""
+        if plan is None:
+            return
+        if plan.num_chunks == 0:
+            chunk.request_class = _CLASS_TO_PB[plan.request_class]
+            chunk.fallback_taken = _FALLBACK_TO_PB[plan.fallback.path]
+            chunk.fallback_reason = plan.fallback.reason
+            plan.num_cached_tokens = chunk.usage.num_cached_tokens
+        plan.num_chunks += 1
+        plan.output_token_ids.extend(chunk.token_ids_delta)
+        if not chunk.finish_reason:
+            return
+        chunk.pause_decision = _PAUSE_TO_PB[plan.pause.decision]
+        ses = self.agent.finish(plan, chunk.executor, plan.output_token_ids, plan.num_cached_tokens,
+                                self._hop_entropy.get(plan.request.request_id, 0.0),
+                                (time.monotonic() - t0) * 1000.0)
+        if ses is not None and plan.pause.decision is not PauseDecision.NONE:
+            log.info("session_paused", session_id=ses.session_id, decision=plan.pause.decision.value,
+                     pin_ttl_ms=plan.pause.pin_ttl_ms, executor=chunk.executor, reason=plan.pause.reason)
+        if ses is not None and plan.pause.decision is PauseDecision.DEMOTE:
+            rec = self.view.membership.get(chunk.executor)
+            if rec is not None:
+                asyncio.get_running_loop().create_task(self._demote(rec, ses, plan))
+
+    async def _release_stale(self, plan: HopPlan, tenant: str) -> None:
+        rel = plan.release
+        rec = self.view.membership.get(rel.executor)
+        if rec is None:
+            return
+        keys = extra_keys_for(rec.model_id, tenant)
+        old = hash_block_chain(list(rel.stale_context_token_ids), rec.block_size, keys)
+        keep = set(hash_block_chain(list(rel.new_prompt_token_ids), rec.block_size, keys))
+        try:
+            await self.channels.stub(rec.address).ReleaseSession(executor_pb2.ReleaseSessionRequest(
+                session_id=rel.session_id, evict_block_hashes=[h for h in old if h not in keep]), timeout=2.0)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("session_release_failed", executor=rec.name, details=exc.details())
+
+    async def _demote(self, rec: ExecutorRecord, ses, plan: HopPlan) -> None:
+        try:
+            await self.channels.stub(rec.address).DemoteBlocks(executor_pb2.DemoteBlocksRequest(
+                token_ids=ses.context_token_ids, tenant_salt=ses.tenant, priority=-plan.score(time.monotonic()),
+                expected_pause_ms=plan.request.expected_tool_ms, evict_local=True), timeout=10.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.agent.demote_unavailable(ses)
+            else:
+                log.warning("session_demote_failed", executor=rec.name, details=exc.details())
+                ses.demoted = False
+            return
+        expected_s = (plan.request.expected_tool_ms or ses.observed_pause_ms) / 1000.0
+        if expected_s > 0:  # prefetch: promote shortly before the tool is expected back
+            await asyncio.sleep(0.8 * expected_s)
+            if ses.demoted and ses.pause_started_s is not None:
+                await self._promote(rec, ses.tenant, ses.context_token_ids)
+
+    async def _promote(self, rec: ExecutorRecord, tenant: str, token_ids: list[int]) -> None:
+        try:
+            await self.channels.stub(rec.address).PromoteBlocks(executor_pb2.PromoteBlocksRequest(
+                token_ids=token_ids, tenant_salt=tenant, partition=tenant), timeout=10.0)
+        except grpc.aio.AioRpcError as exc:
+            log.info("session_promote_skipped", executor=rec.name, code=exc.code().name)
+
+
+_CLASS_FROM_PB = {
+    common_v1.REQUEST_CLASS_INTERACTIVE: RequestClassName.INTERACTIVE,
+    common_v1.REQUEST_CLASS_AGENTIC: RequestClassName.AGENTIC,
+    common_v1.REQUEST_CLASS_DETERMINISTIC: RequestClassName.DETERMINISTIC,
+    common_v1.REQUEST_CLASS_BATCH: RequestClassName.BATCH,
+}
+_CLASS_TO_PB = {v: k for k, v in _CLASS_FROM_PB.items()}
+_FALLBACK_FROM_PB = {
+    common_v1.FALLBACK_PATH_DEGRADE: Fallback.DEGRADE,
+    common_v1.FALLBACK_PATH_REROUTE: Fallback.REROUTE,
+    common_v1.FALLBACK_PATH_FAIL_FAST: Fallback.FAIL_FAST,
+}
+_FALLBACK_TO_PB = {Fallback.NONE: common_v1.FALLBACK_PATH_UNSPECIFIED, **{v: k for k, v in _FALLBACK_FROM_PB.items()}}
+_PAUSE_TO_PB = {
+    PauseDecision.NONE: common_v1.PAUSE_DECISION_UNSPECIFIED, PauseDecision.KEEP: common_v1.PAUSE_DECISION_KEEP,
+    PauseDecision.DEMOTE: common_v1.PAUSE_DECISION_DEMOTE, PauseDecision.DROP: common_v1.PAUSE_DECISION_DROP,
+}

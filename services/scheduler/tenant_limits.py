@@ -39,9 +39,10 @@ class TenantAdmission:
         a = self.admission
         return min(1.0, (a.num_in_flight + a.num_queued) / (a.max_in_flight + a.max_queue))
 
-    async def enter(self, tenant: str) -> None:
+    async def enter(self, tenant: str, score=None) -> None:
         """Take a tenant slot, then a global one (waiting in each queue); raises
-        OverloadedError when either queue is full. Cancellation gives both back."""
+        OverloadedError when either queue is full. Cancellation gives both back.
+        ``score``: the request's dynamic priority for the global queue (admission.py)."""
         own = self._tenants.get(tenant)
         if own is None:
             own = self._tenants[tenant] = Admission(self.max_in_flight_per_tenant, self.max_queue_per_tenant,
@@ -53,7 +54,7 @@ class TenantAdmission:
             except OverloadedError as exc:
                 raise OverloadedError(f"tenant {tenant!r} over its limit: {exc}", exc.retry_after_ms) from None
             try:
-                await self.admission.enter()
+                await self.admission.enter(score)
             except BaseException:
                 own.leave()
                 raise
