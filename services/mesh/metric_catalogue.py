@@ -45,7 +45,6 @@ class MetricSpec:
 
 
 _SESSIONS = "issue 5 (sessions, pauses, priority, contracts)"
-_TIERING = "issue 6 (cachestore tiers, promotion/demotion)"
 _MIGRATION = "the migration issue (a request continued on another executor)"
 
 CATALOGUE: tuple[MetricSpec, ...] = (
@@ -84,11 +83,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("weft_cachestore_tier_lookups_total", "counter", ("tier", "result"),
                "Block lookups in a cachestore tier (sleeping = host RAM, archived = disk) by result.", "cachestore"),
     MetricSpec("weft_kv_demotions_total", "counter", ("from_tier", "to_tier"),
-               "KV blocks moved down a tier (executor to cachestore, host RAM to disk).", "cachestore",
-               waits_for=_TIERING),
+               "KV blocks moved down a tier (executor to cachestore, host RAM to disk).", "cachestore"),
     MetricSpec("weft_kv_promotions_total", "counter", ("from_tier", "to_tier"),
-               "KV blocks moved up a tier (disk to host RAM, cachestore back to an executor).", "cachestore",
-               waits_for=_TIERING),
+               "KV blocks moved up a tier (disk to host RAM, cachestore back to an executor).", "cachestore"),
     # -- agent-native features
     MetricSpec("weft_session_pauses_total", "counter", ("action",),
                "Tool-call pauses by what happened to the session's KV (keep, demote, drop).", "scheduler",

@@ -18,6 +18,7 @@ processes on one host order correctly; across hosts they are as good as NTP.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -26,6 +27,8 @@ from collections import OrderedDict
 from contextvars import ContextVar
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+import grpc
 
 TRACEPARENT_KEY = "traceparent"
 SPANS_KEY = "weft-spans"
@@ -104,6 +107,15 @@ def spans_from_metadata(metadata: Iterable[tuple[str, str]] | None) -> list[Span
             except (ValueError, KeyError, TypeError):
                 return []
     return []
+
+
+async def downstream_spans(call, timeout_s: float = 1.0) -> list[Span]:
+    """The spans in a finished call's trailers. Call it right after the stream's last
+    message (the trailers follow at once); an error or a slow peer yields none."""
+    try:
+        return spans_from_metadata(await asyncio.wait_for(call.trailing_metadata(), timeout_s))
+    except (asyncio.TimeoutError, grpc.RpcError):
+        return []
 
 
 def spans_metadata(spans: Sequence[Span]) -> tuple[tuple[str, str], ...]:

@@ -16,7 +16,7 @@ import grpc
 import structlog
 
 from services.mesh.retry import rpc_retrying
-from services.mesh.timeline import CURRENT_TRACE, TRACEPARENT_KEY, spans_from_metadata
+from services.mesh.timeline import CURRENT_TRACE, TRACEPARENT_KEY, downstream_spans
 from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
 from services.router.schema import TokenChunk, TokenRequest
 from weft.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -128,7 +128,7 @@ class SchedulerClient:
                 if resp.finish_reason and trace is not None:
                     # The scheduler's and executor's spans come in the trailers, right
                     # after this last message: take them before the stream is closed.
-                    trace.add_downstream(spans_from_metadata(await _trailers(call)))
+                    trace.add_downstream(await downstream_spans(call))
                 yield from_proto(resp)
                 resp = await call.read()
         except grpc.aio.AioRpcError as err:
@@ -160,12 +160,5 @@ class SchedulerClient:
 
     async def close(self) -> None:
         await self._channel.close()
-
-
-async def _trailers(call, timeout_s: float = 1.0):
-    try:
-        return await asyncio.wait_for(call.trailing_metadata(), timeout_s)
-    except (asyncio.TimeoutError, grpc.RpcError):
-        return ()
 
 

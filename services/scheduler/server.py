@@ -20,9 +20,7 @@ from services.executor.block_hash import extra_keys_for, hash_block_chain
 from services.mesh import metric_catalogue as catalogue
 from services.mesh import metrics
 from services.mesh.grpc_server import DrainingError, channel_options
-from services.mesh.timeline import (
-    STORE, TRACEPARENT_KEY, Trace, context_from_metadata, spans_from_metadata, spans_metadata,
-)
+from services.mesh.timeline import STORE, TRACEPARENT_KEY, Trace, context_from_metadata, downstream_spans, spans_metadata
 from services.mesh.logging import request_context
 from services.mesh.nats_bus import Delivery, EventBus
 from services.scheduler.admission import Admission
@@ -320,6 +318,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         # message: take them now, as the consumer may close us after it.
                         trace.span("scheduler.executor_call", call_ns, time.time_ns(), executor=placement.name,
                                    attempt=i, num_matched_blocks=placement.num_matched_blocks)
+                        trace.add_downstream(await downstream_spans(call))
+                    if chunk.finish_reason and trace is not None:
+                        # The executor's spans are in the trailers that follow this last
+                        # message: take them now, as the consumer may close us after it.
+                        trace.span("scheduler.executor_call", call_ns, time.time_ns(), executor=placement.name,
+                                   attempt=i, num_matched_blocks=placement.num_matched_blocks)
                     yield scheduler_pb2.ScheduleResponse(
                         request_id=request.request_id, token_ids_delta=chunk.token_ids_delta,
                         logprobs_delta=chunk.logprobs_delta, finish_reason=chunk.finish_reason,
@@ -327,10 +331,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         queue_ms=queue_ms if not sent_any else 0,
                     )
                     sent_any = True
-                if trace is not None:
-                    trace.span("scheduler.executor_call", call_ns, time.time_ns(), executor=placement.name,
-                               attempt=i, num_matched_blocks=placement.num_matched_blocks)
-                    trace.add_downstream(spans_from_metadata(await call.trailing_metadata()))
                 return
             except grpc.aio.AioRpcError as exc:
                 retryable = exc.code() == grpc.StatusCode.UNAVAILABLE

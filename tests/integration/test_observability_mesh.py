@@ -1,0 +1,252 @@
+"""Observability through the real mesh (`weft up`: NATS + every service as a process):
+a request's timeline is complete and ordered across services, the p99 verdict names
+queueing / KV contention when the queue / the pool is saturated, every live metric of
+the catalogue moves when its event happens, and `weft top --once` renders.
+
+The mesh is small on purpose: 2 requests in flight at the scheduler (30 may queue, a
+tenant may hold 12) and one executor with a 12-block KV pool (16 tokens a block)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.cachestore.blocks import checksum
+from services.mesh import metric_catalogue as catalogue
+from tests.integration.conftest import wait_for
+from weft.mesh_state import MeshState, pid_alive, read_state
+from weft.tiny_model import make_tiny_checkpoint
+from weft.top import parse_metrics
+from weft.v1 import cachestore_pb2, cachestore_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_KV_BLOCKS = 12
+MAX_IN_FLIGHT = 2
+
+
+@dataclass
+class Mesh:
+    state: MeshState
+    state_dir: Path
+
+    @property
+    def http(self) -> str:
+        return self.state.http_url
+
+    def metrics_url(self, name: str) -> str:
+        inst = self.state.instance(name)
+        if inst.service == "router":
+            return f"{self.http}/metrics"
+        return f"http://127.0.0.1:{inst.ports[inst.service + '_metrics_port']}/metrics"
+
+    def scrape(self, name: str) -> tuple[str, list]:
+        text = urllib.request.urlopen(self.metrics_url(name), timeout=10).read().decode()
+        return text, parse_metrics(text)
+
+
+def value(samples: list, name: str, **labels) -> float:
+    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in labels.items()))
+
+
+def http_json(url: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null")
+
+
+def complete(mesh: Mesh, prompt: list[int], max_tokens: int, rid: str | None = None) -> int:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    status, _ = http_json(f"{mesh.http}/v1/completions", body, {"x-request-id": rid} if rid else None)
+    return status
+
+
+def burst(mesh: Mesh, prompts: list[list[int]], max_tokens: int) -> list[int]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: complete(mesh, p, max_tokens), prompts))
+
+
+def prompt(n: int, start: int) -> list[int]:
+    return [(start + 7 * i) % 1000 + 3 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    state_dir = tmp_path_factory.mktemp("obs-mesh")
+    model_dir = make_tiny_checkpoint(state_dir / "models" / "tiny")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WEFT_EXECUTOR_BLOCK_SIZE": "16", "WEFT_EXECUTOR_NUM_THREADS": "1",
+           "WEFT_EXECUTOR_NUM_KV_BLOCKS": str(NUM_KV_BLOCKS), "WEFT_SCHEDULER_MAX_IN_FLIGHT": str(MAX_IN_FLIGHT),
+           "WEFT_SCHEDULER_MAX_QUEUE": "30", "WEFT_SCHEDULER_MAX_IN_FLIGHT_PER_TENANT": "12",
+           "WEFT_SCHEDULER_MAX_QUEUE_PER_TENANT": "0"}
+    log = open(state_dir / "launcher.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "weft", "up", "--model", str(model_dir), "--executors", "1", "--http-port", "0",
+         "--grpc-port", "0", "--state-dir", str(state_dir)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    state = None
+    try:
+        def ready():
+            if process.poll() is not None:
+                raise AssertionError(f"weft up exited: {(state_dir / 'launcher.log').read_text()[-3000:]}")
+            return read_state(state_dir)
+
+        state = wait_for(ready, 120, "weft up to report the mesh ready")
+        yield Mesh(state, state_dir)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+        if state is not None:
+            assert not [i.name for i in state.instances if pid_alive(i.pid)], "orphaned services"
+
+
+@pytest.fixture(scope="module")
+def before(mesh) -> dict[str, list]:
+    """Every service's samples before the tests below make events happen."""
+    return {name: mesh.scrape(name)[1] for name in ("router", "scheduler", "executor-0", "cachestore")}
+
+
+def test_a_requests_timeline_is_complete_and_ordered_across_services(mesh, before):
+    assert complete(mesh, prompt(40, 1), 6, rid="obs-timeline-1") == 200
+    status, doc = http_json(f"{mesh.http}/v1/weft/requests/obs-timeline-1/timeline")
+    assert status == 200
+    assert doc["services"] == ["executor", "router", "scheduler"]
+    spans = {s["name"]: s for s in doc["spans"]}
+    assert len({s["trace_id"] for s in doc["spans"]}) == 1
+    # parents: router → scheduler → executor
+    assert spans["scheduler.request"]["parent_id"] == spans["router.request"]["span_id"]
+    assert spans["executor.request"]["parent_id"] == spans["scheduler.request"]["span_id"]
+    # received → admitted → placed → executor received → scheduled → prefill → first token → finished
+    def t(name, edge="start_ns"):
+        return spans[name][edge]
+    chain = [t("router.request"), t("scheduler.request"), t("scheduler.queue", "end_ns"),
+             t("scheduler.place", "end_ns"), t("executor.request"), t("executor.wait", "end_ns"),
+             t("executor.prefill_chunk"), t("executor.first_token"), t("router.first_token"),
+             t("executor.decode", "end_ns"), t("scheduler.request", "end_ns"), t("router.request", "end_ns")]
+    assert chain == sorted(chain), chain
+    assert spans["executor.prefill"]["attrs"]["num_prompt_tokens"] == 40
+    assert spans["executor.decode"]["attrs"]["num_output_tokens"] == 6
+    starts = [s["start_ns"] for s in doc["spans"]]
+    assert starts == sorted(starts)  # served in order
+    assert http_json(f"{mesh.http}/v1/weft/requests/no-such-request/timeline")[0] == 404
+
+
+def test_verdict_names_queueing_when_the_scheduler_queue_is_saturated(mesh, before):
+    t0 = time.time()
+    statuses = burst(mesh, [prompt(8, 100 + i) for i in range(10)], max_tokens=16)
+    assert statuses == [200] * 10
+    _, verdict = http_json(f"{mesh.http}/v1/weft/verdict?window_s={time.time() - t0:.3f}")
+    assert verdict["num_requests"] == 10
+    assert verdict["cause"] == "queueing", verdict
+
+
+def test_verdict_names_kv_contention_when_the_pool_is_saturated(mesh, before):
+    # Two requests of 100 + 60 tokens (10 blocks each) on a 12-block pool, both placed at
+    # once (2 in flight): one of them must wait for the other's blocks.
+    t0 = time.time()
+    statuses = burst(mesh, [prompt(100, 300), prompt(100, 500)], max_tokens=60)
+    assert statuses == [200, 200]
+    _, verdict = http_json(f"{mesh.http}/v1/weft/verdict?window_s={time.time() - t0:.3f}")
+    assert verdict["num_requests"] == 2
+    assert verdict["cause"] == "kv_contention", verdict
+
+
+def put_and_get_a_block(mesh: Mesh) -> None:
+    """Store one block in the cachestore and read it back, plus one miss."""
+    inst = mesh.state.instance("cachestore")
+    payload = bytes(range(64))
+    header = cachestore_pb2.BlockHeader(block_hash=0xABCDEF, dtype="uint8", shape=[64], size_bytes=64,
+                                        checksum=checksum(payload), model_id="tiny", block_size=16)
+    with grpc.insecure_channel(f"127.0.0.1:{inst.ports['cachestore_port']}") as channel:
+        stub = cachestore_pb2_grpc.CacheStoreStub(channel)
+        stub.PutBlocks(iter([cachestore_pb2.PutBlocksChunk(header=header),
+                             cachestore_pb2.PutBlocksChunk(data=payload)]), timeout=10)
+        list(stub.GetBlocks(cachestore_pb2.GetBlocksRequest(block_hashes=[0xABCDEF, 0x123]), timeout=10))
+
+
+def test_every_catalogue_metric_is_exported_and_live_ones_move_when_their_event_happens(mesh, before):
+    peaks = {"queue": 0.0, "executor_queue": 0.0, "used": 0.0, "borrowed": 0.0}
+
+    def watch():
+        _, sched = mesh.scrape("scheduler")
+        _, ex = mesh.scrape("executor-0")
+        peaks["queue"] = max(peaks["queue"], value(sched, "weft_queue_depth", service="scheduler"))
+        peaks["executor_queue"] = max(peaks["executor_queue"], value(ex, "weft_executor_queue_depth"))
+        peaks["used"] = max(peaks["used"], value(ex, "weft_kv_blocks", state="used"))
+        peaks["borrowed"] = max(peaks["borrowed"], value(ex, "weft_kv_blocks", state="borrowed"))
+
+    with ThreadPoolExecutor(1) as pool:
+        # 14 at once: 2 refused by the tenant cap (at first), 2 run, 10 queue; then two requests
+        # that outgrow the pool together (preemption); then a repeat (prefix hit).
+        load = pool.submit(lambda: (burst(mesh, [prompt(8, 700 + i) for i in range(14)], max_tokens=24),
+                                    burst(mesh, [prompt(40, 800), prompt(40, 900)], max_tokens=100),
+                                    complete(mesh, prompt(40, 850), 4) + complete(mesh, prompt(40, 850), 4)))
+        while not load.done():
+            watch()
+        statuses, preempting, repeat = load.result()
+    assert set(statuses) <= {200, 429}  # the router retries a refused request before answering 429
+    assert preempting == [200, 200] and repeat == 400
+    put_and_get_a_block(mesh)
+
+    texts, after = {}, {}
+    for name in before:
+        texts[name], after[name] = mesh.scrape(name)
+    owner = {"router": "router", "scheduler": "scheduler", "executor": "executor-0", "cachestore": "cachestore"}
+
+    def moved(name: str, **labels) -> float:
+        svc = owner[catalogue.spec(name).service]
+        sample = name + ("_count" if catalogue.spec(name).kind == "histogram" else "")
+        return value(after[svc], sample, **labels) - value(before[svc], sample, **labels)
+
+    for spec in catalogue.CATALOGUE:  # exported by its service, events or not
+        text = texts[owner[spec.service]]
+        assert f"# TYPE {spec.name} " in text or f"# TYPE {spec.name.removesuffix('_total')} " in text, spec.name
+    increases = {
+        "weft_ttft_seconds": moved("weft_ttft_seconds"), "weft_tpot_seconds": moved("weft_tpot_seconds"),
+        "weft_e2e_seconds": moved("weft_e2e_seconds"), "weft_queue_wait_seconds": moved("weft_queue_wait_seconds"),
+        "weft_admission_rejections_total": moved("weft_admission_rejections_total", reason="queue_full"),
+        "weft_kv_preemptions_total": moved("weft_kv_preemptions_total"),
+        "weft_kv_lookup_tokens_total": moved("weft_kv_lookup_tokens_total", tier="active", result="hit"),
+        "weft_cachestore_tier_lookups_total": moved("weft_cachestore_tier_lookups_total", tier="sleeping",
+                                                    result="hit"),
+        "weft_kv_demotions_total": moved("weft_kv_demotions_total", from_tier="active", to_tier="sleeping"),
+        "weft_kv_promotions_total": moved("weft_kv_promotions_total", to_tier="active"),
+        "weft_queue_depth": peaks["queue"], "weft_executor_queue_depth": peaks["executor_queue"],
+        "weft_kv_blocks": peaks["borrowed"] if peaks["used"] else 0,
+        "weft_kv_pool_blocks": value(after["executor-0"], "weft_kv_pool_blocks", state="total") == NUM_KV_BLOCKS,
+        "weft_p99_latency_seconds": value(after["router"], "weft_p99_latency_seconds", quantile="0.99"),
+        "weft_p99_attribution_seconds": value(after["router"], "weft_p99_attribution_seconds"),
+        "weft_p99_verdict": value(after["router"], "weft_p99_verdict") == 1,
+    }
+    live = {s.name for s in catalogue.CATALOGUE if s.live}
+    assert set(increases) == live, "a live metric without a check here"
+    assert [name for name, inc in increases.items() if not inc > 0] == []
+    assert moved("weft_kv_lookup_tokens_total", tier="active", result="miss") > 0
+
+
+def test_weft_top_once_renders_against_the_running_mesh(mesh, before):
+    out = subprocess.run([sys.executable, "-m", "weft", "top", "--once", "--state-dir", str(mesh.state_dir)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    screen = out.stdout
+    for needle in ("5/5 services up", "executor-0", "default", "TIERS", "LATENCY", "VERDICT", "p99"):
+        assert needle in screen, screen
+    assert "(no finished requests in the window)" not in screen
