@@ -29,7 +29,13 @@ class RouterApp:
         tokenizer = Tokenizer.from_dir(config.model_dir)
         limits = model_limits(config.model_dir, tokenizer, [config.model_name], config.max_model_len)
         self.scheduler = SchedulerClient(config.scheduler_address)
-        self.generator = Generator(tokenizer, limits, self.scheduler, config.request_timeout_s)
+        downstream = self.scheduler
+        if config.cachestore_address:  # opt-in semantic response cache in front of the scheduler
+            from services.router.cachestore_client import CacheStoreClient
+            from services.router.semantic_cache import SemanticCachingStreamer
+
+            downstream = SemanticCachingStreamer(self.scheduler, CacheStoreClient(config.cachestore_address), tokenizer)
+        self.generator = Generator(tokenizer, limits, downstream, config.request_timeout_s)
         keys = KeyStore.from_file(config.keys_file)
         self.http = HttpApi(self.generator, keys, config.model_name, self.scheduler.list_executors)
         self.grpc = GrpcServer("weft.v1.Router", config.host, config.grpc_port, rules=ROUTER_ERROR_RULES,

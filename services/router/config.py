@@ -20,6 +20,8 @@ class RouterConfig:
     max_model_len: int | None = option("context length override; none = the checkpoint's max_position_embeddings", default=None)
     max_body_bytes: int = option("largest accepted HTTP request body", default=16 * 1024 * 1024)
     request_timeout_s: float = option("deadline of one generation, propagated downstream", default=600.0)
+    cachestore_address: str = option(
+        "host:port of the cachestore for the opt-in semantic response cache; empty disables it", default="")
     drain_timeout_s: float = option("on SIGTERM, how long in-flight streams may finish", default=10.0)
     log_level: str = option("log level", default="info", choices=LOG_LEVELS, shared=True)
     log_format: str = option("log format", default="auto", choices=LOG_FORMATS, shared=True)

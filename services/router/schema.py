@@ -23,6 +23,7 @@ class Sampling:
     ignore_eos: bool = False
     logprobs: bool = False
     min_tokens: int = 0
+    semantic_cache: bool = False  # opt-in: a greedy request may be answered from the semantic response cache
 
 
 @dataclass(frozen=True)

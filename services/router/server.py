@@ -72,6 +72,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise InvalidRequestError("model", f"model {request.model!r} does not exist; served: {self.model_name!r}")
         with request_context(rid, tenant=tenant):
             sampling = sampling_from_proto(request.sampling, request.return_logprobs, self.generator.limits)
+            sampling = replace(sampling, semantic_cache=request.semantic_cache)
             stop = parse_stop(list(request.stop) or None, self.generator.limits)
             session = _session(request.session)
             form = request.WhichOneof("prompt")

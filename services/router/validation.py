@@ -154,7 +154,7 @@ def parse_sampling(body: Mapping[str, Any], limits: Limits, max_tokens: Any, fie
     return Sampling(
         max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0),
         seed=seed, stop_token_ids=tuple(stop_ids), ignore_eos=optional_field(body, "ignore_eos", bool, False),
-        min_tokens=min_tokens,
+        min_tokens=min_tokens, semantic_cache=optional_field(body, "weft_semantic_cache", bool, False),
     )
 
 

@@ -1,0 +1,34 @@
+"""The router's client of ``weft.v1.CacheStore`` (semantic response cache only): like
+``scheduler_client.py``, an outbound wire boundary, the only other router module that
+touches generated protobuf types. Lookups are bounded by a short deadline; any failure
+is reported as a miss by the caller, never as a failed request."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from weft.v1 import cachestore_pb2, cachestore_pb2_grpc
+
+
+class CacheStoreClient:
+    def __init__(self, address: str, timeout_s: float = 1.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = cachestore_pb2_grpc.CacheStoreStub(self._channel)
+
+    async def lookup_response(self, tenant: str, scope: str, text: str) -> tuple[int, ...] | None:
+        """Cached output tokens of a similar prompt, or None. Raises grpc errors."""
+        reply = await self._stub.SemanticLookup(cachestore_pb2.SemanticLookupRequest(
+            tenant=tenant, kind=cachestore_pb2.SEMANTIC_KIND_RESPONSE, scope=scope, text=text),
+            timeout=self.timeout_s)
+        return tuple(reply.token_ids) if reply.hit else None
+
+    async def store_response(self, tenant: str, scope: str, text: str, token_ids: Sequence[int]) -> None:
+        await self._stub.SemanticStore(cachestore_pb2.SemanticStoreRequest(
+            tenant=tenant, kind=cachestore_pb2.SEMANTIC_KIND_RESPONSE, scope=scope, text=text,
+            token_ids=list(token_ids)), timeout=self.timeout_s)
+
+    async def close(self) -> None:
+        await self._channel.close()
