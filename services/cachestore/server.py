@@ -40,6 +40,8 @@ PROMOTIONS = metrics.counter("weft_kv_promotions_total",
                              ["from_tier", "to_tier"])
 SEMANTIC_LOOKUPS = metrics.counter("weft_cachestore_semantic_lookups_total", "Semantic lookups by kind and result.",
                                    ["kind", "result"])
+_BATCH_BYTES = 8 << 20  # GetBlocks reads this much per worker-thread hop
+
 _SEMANTIC_KINDS = {cachestore_pb2.SEMANTIC_KIND_RESPONSE: SemanticKind.RESPONSE,
                    cachestore_pb2.SEMANTIC_KIND_SESSION_PREFIX: SemanticKind.SESSION_PREFIX}
 
@@ -134,18 +136,35 @@ class CacheStoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
 
     async def GetBlocks(self, request: cachestore_pb2.GetBlocksRequest, context):
         chunk_bytes = min(request.max_chunk_bytes or self.chunk_bytes, self.chunk_bytes)
-        for block_hash in request.block_hashes:
-            tier, block = await asyncio.to_thread(lambda h=block_hash: (self.store.tier_of(h), self.store.get(h)))
-            if block is None:
-                LOOKUPS.labels("miss").inc()
-                yield cachestore_pb2.GetBlocksChunk(missing_block_hash=block_hash)
-                continue
-            LOOKUPS.labels("hit").inc()
-            PROMOTIONS.labels(tier.value if tier else "sleeping", "active").inc()
-            yield cachestore_pb2.GetBlocksChunk(header=header_from_meta(block.meta))
-            view = memoryview(block.payload)
-            for start in range(0, len(view), chunk_bytes):
-                yield cachestore_pb2.GetBlocksChunk(data=bytes(view[start:start + chunk_bytes]))
+        hashes = list(request.block_hashes)
+        # Blocks are read in batches, one worker-thread hop per batch (a hop per block
+        # cost more than the bytes on loopback); a batch holds at most ~_BATCH_BYTES.
+        i = 0
+        while i < len(hashes):
+            batch = await asyncio.to_thread(self._read_batch, hashes, i)
+            for tier, block_hash, block in batch:
+                i += 1
+                if block is None:
+                    LOOKUPS.labels("miss").inc()
+                    yield cachestore_pb2.GetBlocksChunk(missing_block_hash=block_hash)
+                    continue
+                LOOKUPS.labels("hit").inc()
+                PROMOTIONS.labels(tier.value if tier else "sleeping", "active").inc()
+                yield cachestore_pb2.GetBlocksChunk(header=header_from_meta(block.meta))
+                view = memoryview(block.payload)
+                for start in range(0, len(view), chunk_bytes):
+                    yield cachestore_pb2.GetBlocksChunk(data=bytes(view[start:start + chunk_bytes]))
+
+    def _read_batch(self, hashes: list[int], start: int) -> list[tuple[Tier | None, int, Block | None]]:
+        out, nbytes = [], 0
+        for h in hashes[start:]:
+            tier = self.store.tier_of(h)
+            block = self.store.get(h)
+            out.append((tier, h, block))
+            nbytes += block.size_bytes if block is not None else 0
+            if nbytes >= _BATCH_BYTES:
+                break
+        return out
 
     async def Contains(self, request: cachestore_pb2.ContainsRequest, context) -> cachestore_pb2.ContainsResponse:
         hashes = list(request.block_hashes)

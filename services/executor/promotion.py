@@ -7,8 +7,9 @@ NOTE: the cost model compares two measured rates::
     recompute_s = num_blocks * block_size / prefill_tokens_per_s
 
 Both rates are exponentially weighted means of what this executor observed (each
-promotion's bytes and wall time; each request's prefill tokens and time to first
-token), seeded with conservative defaults. Loading happens only for the run of blocks
+promotion's bytes over its whole wall time: lookup, fetch and import, so per-call
+overheads are priced in; each request's computed prompt tokens over its time from
+submission to first token), seeded with conservative defaults. Loading happens only for the run of blocks
 right after the local (GPU) hits: a hash chain cannot skip a block.
 
 Everything here runs on the event loop; engine state is touched only through
@@ -43,8 +44,10 @@ class CostModel:
 
     transfer_bytes_per_s: float = 200e6
     prefill_tokens_per_s: float = 2000.0
-    rpc_overhead_s: float = 0.002
-    alpha: float = 0.2  # weight of a new observation
+    rpc_overhead_s: float = 0.001  # the Contains round trip; the rest is in the measured rate
+    alpha: float = 0.3  # weight of a new observation (the first one replaces the seed)
+    num_transfers: int = 0
+    num_prefills: int = 0
 
     def load_s(self, num_blocks: int, block_bytes: int) -> float:
         return self.rpc_overhead_s + num_blocks * block_bytes / self.transfer_bytes_per_s
@@ -57,11 +60,15 @@ class CostModel:
 
     def observe_transfer(self, num_bytes: int, seconds: float) -> None:
         if num_bytes > 0 and seconds > 0:
-            self.transfer_bytes_per_s += self.alpha * (num_bytes / seconds - self.transfer_bytes_per_s)
+            a = self.alpha if self.num_transfers else 1.0
+            self.transfer_bytes_per_s += a * (num_bytes / seconds - self.transfer_bytes_per_s)
+            self.num_transfers += 1
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens >= 16 and seconds > 0:  # tiny prefills measure overhead, not throughput
-            self.prefill_tokens_per_s += self.alpha * (num_tokens / seconds - self.prefill_tokens_per_s)
+            a = self.alpha if self.num_prefills else 1.0
+            self.prefill_tokens_per_s += a * (num_tokens / seconds - self.prefill_tokens_per_s)
+            self.num_prefills += 1
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,7 @@ class Promoter:
                       force: bool = False) -> PromotionResult:
         """Make the prompt's leading blocks resident when the cost model (or ``force``)
         says so. Never raises on a cachestore problem: that is a miss (recompute)."""
+        start = time.perf_counter()
         hashes = self.prompt_hashes(token_ids, tenant_salt)
         if not hashes:
             return PromotionResult(0, 0, 0, 0, 0.0, False)
@@ -121,7 +129,6 @@ class Promoter:
             PROMOTION_DECISIONS.labels("recompute").inc()
             return PromotionResult(num_local, num_avail, 0, 0, 0.0, True)
         PROMOTION_DECISIONS.labels("load").inc()
-        start = time.perf_counter()
         try:
             payloads = await self.client.get_blocks(rest[:num_avail])
         except Exception as exc:  # noqa: BLE001

@@ -43,6 +43,7 @@ class TierOps:
         self.demoter = demoter
         self.demote_on_finish = demote_on_finish
         self.promote_before_prefill = promote_before_prefill
+        self.force_promotion = False  # load whatever the cost model says (benchmarks, tests)
         self._tracked: dict[str, _Tracked] = {}  # insertion order = oldest first
         self.max_tracked = 4096
         self._background: set[asyncio.Task] = set()
@@ -59,9 +60,13 @@ class TierOps:
         if self.promote_before_prefill:
             try:
                 await self.promoter.promote(prompt, request.tenant_salt,
-                                            request.partition or request.tenant_salt or "default")
+                                            request.partition or request.tenant_salt or "default",
+                                            force=self.force_promotion)
             except Exception as exc:  # noqa: BLE001 - recompute instead
                 log.warning("promotion_failed", request_id=request.request_id, error=str(exc))
+            tracked = self._tracked.get(request.request_id)
+            if tracked is not None:  # the prefill clock starts when the engine gets the request
+                tracked.submitted_s = time.perf_counter()
 
     def observe(self, request_id: str, out: StepOutput) -> None:
         t = self._tracked.get(request_id)
