@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
+from weft.chaos import register_chaos
 from weft import mesh_cli, top
 
 Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
@@ -70,6 +71,7 @@ COMMANDS: dict[str, Registrar] = {
     "up": mesh_cli.register_up,
     "ps": mesh_cli.register_ps,
     "scale": mesh_cli.register_scale,
+    "chaos": register_chaos,
     "top": top.register_top,
 }
 

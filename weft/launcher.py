@@ -110,6 +110,7 @@ class Launcher:
         self.control_port = 0
         self.control_token = secrets.token_hex(16)
         self._scale_lock = asyncio.Lock()
+        self.chaos_down: set[str] = set()  # instances `weft chaos` killed on purpose (weft/chaos.py)
         self._stopped = False
 
     # -- table rendering ------------------------------------------------------------
@@ -303,7 +304,8 @@ class Launcher:
         """Returns when a non-executor service dies: the mesh is broken, stop it all."""
         while True:
             for name, r in list(self.running.items()):
-                if r.process.returncode is not None and r.instance.service != "executor":
+                if (r.process.returncode is not None and r.instance.service != "executor"
+                        and name not in self.chaos_down):
                     log.error("service_died", instance=name, status=r.process.returncode,
                               log_tail=log_tail(r.instance.log_path, 10))
                     return

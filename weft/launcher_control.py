@@ -2,6 +2,7 @@
 
     POST /scale  {"service": "executor", "replicas": N}  -> {"executors": [...]}
     GET  /state                                          -> the mesh state
+    POST /chaos  {"action": "kill|pause|resume|restart", "name": "executor-1"} (weft/chaos.py)
 
 Bound to the launcher's host (loopback) on a free port; every call must carry the
 random token recorded in the 0600 state file (``x-weft-control-token``).
@@ -45,12 +46,25 @@ async def start_control_server(launcher: Launcher, host: str) -> tuple[web.AppRu
             return web.json_response({"error": str(exc)}, status=500)
         return web.json_response({"executors": names})
 
+    async def chaos(request: web.Request) -> web.Response:
+        from weft.chaos import apply_chaos
+
+        try:
+            body = await request.json()
+            result = await apply_chaos(launcher, body["action"], body["name"])
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        except Exception as exc:  # a restart that failed: tell the caller why
+            return web.json_response({"error": str(exc)}, status=500)
+        return web.json_response(result)
+
     async def state(_request: web.Request) -> web.Response:
         return web.json_response(asdict(launcher.state()))
 
     app = web.Application(middlewares=[check_token])
     app.router.add_post("/scale", scale)
     app.router.add_get("/state", state)
+    app.router.add_post("/chaos", chaos)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, 0)

@@ -1,0 +1,290 @@
+"""Chaos per service: under bounded load, `weft chaos` SIGKILLs / SIGSTOPs / restarts each
+of executor, scheduler, router, cachestore and NATS of a `weft up` mesh in turn.
+
+Asserted every time: each accepted request reaches exactly one terminal state (completed
+with the undisturbed greedy tokens, or a clear gRPC error, never a hang: every call has a
+deadline); streams that migrated equal their undisturbed run token for token; after the
+service is back the mesh serves normally. Recovery times (restart until healthy, until the
+first request completes again) go to ``$WEFT_CHAOS_RESULTS`` (JSON lines) when set, for
+benchmarks/results/reliability.md.
+
+One mesh for the module (start-up dominates); tests run in file order and each leaves the
+mesh whole.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.integration.conftest import wait_for
+from weft.mesh_state import MeshState, pid_alive, read_state
+from weft.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_STREAMS = 6
+MAX_TOKENS = 600
+CALL_TIMEOUT_S = 40.0  # every client call has a deadline: a hang would fail as DEADLINE_EXCEEDED
+PROMPTS = [[(7 * i + 13 * j) % 500 + 20 for j in range(12 + i)] for i in range(NUM_STREAMS)]
+CHAOS_ENV = {
+    "WEFT_EXECUTOR_NUM_THREADS": "1",
+    "WEFT_EXECUTOR_HEARTBEAT_INTERVAL_S": "0.25",
+    "WEFT_EXECUTOR_GRACE_S": "1",
+    "WEFT_SCHEDULER_GRACE_S": "1",
+    "WEFT_SCHEDULER_MIGRATION_MIN_STALL_S": "1.0",
+    "WEFT_SCHEDULER_MIGRATION_STALL_FACTOR": "10",
+    "WEFT_SCHEDULER_MIGRATION_FIRST_TOKEN_TIMEOUT_S": "8",
+}
+
+
+@dataclass
+class Mesh:
+    state_dir: Path
+    process: subprocess.Popen
+    reference: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def state(self) -> MeshState:
+        return read_state(self.state_dir)
+
+    def chaos_now(self, action: str, name: str) -> dict:
+        """The same control call as `weft chaos`, without a CLI process start (~1 s)."""
+        import asyncio
+
+        from weft.chaos import request_chaos
+
+        return asyncio.run(request_chaos(self.state, action, name))
+
+    def weft(self, *args: str, timeout_s: float = 120) -> str:
+        out = subprocess.run([sys.executable, "-m", "weft", *args, "--state-dir", str(self.state_dir)],
+                             capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+        assert out.returncode == 0, f"weft {' '.join(args)} failed: {out.stderr}{out.stdout}"
+        return out.stdout
+
+    def serving_executors(self) -> set[str]:
+        with grpc.insecure_channel(f"127.0.0.1:{self.state.instance('scheduler').ports['scheduler_port']}") as ch:
+            reply = scheduler_pb2_grpc.SchedulerStub(ch).ListExecutors(scheduler_pb2.ListExecutorsRequest(), timeout=2)
+        return {e.heartbeat.name for e in reply.executors if e.heartbeat.state == 2}  # EXECUTOR_STATE_SERVING
+
+
+@dataclass
+class Outcome:
+    tokens: list[int] = field(default_factory=list)
+    executors: list[str] = field(default_factory=list)
+    finish_reason: int = 0
+    num_migrations: int = 0
+    error: grpc.StatusCode | None = None
+    num_terminal_states: int = 0
+    max_gap_s: float = 0.0  # longest wait between two chunks: what a migration cost the client
+
+    @property
+    def completed(self) -> bool:
+        return self.error is None and self.finish_reason != 0
+
+
+def generate(mesh: Mesh, i: int, outcome: Outcome, started: threading.Event | None = None) -> Outcome:
+    request = router_pb2.GenerateRequest(
+        request_id=f"chaos-{i}-{time.monotonic_ns()}", token_ids=router_pb2.TokenIds(ids=PROMPTS[i]),
+        sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    try:
+        with grpc.insecure_channel(mesh.state.grpc_address) as channel:
+            last = None
+            for chunk in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=CALL_TIMEOUT_S):
+                now = time.monotonic()
+                outcome.max_gap_s = max(outcome.max_gap_s, now - last) if last is not None else 0.0
+                last = now
+                outcome.tokens.extend(chunk.token_ids_delta)
+                if chunk.executor and chunk.executor not in outcome.executors:
+                    outcome.executors.append(chunk.executor)
+                if started is not None and len(outcome.tokens) >= 5:
+                    started.set()
+                if chunk.finish_reason:
+                    outcome.finish_reason = chunk.finish_reason
+                    outcome.num_migrations = chunk.num_migrations
+                    outcome.num_terminal_states += 1
+    except grpc.RpcError as exc:
+        outcome.error = exc.code()
+        outcome.num_terminal_states += 1
+    return outcome
+
+
+def under_load(mesh: Mesh, disturb) -> list[Outcome]:
+    """NUM_STREAMS concurrent streams; ``disturb(outcomes)`` runs once all have tokens
+    flowing. Returns when every stream has ended (each has a client deadline)."""
+    outcomes = [Outcome() for _ in PROMPTS]
+    started = [threading.Event() for _ in PROMPTS]
+    threads = [threading.Thread(target=generate, args=(mesh, i, outcomes[i], started[i]), daemon=True)
+               for i in range(NUM_STREAMS)]
+    for t in threads:
+        t.start()
+    for ev in started:
+        ev.wait(CALL_TIMEOUT_S)
+    disturb(outcomes)
+    for t in threads:
+        t.join(CALL_TIMEOUT_S + 5)
+    assert not any(t.is_alive() for t in threads), "a client stream did not end"
+    for i, o in enumerate(outcomes):
+        assert o.num_terminal_states == 1, f"stream {i}: {o.num_terminal_states} terminal states"
+    return outcomes
+
+
+def serves_normally(mesh: Mesh) -> float:
+    """Seconds until a request completes with the undisturbed tokens again."""
+    t0 = time.monotonic()
+
+    def ok():
+        o = generate(mesh, 0, Outcome())
+        return o.completed and o.tokens == mesh.reference[0]
+
+    wait_for(ok, 60, "the mesh to serve normally again", interval_s=0.2)
+    return time.monotonic() - t0
+
+
+def record(**row) -> None:
+    path = os.environ.get("WEFT_CHAOS_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, tiny_model_dir) -> Mesh:
+    state_dir = tmp_path_factory.mktemp("chaos-mesh")
+    log = open(state_dir / "launcher.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "weft", "up", "--model", str(tiny_model_dir), "--executors", "2", "--http-port", "0",
+         "--grpc-port", "0", "--state-dir", str(state_dir)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **CHAOS_ENV}, cwd=ROOT)
+    m = Mesh(state_dir, process)
+    try:
+        def ready():
+            if process.poll() is not None:
+                pytest.fail(f"weft up exited: {(state_dir / 'launcher.log').read_text()[-3000:]}")
+            return read_state(state_dir)
+
+        wait_for(ready, 150, "weft up to report the mesh ready", interval_s=0.2)
+        for i in range(NUM_STREAMS):  # the undisturbed greedy outputs
+            o = generate(m, i, Outcome())
+            assert o.completed and len(o.tokens) == MAX_TOKENS, o
+            m.reference[i] = o.tokens
+        yield m
+    finally:
+        state = read_state(state_dir)
+        for inst in state.instances if state else ():
+            if pid_alive(inst.pid):
+                os.kill(inst.pid, signal.SIGCONT)  # a paused service must be able to drain
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def _busiest_executor(outcomes: list[Outcome]) -> str:
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        if o.executors:
+            counts[o.executors[0]] = counts.get(o.executors[0], 0) + 1
+    return max(counts, key=counts.get)
+
+
+def _assert_all_completed_as_undisturbed(mesh: Mesh, outcomes: list[Outcome]) -> None:
+    for i, o in enumerate(outcomes):
+        assert o.completed, f"stream {i} ended with {o.error}"
+        assert o.tokens == mesh.reference[i], f"stream {i} differs from its undisturbed run"
+
+
+@pytest.mark.parametrize("how", ["kill", "pause"])
+def test_executor_lost_mid_stream_streams_migrate_with_identical_greedy_output(mesh, how):
+    victim: list[str] = []
+    t_disturb = [0.0]
+
+    def disturb(outcomes):
+        victim.append(_busiest_executor(outcomes))
+        t_disturb[0] = time.monotonic()
+        mesh.chaos_now(how, victim[0])
+
+    outcomes = under_load(mesh, disturb)
+    migrated = [o for o in outcomes if o.num_migrations]
+    _assert_all_completed_as_undisturbed(mesh, outcomes)
+    assert migrated, "no stream was on the disturbed executor"
+    assert all(victim[0] in o.executors and len(o.executors) >= 2 for o in migrated)
+    streams_done_s = time.monotonic() - t_disturb[0]
+    if how == "pause":
+        mesh.weft("chaos", "resume", victim[0])
+        wait_for(lambda: victim[0] in mesh.serving_executors(), 30, "the resumed executor to serve again")
+        restart_s = 0.0
+    else:
+        out = mesh.weft("chaos", "restart", victim[0])
+        restart_s = float(out.rsplit(" in ", 1)[1].rstrip("s\n"))
+    assert mesh.serving_executors() == {"executor-0", "executor-1"}
+    record(service="executor", action=how, num_streams=NUM_STREAMS, num_migrated=len(migrated),
+           num_failed=0, all_streams_done_s=round(streams_done_s, 2),
+           migration_gap_s=round(max(o.max_gap_s for o in migrated), 2), restart_s=restart_s,
+           serving_again_s=round(serves_normally(mesh), 2))
+
+
+@pytest.mark.parametrize("service", ["scheduler", "router"])
+def test_control_plane_killed_mid_stream_every_request_ends_once_and_the_mesh_recovers(mesh, service):
+    def disturb(outcomes):
+        mesh.chaos_now("kill", service)
+
+    outcomes = under_load(mesh, disturb)
+    for i, o in enumerate(outcomes):  # completed as undisturbed, or a clear error: never both, never neither
+        assert (o.completed and o.tokens == mesh.reference[i]) or o.error in (
+            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED), o
+    out = mesh.weft("chaos", "restart", service)
+    restart_s = float(out.rsplit(" in ", 1)[1].rstrip("s\n"))
+    wait_for(lambda: mesh.serving_executors() == {"executor-0", "executor-1"}, 30, "executors known again")
+    record(service=service, action="kill", num_streams=NUM_STREAMS, num_migrated=0,
+           num_failed=sum(1 for o in outcomes if not o.completed), all_streams_done_s=None,
+           restart_s=restart_s, serving_again_s=round(serves_normally(mesh), 2))
+
+
+def test_scheduler_paused_streams_end_once_and_resume_serves(mesh):
+    def disturb(outcomes):
+        mesh.chaos_now("pause", "scheduler")
+        time.sleep(1.0)  # the outage being measured, not synchronisation
+        mesh.chaos_now("resume", "scheduler")
+
+    outcomes = under_load(mesh, disturb)
+    for i, o in enumerate(outcomes):
+        assert (o.completed and o.tokens == mesh.reference[i]) or o.error is not None, o
+    record(service="scheduler", action="pause 1s", num_streams=NUM_STREAMS, num_migrated=0,
+           num_failed=sum(1 for o in outcomes if not o.completed), all_streams_done_s=None, restart_s=0.0,
+           serving_again_s=round(serves_normally(mesh), 2))
+
+
+@pytest.mark.parametrize("service", ["cachestore", "nats"])
+def test_side_services_killed_serving_continues_and_restart_restores_them(mesh, service):
+    def disturb(outcomes):
+        mesh.chaos_now("kill", service)
+
+    outcomes = under_load(mesh, disturb)
+    _assert_all_completed_as_undisturbed(mesh, outcomes)
+    during = generate(mesh, 1, Outcome())  # a new request while it is down is still served
+    assert during.completed and during.tokens == mesh.reference[1]
+    out = mesh.weft("chaos", "restart", service)
+    restart_s = float(out.rsplit(" in ", 1)[1].rstrip("s\n"))
+    # Events flow again: heartbeats keep both executors known after the outage.
+    wait_for(lambda: mesh.serving_executors() == {"executor-0", "executor-1"}, 30, "executors known after restart")
+    record(service=service, action="kill", num_streams=NUM_STREAMS, num_migrated=0, num_failed=0,
+           all_streams_done_s=None, restart_s=restart_s, serving_again_s=round(serves_normally(mesh), 2))
+
+
+def test_chaos_rejects_unknown_names_and_actions(mesh):
+    out = subprocess.run([sys.executable, "-m", "weft", "chaos", "kill", "executor-9", "--state-dir",
+                          str(mesh.state_dir)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 1 and "executor-9" in out.stderr
+    assert {i.name for i in mesh.state.instances} >= {"router", "scheduler", "executor-0", "executor-1"}

@@ -1,0 +1,114 @@
+"""``weft chaos kill|pause|resume|restart NAME``: disturb one service of a running mesh.
+
+NAME is an instance as ``weft ps`` lists it (``router``, ``scheduler``, ``executor-1``,
+``cachestore``, ``nats``). Every action goes through the launcher's loopback control
+endpoint (``POST /chaos``), because the launcher owns the processes: it must know that a
+killed router is deliberate (else it tears the mesh down, as it does when a service
+dies), and only it can respawn a service on the same ports with the same settings.
+
+    kill     SIGKILL; the instance stays down (and recorded as such) until restarted
+    pause    SIGSTOP: the process hangs with its sockets open (a stalled peer)
+    resume   SIGCONT
+    restart  SIGKILL if alive, then start it again (singletons on the same ports, an
+             executor on fresh ones, announced over NATS); returns when it is healthy
+             (and, for an executor, known to the scheduler) with the seconds it took
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from weft.mesh_state import MeshState
+
+if TYPE_CHECKING:
+    from weft.launcher import Launcher
+
+ACTIONS = ("kill", "pause", "resume", "restart")
+
+
+async def apply_chaos(launcher: Launcher, action: str, name: str) -> dict:
+    """Do ``action`` to instance ``name``; mutates the launcher's process table."""
+    from weft.launcher import BY_NAME
+    from weft.mesh_state import write_state
+
+    if action not in ACTIONS:
+        raise ValueError(f"unknown chaos action {action!r}; one of {', '.join(ACTIONS)}")
+    running = launcher.running.get(name)
+    if running is None:
+        raise ValueError(f"no instance named {name!r}; known: {', '.join(sorted(launcher.running))}")
+    proc = running.process
+    alive = proc.returncode is None
+    if action == "pause" and alive:
+        proc.send_signal(signal.SIGSTOP)
+    elif action == "resume" and alive:
+        proc.send_signal(signal.SIGCONT)
+    elif action in ("kill", "restart"):
+        launcher.chaos_down.add(name)  # deliberate: the watcher must not stop the mesh
+        if alive:
+            proc.kill()
+            await proc.wait()
+    if action != "restart":
+        return {"name": name, "action": action, "pid": proc.pid, "alive": proc.returncode is None}
+    t0 = time.monotonic()
+    spec = BY_NAME[running.instance.service]
+    new = await launcher._spawn(spec, name)
+    deadline = t0 + launcher.options.startup_timeout_s
+    await launcher._wait_healthy([name], deadline)
+    if spec.name == "executor":
+        await launcher._wait_scheduler_sees({name}, deadline)
+    launcher.chaos_down.discard(name)
+    write_state(launcher.state_dir, launcher.state())
+    return {"name": name, "action": action, "pid": new.process.pid, "alive": True,
+            "recovery_s": round(time.monotonic() - t0, 3)}
+
+
+async def request_chaos(state: MeshState, action: str, name: str, timeout_s: float = 300.0) -> dict:
+    """Ask the running launcher to do ``action`` to ``name``; RuntimeError with its reason."""
+    import aiohttp
+
+    from weft.launcher_control import TOKEN_HEADER
+
+    url = f"http://127.0.0.1:{state.control_port}/chaos"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        async with session.post(url, json={"action": action, "name": name},
+                                headers={TOKEN_HEADER: state.control_token}) as resp:
+            body = await resp.json()
+            if resp.status != 200:
+                raise RuntimeError(body.get("error", f"HTTP {resp.status}"))
+            return body
+
+
+def register_chaos(subparsers) -> None:
+    from weft.mesh_cli import _state_dir_arg
+
+    chaos = subparsers.add_parser(
+        "chaos", help="kill, pause, resume or restart one service of the running mesh",
+        description="Disturb one service of the running mesh, by its name in `weft ps` "
+                    "(router, scheduler, executor-N, cachestore, nats). kill = SIGKILL (stays down); "
+                    "pause = SIGSTOP; resume = SIGCONT; restart = SIGKILL if alive, then start it "
+                    "again and wait until it is healthy (prints the seconds it took).")
+    chaos.add_argument("action", choices=ACTIONS, help="what to do")
+    chaos.add_argument("name", metavar="NAME", help="instance name as `weft ps` lists it, e.g. executor-1")
+    _state_dir_arg(chaos)
+    chaos.set_defaults(handler=_chaos)
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from weft.mesh_state import pid_alive, read_state
+
+    state = read_state(args.state_dir)
+    if state is None or not pid_alive(state.launcher_pid):
+        print(f"no mesh running (no live launcher recorded in {args.state_dir})", file=sys.stderr)
+        return 1
+    try:
+        result = asyncio.run(request_chaos(state, args.action, args.name))
+    except RuntimeError as exc:
+        print(f"weft chaos failed: {exc}", file=sys.stderr)
+        return 1
+    extra = f" in {result['recovery_s']:.2f}s" if "recovery_s" in result else ""
+    print(f"{args.action} {args.name}: pid {result['pid']}{' alive' if result['alive'] else ' down'}{extra}")
+    return 0
