@@ -319,11 +319,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         trace.span("scheduler.executor_call", call_ns, time.time_ns(), executor=placement.name,
                                    attempt=i, num_matched_blocks=placement.num_matched_blocks)
                         trace.add_downstream(await downstream_spans(call))
-                    if chunk.finish_reason and trace is not None:
-                        # The executor's spans are in the trailers that follow this last
-                        # message: take them now, as the consumer may close us after it.
-                        trace.span("scheduler.executor_call", call_ns, time.time_ns(), executor=placement.name,
-                                   attempt=i, num_matched_blocks=placement.num_matched_blocks)
                     yield scheduler_pb2.ScheduleResponse(
                         request_id=request.request_id, token_ids_delta=chunk.token_ids_delta,
                         logprobs_delta=chunk.logprobs_delta, finish_reason=chunk.finish_reason,
