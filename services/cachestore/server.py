@@ -19,6 +19,7 @@ from services.cachestore.errors import InvalidBlockError, InvalidQueryError, Sto
 from services.cachestore.semantic import SemanticKind
 from services.cachestore.semantic_service import SemanticService
 from services.cachestore.tiers import Tier, TieredStore
+from services.executor.block_hash import extra_keys_for, hash_block_chain
 from services.mesh import metrics
 from weft.v1 import cachestore_pb2, cachestore_pb2_grpc, events_pb2
 
@@ -214,6 +215,23 @@ class CacheStoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
             return cachestore_pb2.SemanticStoreResponse(stored=False)
         n = await self.semantic.store(request.tenant, kind, request.scope, request.text, tuple(request.token_ids))
         return cachestore_pb2.SemanticStoreResponse(stored=True, num_entries=n)
+
+    async def PrefetchBlocks(self, request: cachestore_pb2.PrefetchBlocksRequest,
+                             context) -> cachestore_pb2.PrefetchBlocksResponse:
+        tokens = list(request.token_ids)
+
+        def warm() -> tuple[int, int]:
+            best = (0, 0)
+            for model_id, block_size in sorted(self.store.layouts):
+                hashes = hash_block_chain(tokens, block_size, extra_keys_for(model_id, request.tenant))
+                found, warmed = self.store.warm(hashes)
+                best = max(best, (found, warmed))
+            return best
+
+        found, warmed = await asyncio.to_thread(warm)
+        if warmed:
+            PROMOTIONS.labels("archived", "sleeping").inc(warmed)
+        return cachestore_pb2.PrefetchBlocksResponse(num_found_blocks=found, num_warmed_blocks=warmed)
 
 
 def _semantic_kind(value: int) -> SemanticKind:

@@ -99,6 +99,7 @@ class TieredStore:
         self._stored_at: dict[int, float] = {}  # host blocks: first stored
         self._used_at: dict[int, float] = {}  # host blocks: last stored or read
         self._changes: list[TierChange] = []
+        self.layouts: set[tuple[str, int]] = set()  # (model id, block size) of stored blocks: for prefetch hashing
 
     # -- bookkeeping ----------------------------------------------------------
     def _note(self, tier: Tier, stored: bool, hashes) -> None:
@@ -157,6 +158,8 @@ class TieredStore:
     # -- operations -----------------------------------------------------------
     def put(self, block: Block) -> PutResult:
         with self._lock:
+            if block.meta.block_size:
+                self.layouts.add((block.meta.model_id, block.meta.block_size))
             if self._tier_of(block.block_hash) is not None:
                 return PutResult(stored=True, already_present=True)
             stored = False
@@ -222,6 +225,19 @@ class TieredStore:
                 else:
                     self.counters.num_dropped += 1
             return demoted
+
+    def warm(self, block_hashes) -> tuple[int, int]:
+        """Copy the leading run of ``block_hashes`` that the store holds up to RAM
+        (disk blocks are read, verified and promoted). Returns (found, warmed)."""
+        found = warmed = 0
+        for h in block_hashes:
+            tier = self.tier_of(h)
+            if tier is None:
+                break
+            found += 1
+            if tier is Tier.ARCHIVED and self.get(h) is not None and self.tier_of(h) is Tier.SLEEPING:
+                warmed += 1
+        return found, warmed
 
     def tier_of(self, block_hash: int) -> Tier | None:
         """Highest tier holding the block; does not touch recency."""

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import grpc
 
+from services.mesh.mesh_auth import mesh_channel
+
 from weft.v1 import cachestore_pb2, cachestore_pb2_grpc
 
 
@@ -15,7 +17,7 @@ class CacheStoreClient:
     def __init__(self, address: str, timeout_s: float = 1.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = mesh_channel(address)
         self._stub = cachestore_pb2_grpc.CacheStoreStub(self._channel)
 
     async def lookup_response(self, tenant: str, scope: str, text: str) -> tuple[int, ...] | None:
@@ -29,6 +31,24 @@ class CacheStoreClient:
         await self._stub.SemanticStore(cachestore_pb2.SemanticStoreRequest(
             tenant=tenant, kind=cachestore_pb2.SEMANTIC_KIND_RESPONSE, scope=scope, text=text,
             token_ids=list(token_ids)), timeout=self.timeout_s)
+
+    async def lookup_session(self, tenant: str, scope: str, text: str) -> tuple[int, ...] | None:
+        """Prompt tokens of a known session whose first turn resembles ``text``, or None."""
+        reply = await self._stub.SemanticLookup(cachestore_pb2.SemanticLookupRequest(
+            tenant=tenant, kind=cachestore_pb2.SEMANTIC_KIND_SESSION_PREFIX, scope=scope, text=text),
+            timeout=self.timeout_s)
+        return tuple(reply.token_ids) if reply.hit else None
+
+    async def store_session(self, tenant: str, scope: str, text: str, token_ids: Sequence[int]) -> None:
+        await self._stub.SemanticStore(cachestore_pb2.SemanticStoreRequest(
+            tenant=tenant, kind=cachestore_pb2.SEMANTIC_KIND_SESSION_PREFIX, scope=scope, text=text,
+            token_ids=list(token_ids)), timeout=self.timeout_s)
+
+    async def prefetch(self, tenant: str, token_ids: Sequence[int]) -> int:
+        """Warm the prefix's blocks in the store; returns how many it holds."""
+        reply = await self._stub.PrefetchBlocks(cachestore_pb2.PrefetchBlocksRequest(
+            tenant=tenant, token_ids=list(token_ids)), timeout=self.timeout_s)
+        return reply.num_found_blocks
 
     async def close(self) -> None:
         await self._channel.close()

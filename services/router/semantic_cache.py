@@ -1,4 +1,5 @@
-"""Semantic response cache: a ``TokenStreamer`` in front of the scheduler.
+"""Semantic response cache and similar-intent prefetch: a ``TokenStreamer`` in front of
+the scheduler.
 
 A request that opted in (``weft_semantic_cache: true`` over HTTP, ``semantic_cache`` over
 gRPC) and is deterministic (greedy, no log-probabilities) is first looked up in the
@@ -6,6 +7,13 @@ cachestore's semantic index by its prompt text, scoped by tenant and by everythi
 shapes the output (model, max_tokens, min_tokens, stop ids, ignore_eos): a hit is
 streamed back as one chunk from executor ``cachestore`` without touching the scheduler;
 a miss streams as usual and its output is remembered once it finishes (stop / length).
+
+Similar-intent prefetch: the first turn of an opted-in session (hop 0, not stateful)
+is looked up among known sessions' first turns; when one is similar, the prefix its
+prompt shares with this one is warmed in the cachestore (disk → host RAM) before the
+request goes downstream, so the executor's promotion reads RAM, not disk. Every
+first turn is remembered for later sessions.
+
 The cachestore being down or slow is a miss, never an error.
 """
 from __future__ import annotations
@@ -23,7 +31,23 @@ log = structlog.get_logger(__name__)
 
 LOOKUPS = metrics.counter("weft_router_semantic_cache_total", "Opted-in requests by semantic cache result.",
                           ["result"])
+PREFETCHES = metrics.counter("weft_router_session_prefetch_total",
+                             "Opted-in first turns by similar-session prefetch result.", ["result"])
 EXECUTOR_NAME = "cachestore"  # what a cached answer reports as its executor
+
+
+def is_first_turn(request: TokenRequest) -> bool:
+    s = request.session
+    return request.sampling.semantic_cache and bool(s.session_id) and s.hop_index == 0 and not s.stateful
+
+
+def common_prefix_len(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def is_cacheable(request: TokenRequest) -> bool:
@@ -48,43 +72,66 @@ class SemanticCachingStreamer:
         return getattr(self.downstream, name)
 
     def generate(self, request: TokenRequest, timeout_s: float) -> AsyncIterator[TokenChunk]:
-        if not is_cacheable(request):
+        cacheable, first_turn = is_cacheable(request), is_first_turn(request)
+        if not cacheable and not first_turn:
             return self.downstream.generate(request, timeout_s)
-        return self._cached_generate(request, timeout_s)
+        return self._generate(request, timeout_s, cacheable, first_turn)
 
-    async def _cached_generate(self, request: TokenRequest, timeout_s: float) -> AsyncIterator[TokenChunk]:
+    async def _generate(self, request: TokenRequest, timeout_s: float, cacheable: bool,
+                        first_turn: bool) -> AsyncIterator[TokenChunk]:
         text = self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
         scope = scope_of(request)
-        try:
-            hit = await self.client.lookup_response(request.tenant, scope, text)
-        except Exception as exc:  # noqa: BLE001 - a cache problem is a miss
-            log.warning("semantic_cache_lookup_failed", error=str(exc))
-            hit = None
-        if hit is not None:
-            LOOKUPS.labels("hit").inc()
-            n = len(request.prompt_token_ids)
-            reason = "length" if len(hit) >= (request.sampling.max_tokens or 0) else "stop"
-            yield TokenChunk(hit, (), reason, n, n, len(hit), EXECUTOR_NAME)
-            return
-        LOOKUPS.labels("miss").inc()
+        if first_turn:
+            await self._prefetch_similar_session(request, text)
+        if cacheable:
+            try:
+                hit = await self.client.lookup_response(request.tenant, scope, text)
+            except Exception as exc:  # noqa: BLE001 - a cache problem is a miss
+                log.warning("semantic_cache_lookup_failed", error=str(exc))
+                hit = None
+            if hit is not None:
+                LOOKUPS.labels("hit").inc()
+                n = len(request.prompt_token_ids)
+                reason = "length" if len(hit) >= (request.sampling.max_tokens or 0) else "stop"
+                yield TokenChunk(hit, (), reason, n, n, len(hit), EXECUTOR_NAME)
+                return
+            LOOKUPS.labels("miss").inc()
         output: list[int] = []
         chunks = self.downstream.generate(request, timeout_s)
         try:
             async for chunk in chunks:
                 output.extend(chunk.token_ids)
                 if chunk.finish_reason in ("stop", "length"):
-                    self._remember(request.tenant, scope, text, tuple(output))
+                    if cacheable:
+                        self._remember(self.client.store_response, request.tenant, scope, text, tuple(output))
+                    if first_turn:
+                        self._remember(self.client.store_session, request.tenant, request.model, text,
+                                       request.prompt_token_ids)
                 yield chunk
         finally:
             await chunks.aclose()
 
-    def _remember(self, tenant: str, scope: str, text: str, token_ids: tuple[int, ...]) -> None:
-        async def store() -> None:
+    async def _prefetch_similar_session(self, request: TokenRequest, text: str) -> None:
+        try:
+            known = await self.client.lookup_session(request.tenant, request.model, text)
+            shared = common_prefix_len(known, request.prompt_token_ids) if known else 0
+            num_blocks = await self.client.prefetch(request.tenant, request.prompt_token_ids[:shared]) if shared else 0
+        except Exception as exc:  # noqa: BLE001 - prefetch is best effort
+            log.warning("session_prefetch_failed", error=str(exc))
+            PREFETCHES.labels("error").inc()
+            return
+        PREFETCHES.labels("prefetched" if num_blocks else "none").inc()
+        if num_blocks:
+            log.info("session_prefix_prefetched", session_id=request.session.session_id, num_shared_tokens=shared,
+                     num_blocks=num_blocks)
+
+    def _remember(self, store, *args) -> None:
+        async def run() -> None:
             try:
-                await self.client.store_response(tenant, scope, text, token_ids)
+                await store(*args)
             except Exception as exc:  # noqa: BLE001
                 log.warning("semantic_cache_store_failed", error=str(exc))
 
-        task = asyncio.get_running_loop().create_task(store(), name="semantic-cache-store")
+        task = asyncio.get_running_loop().create_task(run(), name="semantic-cache-store")
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -116,3 +116,30 @@ def test_full_store_is_resource_exhausted(tmp_path, monkeypatch):
         got, missing = await get_all(stub, [5])
         assert got == {} and missing == [5]
     asyncio.run(with_stub(tmp_path, check, host_bytes=1000))
+
+
+def test_prefetch_warms_an_archived_prefix_into_host_ram(tmp_path):
+    from services.cachestore.blocks import Block, BlockMeta
+    from services.cachestore.demotion import AgeDemotion
+    from services.cachestore.tiers import Tier
+    from services.executor.block_hash import extra_keys_for, hash_block_chain
+
+    async def go():
+        store = TieredStore(HostTier(1 << 20), DiskTier(tmp_path, 1 << 20, fsync=False),
+                            make_tier_policy(TierPolicyName.DEMOTE_ON_EVICT), AgeDemotion(max_idle_s=-1))
+        tokens = list(range(64))
+        hashes = hash_block_chain(tokens, 16, extra_keys_for("m", "acme"))
+        for h in hashes[:3]:
+            payload = os.urandom(100)
+            store.put(Block(BlockMeta(h, "uint8", (100,), 100, checksum(payload), "m", 16), payload))
+        store.sweep()  # everything archived
+        assert all(store.tier_of(h) is Tier.ARCHIVED for h in hashes[:3])
+        servicer = CacheStoreServicer(store, MAX_BLOCK, 1 << 12)
+        reply = await servicer.PrefetchBlocks(cachestore_pb2.PrefetchBlocksRequest(tenant="acme", token_ids=tokens),
+                                              None)
+        assert (reply.num_found_blocks, reply.num_warmed_blocks) == (3, 3)
+        assert all(store.tier_of(h) is Tier.SLEEPING for h in hashes[:3])
+        other = await servicer.PrefetchBlocks(cachestore_pb2.PrefetchBlocksRequest(tenant="globex", token_ids=tokens),
+                                              None)
+        assert other.num_found_blocks == 0  # another tenant's salt: different hashes
+    asyncio.run(go())

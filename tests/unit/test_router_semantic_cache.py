@@ -19,6 +19,7 @@ class FakeTokenizer:
 class FakeStore:
     def __init__(self, fail=False):
         self.entries, self.fail, self.lookups = {}, fail, 0
+        self.sessions, self.prefetched = {}, []
 
     async def lookup_response(self, tenant, scope, text):
         self.lookups += 1
@@ -28,6 +29,17 @@ class FakeStore:
 
     async def store_response(self, tenant, scope, text, token_ids):
         self.entries[(tenant, scope, text)] = tuple(token_ids)
+
+    async def lookup_session(self, tenant, scope, text):
+        self.lookups += 1
+        return self.sessions.get((tenant, text))
+
+    async def store_session(self, tenant, scope, text, token_ids):
+        self.sessions[(tenant, text)] = tuple(token_ids)
+
+    async def prefetch(self, tenant, token_ids):
+        self.prefetched.append((tenant, tuple(token_ids)))
+        return len(token_ids) // 16
 
 
 class FakeScheduler:
@@ -90,3 +102,25 @@ def test_http_extension_field_opts_in():
     limits = Limits(served_models=("m",), max_model_len=128, vocab_size=1000)
     assert parse_sampling({"weft_semantic_cache": True}, limits, 4, "max_tokens", None).semantic_cache
     assert not parse_sampling({}, limits, 4, "max_tokens", None).semantic_cache
+
+
+def test_a_new_sessions_first_turn_prefetches_the_prefix_it_shares_with_a_similar_known_session():
+    from services.router.schema import Session
+
+    async def go():
+        store, sched = FakeStore(), FakeScheduler()
+        streamer = SemanticCachingStreamer(sched, store, FakeTokenizer())
+        shared = tuple(range(100, 140))
+        known = TokenRequest("k", "", shared + (1, 2), Sampling(max_tokens=3, temperature=0.8, semantic_cache=True),
+                             "acme", Session(session_id="old", hop_index=0))
+        await collect(streamer, known)  # remembered as a first turn (sampled: no response caching)
+        assert store.sessions == {("acme", FakeTokenizer().decode(known.prompt_token_ids)): known.prompt_token_ids}
+        store.sessions[("acme", "similar")] = known.prompt_token_ids
+        streamer.tokenizer = type("T", (), {"decode": lambda self, ids, skip_special_tokens=True: "similar"})()
+        new = replace(known, request_id="n", prompt_token_ids=shared + (9, 9, 9), session=Session("new", hop_index=0))
+        await collect(streamer, new)
+        assert store.prefetched == [("acme", shared)]
+        later_hop = replace(new, session=Session("new", hop_index=1))
+        await collect(streamer, later_hop)
+        assert len(store.prefetched) == 1  # only first turns prefetch
+    asyncio.run(go())

@@ -200,3 +200,19 @@ class SemanticStoreResponse(_message.Message):
     stored: bool
     num_entries: int
     def __init__(self, stored: _Optional[bool] = ..., num_entries: _Optional[int] = ...) -> None: ...
+
+class PrefetchBlocksRequest(_message.Message):
+    __slots__ = ("tenant", "token_ids")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tenant: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefetchBlocksResponse(_message.Message):
+    __slots__ = ("num_found_blocks", "num_warmed_blocks")
+    NUM_FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WARMED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_found_blocks: int
+    num_warmed_blocks: int
+    def __init__(self, num_found_blocks: _Optional[int] = ..., num_warmed_blocks: _Optional[int] = ...) -> None: ...

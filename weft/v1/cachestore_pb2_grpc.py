@@ -75,6 +75,11 @@ class CacheStoreStub:
                 request_serializer=weft_dot_v1_dot_cachestore__pb2.SemanticStoreRequest.SerializeToString,
                 response_deserializer=weft_dot_v1_dot_cachestore__pb2.SemanticStoreResponse.FromString,
                 _registered_method=True)
+        self.PrefetchBlocks = channel.unary_unary(
+                '/weft.v1.CacheStore/PrefetchBlocks',
+                request_serializer=weft_dot_v1_dot_cachestore__pb2.PrefetchBlocksRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_cachestore__pb2.PrefetchBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class CacheStoreServicer:
@@ -137,6 +142,13 @@ class CacheStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefetchBlocks(self, request, context):
+        """Warm the blocks of a token prefix: archived (disk) blocks are copied up to host RAM.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +191,11 @@ def add_CacheStoreServicer_to_server(servicer, server):
                     servicer.SemanticStore,
                     request_deserializer=weft_dot_v1_dot_cachestore__pb2.SemanticStoreRequest.FromString,
                     response_serializer=weft_dot_v1_dot_cachestore__pb2.SemanticStoreResponse.SerializeToString,
+            ),
+            'PrefetchBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefetchBlocks,
+                    request_deserializer=weft_dot_v1_dot_cachestore__pb2.PrefetchBlocksRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_cachestore__pb2.PrefetchBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +415,33 @@ class CacheStore:
             '/weft.v1.CacheStore/SemanticStore',
             weft_dot_v1_dot_cachestore__pb2.SemanticStoreRequest.SerializeToString,
             weft_dot_v1_dot_cachestore__pb2.SemanticStoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.CacheStore/PrefetchBlocks',
+            weft_dot_v1_dot_cachestore__pb2.PrefetchBlocksRequest.SerializeToString,
+            weft_dot_v1_dot_cachestore__pb2.PrefetchBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
