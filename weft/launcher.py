@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from services.mesh.mesh_auth import mesh_channel
 from services.mesh.nats_server import free_port, nats_server_binary
 from weft import health
 from weft.mesh_spec import BY_NAME, SERVICES, Context, ServiceSpec
@@ -174,7 +175,7 @@ class Launcher:
         from weft.v1 import scheduler_pb2, scheduler_pb2_grpc
 
         address = f"{self.options.host}:{self.ports['scheduler_port']}"
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with mesh_channel(address) as channel:  # the mesh secret, when set
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             while True:
                 try:

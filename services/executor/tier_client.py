@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from services.executor.kv_transfer import KvPayload, checksum
+from services.mesh.mesh_auth import mesh_channel
 from services.mesh.grpc_server import channel_options
 from services.mesh.retry import rpc_retrying
 from weft.v1 import cachestore_pb2, cachestore_pb2_grpc, events_pb2
@@ -27,7 +28,7 @@ class TierClient:
         self.timeout_s = timeout_s
         self.model_id = model_id
         self.block_size = block_size
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._channel = mesh_channel(address, options=channel_options(max_message_bytes))
         self._stub = cachestore_pb2_grpc.CacheStoreStub(self._channel)
 
     async def close(self) -> None:

@@ -19,6 +19,8 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.mesh import mesh_auth
+
 log = structlog.get_logger(__name__)
 
 RETRY_AFTER_KEY = "retry-after-ms"
@@ -161,6 +163,7 @@ class GrpcServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         grace_s: float = 10.0,
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+        peer_auth: bool = True,
     ) -> None:
         self.service_name = service_name
         self.host = host
@@ -168,7 +171,9 @@ class GrpcServer:
         self.grace_s = grace_s
         self.interceptor = ErrorMappingInterceptor(rules)
         self.server = grpc.aio.server(
-            interceptors=[self.interceptor, *interceptors],
+            # Internal services require the mesh secret when one is set (services/mesh/mesh_auth.py);
+            # the router's public API passes peer_auth=False and authenticates API keys instead.
+            interceptors=[*(mesh_auth.server_interceptors() if peer_auth else ()), self.interceptor, *interceptors],
             options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
         )
         self.health = health.aio.HealthServicer()
@@ -184,7 +189,7 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Bind, start and report SERVING; returns the bound port."""
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        self.port = mesh_auth.add_port(self.server, f"{self.host}:{self.requested_port}")  # TLS when configured
         if self.port == 0:
             raise OSError(f"cannot bind {self.host}:{self.requested_port}")
         await self.server.start()

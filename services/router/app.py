@@ -39,7 +39,7 @@ class RouterApp:
         keys = KeyStore.from_file(config.keys_file)
         self.http = HttpApi(self.generator, keys, config.model_name, self.scheduler.list_executors)
         self.grpc = GrpcServer("weft.v1.Router", config.host, config.grpc_port, rules=ROUTER_ERROR_RULES,
-                               grace_s=config.drain_timeout_s)
+                               grace_s=config.drain_timeout_s, peer_auth=False)
         servicer = RouterServicer(self.generator, keys, config.model_name, self.scheduler.list_executors)
         router_pb2_grpc.add_RouterServicer_to_server(servicer, self.grpc.server)
         self._runner: web.AppRunner | None = None

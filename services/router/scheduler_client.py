@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
+from services.mesh.mesh_auth import mesh_channel
 from services.mesh.retry import rpc_retrying
 from services.mesh.timeline import CURRENT_TRACE, TRACEPARENT_KEY, downstream_spans
 from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
@@ -111,7 +112,7 @@ class SchedulerClient:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = mesh_channel(address, options=CHANNEL_OPTIONS)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     async def generate(self, request: TokenRequest, timeout_s: float) -> AsyncIterator[TokenChunk]:

@@ -19,6 +19,7 @@ import structlog
 from services.executor.block_hash import extra_keys_for, hash_block_chain
 from services.mesh import metric_catalogue as catalogue
 from services.mesh import metrics
+from services.mesh.mesh_auth import mesh_channel
 from services.mesh.grpc_server import DrainingError, channel_options
 from services.mesh.timeline import STORE, TRACEPARENT_KEY, Trace, context_from_metadata, downstream_spans, spans_metadata
 from services.mesh.logging import request_context
@@ -70,7 +71,7 @@ class ChannelPool:
     def stub(self, address: str) -> executor_pb2_grpc.ExecutorStub:
         entry = self._stubs.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = mesh_channel(address, options=self._options)
             entry = (channel, executor_pb2_grpc.ExecutorStub(channel))
             self._stubs[address] = entry
         return entry[1]

@@ -28,14 +28,16 @@ import pytest
 
 from tests.integration.conftest import wait_for
 from weft.mesh_state import MeshState, pid_alive, read_state
-from weft.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_STREAMS = 6
 MAX_TOKENS = 600
 CALL_TIMEOUT_S = 40.0  # every client call has a deadline: a hang would fail as DEADLINE_EXCEEDED
 PROMPTS = [[(7 * i + 13 * j) % 500 + 20 for j in range(12 + i)] for i in range(NUM_STREAMS)]
+MESH_SECRET = "chaos-mesh-secret"  # internal calls must carry it (services/mesh/mesh_auth.py)
 CHAOS_ENV = {
+    "WEFT_MESH_SECRET": MESH_SECRET,
     "WEFT_EXECUTOR_NUM_THREADS": "1",
     "WEFT_EXECUTOR_HEARTBEAT_INTERVAL_S": "0.25",
     "WEFT_EXECUTOR_GRACE_S": "1",
@@ -72,7 +74,8 @@ class Mesh:
 
     def serving_executors(self) -> set[str]:
         with grpc.insecure_channel(f"127.0.0.1:{self.state.instance('scheduler').ports['scheduler_port']}") as ch:
-            reply = scheduler_pb2_grpc.SchedulerStub(ch).ListExecutors(scheduler_pb2.ListExecutorsRequest(), timeout=2)
+            reply = scheduler_pb2_grpc.SchedulerStub(ch).ListExecutors(
+                scheduler_pb2.ListExecutorsRequest(), timeout=2, metadata=(("x-weft-mesh-secret", MESH_SECRET),))
         return {e.heartbeat.name for e in reply.executors if e.heartbeat.state == 2}  # EXECUTOR_STATE_SERVING
 
 
@@ -288,3 +291,19 @@ def test_chaos_rejects_unknown_names_and_actions(mesh):
                           str(mesh.state_dir)], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 1 and "executor-9" in out.stderr
     assert {i.name for i in mesh.state.instances} >= {"router", "scheduler", "executor-0", "executor-1"}
+
+
+def test_internal_services_refuse_calls_without_the_mesh_secret(mesh):
+    state = mesh.state
+    calls = {
+        "scheduler": lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).ListExecutors(
+            scheduler_pb2.ListExecutorsRequest(), timeout=5),
+        "executor-0": lambda ch: executor_pb2_grpc.ExecutorStub(ch).GetStats(executor_pb2.GetStatsRequest(), timeout=5),
+    }
+    for name, call in calls.items():
+        port_key = "scheduler_port" if name == "scheduler" else "executor_port"
+        with grpc.insecure_channel(f"127.0.0.1:{state.instance(name).ports[port_key]}") as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                call(ch)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+    assert mesh.serving_executors() == {"executor-0", "executor-1"}  # with the secret: answered
