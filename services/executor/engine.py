@@ -181,7 +181,7 @@ class LLMEngine:
         if plan.is_empty:
             return []
         outputs = []
-        for seq in plan.unservable:
+        for seq in self._requeue_if_pins_yield(plan.unservable):
             # It outgrew the pool (or its partition's quota): end it as a length stop.
             log.warning("request_outgrew_kv_pool", request_id=seq.request_id, num_tokens=seq.num_tokens)
             seq.status = SequenceStatus.FINISHED
@@ -217,6 +217,21 @@ class LLMEngine:
         for item in plan.decodes + plan.prefills:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(item.seq)
+
+    def _requeue_if_pins_yield(self, unservable: list[Sequence]) -> list[Sequence]:
+        """A request that does not fit only because idle sessions' pins fill its
+        partition gets those pins released and waits again; the rest are unservable."""
+        if not unservable or not self.pins.num_pinned_blocks:
+            return unservable
+        left = []
+        for seq in unservable:
+            need = -(-seq.num_tokens // self.config.block_size) + 1
+            if self.pins.release_for(seq.partition, need) or self.pins.release_for(None, need):
+                seq.status = SequenceStatus.WAITING if not seq.num_preemptions else SequenceStatus.PREEMPTED
+                self.scheduler.waiting.appendleft(seq)
+            else:
+                left.append(seq)
+        return left
 
     def _finish_session(self, seq: Sequence) -> None:
         """A hop ended: its previous pin goes; a keep decision pins this hop's blocks

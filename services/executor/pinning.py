@@ -72,6 +72,18 @@ class PinTable:
         self.pool.free(pin.blocks, pin.partition)
         return len(pin.blocks)
 
+    def release_for(self, partition: str | None, num_blocks: int) -> int:
+        """Live work comes first: release ``partition``'s pins (None: anyone's),
+        soonest-expiring first, until ``num_blocks`` blocks were unpinned (or none are
+        left); returns how many."""
+        freed = 0
+        for sid in sorted((sid for sid, p in self._pins.items() if partition in (None, p.partition)),
+                          key=lambda sid: self._pins[sid].expires_at_s):
+            if freed >= num_blocks:
+                break
+            freed += self.release(sid)
+        return freed
+
     def expire(self, now_s: float | None = None) -> list[str]:
         """Release every pin whose TTL ran out; returns their session ids."""
         now_s = self.clock() if now_s is None else now_s

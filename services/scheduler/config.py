@@ -56,7 +56,8 @@ class SchedulerConfig:
         default="weft", choices=("weft", "fcfs", "priority"))
     pause_policy: str = option(
         "What a session's KV does during a tool call: cost (keep / demote / drop by cost), keep, drop; "
-        "auto: cost under --policy weft, drop otherwise.", default="auto", choices=("auto", "cost", "keep", "drop"))
+        "auto: cost under --policy weft, drop otherwise.", default="auto",
+        choices=("auto", "cost", "keep", "demote", "drop"))
     tenant_quotas: str = option(
         "Most KV blocks per executor a tenant may hold, name=blocks comma-separated; a contract asking more "
         "is refused. Tenants not listed: an executor's pool.", default="")

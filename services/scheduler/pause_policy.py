@@ -32,6 +32,7 @@ class PauseDecision(enum.Enum):
 class PausePolicyName(enum.Enum):
     COST = "cost"  # the cost model above (weft)
     ALWAYS_KEEP = "keep"
+    ALWAYS_DEMOTE = "demote"  # when the executor can demote, else drop (tests, ablations)
     NEVER_KEEP = "drop"  # LRU only (what request-level engines do)
 
 
@@ -116,6 +117,13 @@ class AlwaysKeepPolicy(CostPausePolicy):
         return PausePlan(PauseDecision.KEEP, self.ttl_ms(x), reason="always keep")
 
 
+class AlwaysDemotePolicy(PausePolicy):
+    def decide(self, x: PauseInputs) -> PausePlan:
+        if x.can_demote:
+            return PausePlan(PauseDecision.DEMOTE, reason="always demote")
+        return PausePlan(PauseDecision.DROP, reason="cannot demote")
+
+
 class NeverKeepPolicy(PausePolicy):
     def decide(self, x: PauseInputs) -> PausePlan:
         return PausePlan(PauseDecision.DROP, reason="LRU only")
@@ -127,4 +135,6 @@ def make_pause_policy(name: PausePolicyName | str, costs: PauseCosts = PauseCost
         return CostPausePolicy(costs)
     if name is PausePolicyName.ALWAYS_KEEP:
         return AlwaysKeepPolicy(costs)
+    if name is PausePolicyName.ALWAYS_DEMOTE:
+        return AlwaysDemotePolicy()
     return NeverKeepPolicy()

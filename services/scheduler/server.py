@@ -527,7 +527,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 token_ids=ses.context_token_ids, tenant_salt=ses.tenant, priority=-plan.score(time.monotonic()),
                 expected_pause_ms=plan.request.expected_tool_ms, evict_local=True), timeout=10.0)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            no_tier = exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "cachestore" in (exc.details() or "")
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED or no_tier:
                 self.agent.demote_unavailable(ses)
             else:
                 log.warning("session_demote_failed", executor=rec.name, details=exc.details())
@@ -542,7 +543,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def _promote(self, rec: ExecutorRecord, tenant: str, token_ids: list[int]) -> None:
         try:
             await self.channels.stub(rec.address).PromoteBlocks(executor_pb2.PromoteBlocksRequest(
-                token_ids=token_ids, tenant_salt=tenant, partition=tenant), timeout=10.0)
+                # force: the pause policy already priced the round trip when it chose demote.
+                token_ids=token_ids, tenant_salt=tenant, partition=tenant, force=True), timeout=10.0)
         except grpc.aio.AioRpcError as exc:
             log.info("session_promote_skipped", executor=rec.name, code=exc.code().name)
 

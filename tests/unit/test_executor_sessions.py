@@ -167,3 +167,17 @@ def test_sessions_report_mean_entropy_on_their_last_output(checkpoint):
     done = _run(engine)
     assert done["plain"].mean_entropy == 0.0
     assert 0.0 < done["agent"].mean_entropy <= 7.0  # ln(1024) ≈ 6.93 bounds it
+
+
+def test_pins_yield_to_a_request_their_partition_could_not_otherwise_serve(checkpoint):
+    engine = _engine(checkpoint, num_kv_blocks=40)
+    engine.set_partitions([PartitionSpec("acme", 8, 4)])
+    for i in range(2):  # two idle sessions pin 6 + 5 of acme's 12 blocks
+        engine.add_request(f"s{i}", _prompt(24 - 4 * i, 40 + i), GREEDY, partition="acme",
+                           session=SessionOptions(f"s{i}", pin_ttl_s=60.0))
+        _run(engine)
+    assert engine.pins.num_pinned_blocks == 11
+    engine.add_request("live", _prompt(20, 9), GREEDY, partition="acme")
+    out = _run(engine)["live"]
+    assert out.num_output_tokens == 4 and out.finish_reason is FinishReason.LENGTH
+    assert "s0" not in engine.pins  # the soonest-expiring pin went first
