@@ -67,7 +67,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         ports={"cachestore_port": 50071, "cachestore_metrics_port": 9171},
         settings={**_COMMON, "WEFT_CACHESTORE_HOST": "{bind_host}", "WEFT_CACHESTORE_PORT": "{cachestore_port}",
                   "WEFT_CACHESTORE_METRICS_PORT": "{cachestore_metrics_port}",
-                  "WEFT_CACHESTORE_DISK_DIR": "{cachestore_dir}"},
+                  "WEFT_CACHESTORE_DISK_DIR": "{cachestore_dir}", "WEFT_NATS_URL": "{nats_url}"},
         health=Health("grpc", "cachestore_port"),
         depends_on=("nats",),
     ),
@@ -90,7 +90,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
                   # Idle OpenMP workers sleep instead of spinning: executors share cores with
                   # each other and with the router / scheduler, and spinning workers starve
                   # their event loops (40 ms stalls in token streams on 2 cores).
-                  "OMP_WAIT_POLICY": "PASSIVE"},
+                  "OMP_WAIT_POLICY": "PASSIVE",
+                  "WEFT_EXECUTOR_CACHESTORE_ADDRESS": "{cachestore_addr}"},
         health=Health("grpc", "executor_port"),
         depends_on=("nats",),
         scalable=True,
@@ -101,7 +102,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
         ports={"router_http_port": 8000, "router_grpc_port": 50051},
         settings={**_COMMON, "WEFT_ROUTER_HOST": "{bind_host}", "WEFT_ROUTER_HTTP_PORT": "{router_http_port}",
                   "WEFT_ROUTER_GRPC_PORT": "{router_grpc_port}", "WEFT_ROUTER_MODEL_DIR": "{model_dir}",
-                  "WEFT_ROUTER_SCHEDULER_ADDRESS": "{scheduler_addr}", "WEFT_ROUTER_KEYS_FILE": "{keys_file}"},
+                  "WEFT_ROUTER_SCHEDULER_ADDRESS": "{scheduler_addr}", "WEFT_ROUTER_KEYS_FILE": "{keys_file}",
+                  "WEFT_ROUTER_CACHESTORE_ADDRESS": "{cachestore_addr}"},
         health=Health("http", "router_http_port", "/health"),
         depends_on=("scheduler",),
         published=("router_http_port", "router_grpc_port"),
