@@ -130,3 +130,14 @@ def test_full_disk_is_a_miss_not_a_crash(tmp_path, monkeypatch):
     result = s.put(block(1))
     assert not result.stored and s.tier_of(1) is None and s.get(1) is None
     assert s.counters.num_disk_write_errors == 1
+
+
+def test_tier_changes_become_kv_events_tagged_with_their_tier():
+    from services.cachestore.app import change_to_event
+    from weft.v1 import events_pb2
+
+    stored = change_to_event(TierChange(Tier.ARCHIVED, True, (5, 6)))
+    removed = change_to_event(TierChange(Tier.SLEEPING, False, (5,)))
+    assert (stored.kind, stored.tier, list(stored.block_hashes)) == (
+        events_pb2.KV_EVENT_KIND_STORED, events_pb2.TIER_ARCHIVED, [5, 6])
+    assert (removed.kind, removed.tier) == (events_pb2.KV_EVENT_KIND_REMOVED, events_pb2.TIER_SLEEPING)
