@@ -40,6 +40,30 @@ class DrainingError(Exception):
     """The service is draining and takes no new work (UNAVAILABLE: try another replica)."""
 
 
+class UndecodableRequest(ValueError):
+    """The request bytes are not a valid message of the method's type (INVALID_ARGUMENT)."""
+
+    def __init__(self, method: str) -> None:
+        super().__init__(f"request: not a valid protobuf message for {method}")
+
+
+UNDECODABLE = object()  # what _lenient returns for bytes that do not parse
+
+
+def _lenient(deserializer):
+    """Wrap a request deserializer so garbage bytes reach the handler as UNDECODABLE
+    (answered INVALID_ARGUMENT by the interceptor) instead of gRPC's own UNKNOWN."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception:
+            return UNDECODABLE
+    return parse
+
+
 @dataclass(frozen=True)
 class ErrorRule:
     """Domain errors of type ``error`` map to ``code``. An error carrying a
@@ -59,7 +83,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self, rules: Sequence[ErrorRule]) -> None:
-        self.rules = (*rules, ErrorRule(DrainingError, grpc.StatusCode.UNAVAILABLE))
+        self.rules = (*rules, ErrorRule(DrainingError, grpc.StatusCode.UNAVAILABLE),
+                      ErrorRule(UndecodableRequest, grpc.StatusCode.INVALID_ARGUMENT))
 
     def status_for(self, exc: BaseException) -> tuple[grpc.StatusCode, str, int | None]:
         """(code, details, retry_after_ms) for an exception; does not log."""
@@ -90,7 +115,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(handler.unary_unary, method),
-                handler.request_deserializer, handler.response_serializer)
+                _lenient(handler.request_deserializer), handler.response_serializer)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
                 self._wrap_unary(handler.stream_unary, method),
@@ -98,7 +123,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(handler.unary_stream, method),
-                handler.request_deserializer, handler.response_serializer)
+                _lenient(handler.request_deserializer), handler.response_serializer)
         return grpc.stream_stream_rpc_method_handler(
             self._wrap_stream(handler.stream_stream, method),
             handler.request_deserializer, handler.response_serializer)
@@ -106,6 +131,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_unary(self, fn, method):
         async def wrapper(request, context):
             try:
+                if request is UNDECODABLE:
+                    raise UndecodableRequest(method)
                 return await fn(request, context)
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
@@ -117,6 +144,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(fn):
             async def gen_wrapper(request, context):
                 try:
+                    if request is UNDECODABLE:
+                        raise UndecodableRequest(method)
                     async for item in fn(request, context):
                         yield item
                 except (asyncio.CancelledError, grpc.aio.AbortError):

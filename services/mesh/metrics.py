@@ -5,6 +5,8 @@ and tests may build several servers in one process without duplicate-name errors
 """
 from __future__ import annotations
 
+import asyncio
+
 from collections.abc import Sequence
 
 import structlog
@@ -43,6 +45,18 @@ def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
 def histogram(name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] | None = None) -> Histogram:
     kw = {"buckets": tuple(buckets)} if buckets else {}
     return _get_or_create(Histogram, name, doc, labels, **kw)
+
+
+def _num_asyncio_tasks() -> float:
+    """Tasks alive on this thread's running loop (scrapes run on the service's loop)."""
+    try:
+        return float(len(asyncio.all_tasks()))
+    except RuntimeError:  # no running loop on the scraping thread
+        return -1.0
+
+
+ASYNCIO_TASKS = gauge("weft_asyncio_tasks", "asyncio tasks alive in this process (a leak shows as a rising line).")
+ASYNCIO_TASKS.set_function(_num_asyncio_tasks)
 
 
 async def _handle_metrics(_request: web.Request) -> web.Response:
