@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed repetitions per measurement; the best is kept")
     p.add_argument("--skip-hf", action="store_true", help="skip both transformers baselines")
     p.add_argument("--skip-hf-cb", action="store_true", help="skip transformers' continuous batching baseline")
+    p.add_argument("--no-profile", action="store_true",
+                   help="skip the operator profile of Weft's decode steps appended to the report")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="where results are written")
     return p.parse_args(argv)
 
@@ -75,6 +77,7 @@ def run_weft(model_dir: Path, workloads, args, results, bar) -> dict:
     llm = LLM(model_dir, num_threads=args.threads, max_num_batched_tokens=2048, max_prefill_chunk=512)
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate([[11, 12, 13]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm up
+    traffic: dict = {}
     for name, prompts in workloads.items():
         # the prefix cache is reset between repeats so each run computes its prompts
         def once():
@@ -88,10 +91,38 @@ def run_weft(model_dir: Path, workloads, args, results, bar) -> dict:
     dt = best_of(lambda: llm.generate([prompt], one), args.repeats)
     results[("weft", "batch-1")] = args.decode_len / dt
     bar.update(1)
+    if not args.no_profile:
+        traffic["profiles"] = {b: profile_decode(llm, b, prompt) for b in (1, args.num_prompts)}
     model = llm.engine.model
     kv_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype.itemsize
     avg_ctx = len(prompt) + args.decode_len / 2
-    return {"weight_bytes": model.param_bytes(), "kv_bytes": kv_per_token * avg_ctx}
+    traffic.update(weight_bytes=model.param_bytes(), kv_bytes=kv_per_token * avg_ctx)
+    return traffic
+
+
+def profile_decode(llm, batch: int, prompt: list[int], steps: int = 20) -> list[tuple[str, float, int]]:
+    """Top operators of ``steps`` pure-decode engine steps at ``batch`` concurrent:
+    (name, ms per step, calls per step), plus the wall ms per step as ``step``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from weft import SamplingParams
+
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"profile-{batch}-{i}", prompt, sp)
+    for _ in range(4):  # prefill and settle
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - t0) / steps
+    while engine.has_unfinished_requests:
+        engine.step()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+    out = [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count // steps) for e in rows]
+    return [("step (wall, profiled)", wall * 1e3, 1)] + out
 
 
 def run_hf_static(model_dir: Path, workloads, args, results, bar) -> None:
@@ -202,6 +233,13 @@ def report(results, bandwidth: float, traffic: dict, model_dir: Path, args) -> N
         f"**{100 * achieved / bandwidth:.0f} %** of measured bandwidth",
         "",
     ]
+    for batch, rows in traffic.get("profiles", {}).items():
+        lines += [
+            f"## Where a decode step's time goes ({batch} concurrent)",
+            "",
+            write_markdown(["operator", "ms / step", "calls / step"], [[n, f"{ms:.2f}", c] for n, ms, c in rows]),
+            "",
+        ]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "offline_throughput.md").write_text("\n".join(lines))
     write_bar_chart(
