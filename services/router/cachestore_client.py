@@ -14,9 +14,10 @@ from weft.v1 import cachestore_pb2, cachestore_pb2_grpc
 
 
 class CacheStoreClient:
-    def __init__(self, address: str, timeout_s: float = 1.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 1.0, store_timeout_s: float = 30.0) -> None:
         self.address = address
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # lookups: on the request's path
+        self.store_timeout_s = store_timeout_s  # stores: in the background (the first one may load the model)
         self._channel = mesh_channel(address)
         self._stub = cachestore_pb2_grpc.CacheStoreStub(self._channel)
 
@@ -30,7 +31,7 @@ class CacheStoreClient:
     async def store_response(self, tenant: str, scope: str, text: str, token_ids: Sequence[int]) -> None:
         await self._stub.SemanticStore(cachestore_pb2.SemanticStoreRequest(
             tenant=tenant, kind=cachestore_pb2.SEMANTIC_KIND_RESPONSE, scope=scope, text=text,
-            token_ids=list(token_ids)), timeout=self.timeout_s)
+            token_ids=list(token_ids)), timeout=self.store_timeout_s)
 
     async def lookup_session(self, tenant: str, scope: str, text: str) -> tuple[int, ...] | None:
         """Prompt tokens of a known session whose first turn resembles ``text``, or None."""
@@ -42,7 +43,7 @@ class CacheStoreClient:
     async def store_session(self, tenant: str, scope: str, text: str, token_ids: Sequence[int]) -> None:
         await self._stub.SemanticStore(cachestore_pb2.SemanticStoreRequest(
             tenant=tenant, kind=cachestore_pb2.SEMANTIC_KIND_SESSION_PREFIX, scope=scope, text=text,
-            token_ids=list(token_ids)), timeout=self.timeout_s)
+            token_ids=list(token_ids)), timeout=self.store_timeout_s)
 
     async def prefetch(self, tenant: str, token_ids: Sequence[int]) -> int:
         """Warm the prefix's blocks in the store; returns how many it holds."""

@@ -19,7 +19,9 @@ The cachestore being down or slow is a miss, never an error.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import hashlib
+from array import array
+from collections.abc import AsyncIterator, Sequence
 
 import structlog
 
@@ -50,6 +52,54 @@ def common_prefix_len(a, b) -> int:
     return n
 
 
+_PROBE = "weftprobe"
+_MARKER_LEN = 3  # tokens right before a user message's content: e.g. <|im_start|> user \n
+
+
+class PromptSplitter:
+    """Splits a prompt into (everything before its last user message, that message's text).
+
+    NOTE: only the last user message is embedded: a shared system prompt, tool list or
+    chat template would otherwise make unrelated questions look alike (with the tiny
+    model's template around the built-in set, a 0.92 threshold drops from precision 1.0
+    to 0.86). The context before it must match exactly instead: its token digest goes
+    into the scope. The user-turn marker is learned once from the checkpoint's own chat
+    template; without one (or for plain completions) the whole prompt is the text.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.marker: tuple[int, ...] = ()
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": _PROBE}], tools=None,
+                                                 add_generation_prompt=False)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            probe = tokenizer.encode(_PROBE, add_special_tokens=False)
+            at = _find_last(ids, probe)
+            if at >= _MARKER_LEN:
+                self.marker = tuple(ids[at - _MARKER_LEN:at])
+        except Exception:  # noqa: BLE001 - no usable template: whole-prompt mode
+            self.marker = ()
+
+    def split(self, prompt_ids: Sequence[int]) -> tuple[str, str]:
+        """(context digest, last user message text)."""
+        at = _find_last(prompt_ids, self.marker) if self.marker else -1
+        cut = at + len(self.marker) if at >= 0 else 0
+        digest = hashlib.blake2b(array("q", prompt_ids[:cut]).tobytes(), digest_size=8).hexdigest()
+        return digest, self.tokenizer.decode(prompt_ids[cut:], skip_special_tokens=True).strip()
+
+
+def _find_last(seq: Sequence[int], sub: Sequence[int]) -> int:
+    n = len(sub)
+    if n == 0:
+        return -1
+    first = sub[0]
+    for i in range(len(seq) - n, -1, -1):
+        if seq[i] == first and tuple(seq[i:i + n]) == tuple(sub):
+            return i
+    return -1
+
+
 def is_cacheable(request: TokenRequest) -> bool:
     s = request.sampling
     return s.semantic_cache and s.temperature == 0.0 and not s.logprobs
@@ -65,7 +115,7 @@ class SemanticCachingStreamer:
     def __init__(self, downstream, client: CacheStoreClient, tokenizer) -> None:
         self.downstream = downstream
         self.client = client
-        self.tokenizer = tokenizer
+        self.splitter = PromptSplitter(tokenizer)
         self._background: set[asyncio.Task] = set()
 
     def __getattr__(self, name):  # list_executors and friends stay the scheduler client's
@@ -79,9 +129,9 @@ class SemanticCachingStreamer:
 
     async def _generate(self, request: TokenRequest, timeout_s: float, cacheable: bool,
                         first_turn: bool) -> AsyncIterator[TokenChunk]:
-        text = self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
-        scope = scope_of(request)
-        if first_turn:
+        context, text = self.splitter.split(request.prompt_token_ids)
+        scope = f"{scope_of(request)}|ctx={context}"
+        if first_turn:  # a first turn's context is the shared prefix itself: match on the message alone
             await self._prefetch_similar_session(request, text)
         if cacheable:
             try:

@@ -116,7 +116,7 @@ def test_a_new_sessions_first_turn_prefetches_the_prefix_it_shares_with_a_simila
         await collect(streamer, known)  # remembered as a first turn (sampled: no response caching)
         assert store.sessions == {("acme", FakeTokenizer().decode(known.prompt_token_ids)): known.prompt_token_ids}
         store.sessions[("acme", "similar")] = known.prompt_token_ids
-        streamer.tokenizer = type("T", (), {"decode": lambda self, ids, skip_special_tokens=True: "similar"})()
+        streamer.splitter.tokenizer = type("T", (), {"decode": lambda self, ids, skip_special_tokens=True: "similar"})()
         new = replace(known, request_id="n", prompt_token_ids=shared + (9, 9, 9), session=Session("new", hop_index=0))
         await collect(streamer, new)
         assert store.prefetched == [("acme", shared)]
@@ -124,3 +124,23 @@ def test_a_new_sessions_first_turn_prefetches_the_prefix_it_shares_with_a_simila
         await collect(streamer, later_hop)
         assert len(store.prefetched) == 1  # only first turns prefetch
     asyncio.run(go())
+
+
+def test_only_the_last_user_message_is_embedded_and_the_rest_must_match_exactly(tmp_path):
+    from services.router.semantic_cache import PromptSplitter
+    from services.router.tokenizer import Tokenizer
+    from weft.tiny_model import make_tiny_checkpoint
+
+    tok = Tokenizer.from_dir(make_tiny_checkpoint(tmp_path / "m", preset="tiny"))
+    splitter = PromptSplitter(tok)
+
+    def split(system, question):
+        text = tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": question}],
+                                       tools=None, add_generation_prompt=True)
+        return splitter.split(tok.encode(text, add_special_tokens=False))
+
+    ctx_a, text_a = split("You are an agent with tools.", "How do I reset my password?")
+    ctx_b, _ = split("You are an agent with tools.", "Something else entirely")
+    ctx_c, _ = split("You are a different agent.", "How do I reset my password?")
+    assert text_a.startswith("How do I reset my password?") and "agent" not in text_a
+    assert ctx_a == ctx_b != ctx_c
