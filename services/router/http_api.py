@@ -134,6 +134,7 @@ class HttpApi:
 
     async def verdict(self, request: web.Request) -> web.Response:
         """The p99 verdict; ``?window_s=N`` narrows it to requests finished in the last N s."""
+        self._tenant(request)  # a public method: authenticated when keys are configured
         raw = request.query.get("window_s")
         try:
             window_s = float(raw) if raw is not None else None

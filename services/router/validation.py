@@ -29,6 +29,7 @@ class Limits:
     max_model_len: int
     vocab_size: int
     max_stop_strings: int = 16
+    max_stop_token_ids: int = 64  # each is checked every step: an unbounded list is a CPU cost per token
     max_prompts: int = 64
 
 
@@ -151,6 +152,8 @@ def parse_sampling(body: Mapping[str, Any], limits: Limits, max_tokens: Any, fie
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_token_id(t, limits.vocab_size) for t in stop_ids):
         raise InvalidRequestError("stop_token_ids", f"must be an array of token ids in [0, {limits.vocab_size})")
+    if len(stop_ids) > limits.max_stop_token_ids:
+        raise InvalidRequestError("stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {len(stop_ids)}")
     return Sampling(
         max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0),
         seed=seed, stop_token_ids=tuple(stop_ids), ignore_eos=optional_field(body, "ignore_eos", bool, False),

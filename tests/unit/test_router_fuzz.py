@@ -75,6 +75,7 @@ async def _settled(fake: CountingDownstream, baseline: int) -> tuple[int, int]:
 
 def test_http_bodies_never_crash_the_router_nor_leak(model_dir):  # noqa: F811
     loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)  # grpc.aio calls made between run_until_complete calls find it
     tokenizer = Tokenizer.from_dir(model_dir)
     fake = CountingDownstream(tokenizer)
     api = HttpApi(Generator(tokenizer, model_limits(model_dir, tokenizer, [MODEL], max_model_len=512), fake),
@@ -115,6 +116,7 @@ def test_http_bodies_never_crash_the_router_nor_leak(model_dir):  # noqa: F811
     finally:
         loop.run_until_complete(client.close())
         loop.close()
+        asyncio.set_event_loop(None)
 
 
 sampling_values = st.builds(
@@ -138,6 +140,7 @@ grpc_requests = st.builds(
 
 def test_grpc_messages_never_crash_the_router_nor_leak(model_dir):  # noqa: F811
     loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)  # grpc.aio calls made between run_until_complete calls find it
     tokenizer = Tokenizer.from_dir(model_dir)
     fake = CountingDownstream(tokenizer)
 
@@ -195,6 +198,7 @@ def test_grpc_messages_never_crash_the_router_nor_leak(model_dir):  # noqa: F811
         loop.run_until_complete(channel.close())
         loop.run_until_complete(server.server.stop(0))
         loop.close()
+        asyncio.set_event_loop(None)
 
 
 if __name__ == "__main__":  # pragma: no cover
