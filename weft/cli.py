@@ -13,7 +13,7 @@ import sys
 from typing import Callable, Sequence
 
 from weft.chaos import register_chaos
-from weft import mesh_cli, top
+from weft import bench_cli, mesh_cli, top
 
 Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
@@ -71,6 +71,7 @@ COMMANDS: dict[str, Registrar] = {
     "up": mesh_cli.register_up,
     "ps": mesh_cli.register_ps,
     "scale": mesh_cli.register_scale,
+    "bench": bench_cli.register_bench,
     "chaos": register_chaos,
     "top": top.register_top,
 }

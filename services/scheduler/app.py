@@ -52,6 +52,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     )
     catalogue.register("scheduler")
     catalogue.metric("weft_queue_depth").labels("scheduler").set_function(lambda: servicer.admission.num_queued)
+    servicer.agent.can_demote = config.demote
     grpc_server = GrpcServer("weft.v1.Scheduler", config.host, config.port, rules=ERROR_RULES,
                              max_message_bytes=config.max_message_bytes, grace_s=config.grace_s)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, grpc_server.server)

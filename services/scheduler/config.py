@@ -69,6 +69,8 @@ class SchedulerConfig:
     default_tool_ms: float = option("Expected tool-call pause when neither the caller nor the session's "
                                     "history says, ms.", default=2000.0)
     max_pinned_fraction: float = option("Most of an executor's pool that kept sessions may pin.", default=0.5)
+    demote: bool = option("Let the pause policy demote paused sessions to the cachestore's host tier "
+                          "(executor DemoteBlocks / PromoteBlocks).", default=True)
     intent_shift_threshold: float = option("Distance (0..1) of a new turn from its session's context above "
                                            "which kept KV is released early.", default=0.9)
     max_sessions: int = option("Sessions (and programs) remembered, least recently used dropped.", default=10000)
