@@ -88,6 +88,7 @@ class Outcome:
     error: grpc.StatusCode | None = None
     num_terminal_states: int = 0
     max_gap_s: float = 0.0  # longest wait between two chunks: what a migration cost the client
+    degradation_rung: int = 0  # the rung the first chunk reported
 
     @property
     def completed(self) -> bool:
@@ -105,6 +106,8 @@ def generate(mesh: Mesh, i: int, outcome: Outcome, started: threading.Event | No
                 now = time.monotonic()
                 outcome.max_gap_s = max(outcome.max_gap_s, now - last) if last is not None else 0.0
                 last = now
+                if not outcome.tokens:
+                    outcome.degradation_rung = chunk.degradation_rung
                 outcome.tokens.extend(chunk.token_ids_delta)
                 if chunk.executor and chunk.executor not in outcome.executors:
                     outcome.executors.append(chunk.executor)
@@ -178,6 +181,7 @@ def mesh(tmp_path_factory, tiny_model_dir) -> Mesh:
         for i in range(NUM_STREAMS):  # the undisturbed greedy outputs
             o = generate(m, i, Outcome())
             assert o.completed and len(o.tokens) == MAX_TOKENS, o
+            assert o.degradation_rung == common_pb2.DEGRADATION_RUNG_NONE  # the response names its rung
             m.reference[i] = o.tokens
         yield m
     finally:

@@ -78,3 +78,41 @@ def test_every_service_binds_loopback_by_default():
     for cls in (CacheStoreConfig, ExecutorConfig, RouterConfig, SchedulerConfig):
         host = next(f for f in dataclasses.fields(cls) if f.name == "host").default
         assert host == "127.0.0.1", f"{cls.__name__} binds {host!r} by default"
+
+
+def _self_signed(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_tls_with_the_secret_serves_and_plaintext_clients_are_refused(tmp_path):
+    from services.mesh.mesh_auth import add_port
+
+    cert, key = _self_signed(tmp_path)
+    sec = MeshSecurity(secret="s3cret", tls_cert_path=str(cert), tls_key_path=str(key), tls_ca_path=str(cert))
+
+    async def main():
+        server = grpc.aio.server(interceptors=[SharedSecretInterceptor(sec.secret)])
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(Echo(), server)
+        port = add_port(server, "127.0.0.1:0", sec)
+        await server.start()
+        try:
+            async with mesh_channel(f"127.0.0.1:{port}", security=sec) as channel:
+                await scheduler_pb2_grpc.SchedulerStub(channel).ListExecutors(
+                    scheduler_pb2.ListExecutorsRequest(), timeout=10)
+            async with mesh_channel(f"127.0.0.1:{port}", security=MeshSecurity(secret="s3cret")) as plain:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await scheduler_pb2_grpc.SchedulerStub(plain).ListExecutors(
+                        scheduler_pb2.ListExecutorsRequest(), timeout=3)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # no TLS handshake, no service
+        finally:
+            await server.stop(0)
+    asyncio.run(main())
