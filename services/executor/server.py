@@ -147,6 +147,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.block_size = block_size
         self.draining = False
         self._streams: dict[str, asyncio.Queue] = {}
+        self._tier_ns: dict[str, tuple[int, int]] = {}  # request id -> promotion lookup (start, end), for timelines
 
     async def Generate(self, request: executor_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
         if self.draining:
@@ -195,6 +196,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 REQUESTS.labels(outcome).inc()
                 self._streams.pop(rid, None)
                 self._steps(rid)  # forget the step record of a cancelled / failed request
+                self._tier_ns.pop(rid, None)
                 pump.cancel()
                 # Covers a cancel that lands while the add is still in flight; a no-op
                 # when the request already finished or was aborted.
@@ -208,14 +210,21 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     def _finish_trace(self, trace: Trace, out: StepOutput, first_token_ns: int | None) -> list:
         """Close this request's executor spans (kept in this process's timeline store)."""
-        add_executor_spans(trace, self._steps(out.request_id), trace.start_ns, first_token_ns, time.time_ns(),
+        received_ns = trace.start_ns
+        tier = self._tier_ns.pop(out.request_id, None)
+        if tier is not None:  # the prompt's prefix was looked up (and maybe promoted) before the engine got it
+            trace.span("executor.tier_fetch", *tier)
+            received_ns = tier[1]
+        add_executor_spans(trace, self._steps(out.request_id), received_ns, first_token_ns, time.time_ns(),
                            out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
         return trace.finish(STORE, num_output_tokens=out.num_output_tokens)
 
     async def _pump(self, request, params: SamplingParams, session: SessionOptions, queue: asyncio.Queue) -> None:
         try:
             if self.tiers is not None:  # promote the prompt's prefix from the cachestore first
+                tier_start_ns = time.time_ns()
                 await self.tiers.before_submit(request)
+                self._tier_ns[request.request_id] = (tier_start_ns, time.time_ns())
             async for out in self.engine.generate(
                 request.request_id, list(request.prompt_token_ids), params,
                 # Each tenant is charged to its own partition (its quota, when one is configured).

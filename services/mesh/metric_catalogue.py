@@ -44,8 +44,6 @@ class MetricSpec:
         return self.waits_for is None
 
 
-_SESSIONS = "issue 5 (sessions, pauses, priority, contracts)"
-_MIGRATION = "the migration issue (a request continued on another executor)"
 
 CATALOGUE: tuple[MetricSpec, ...] = (
     # -- latency, by request class and tenant (router: where a request starts and ends)
@@ -88,13 +86,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "KV blocks moved up a tier (disk to host RAM, cachestore back to an executor).", "cachestore"),
     # -- agent-native features
     MetricSpec("weft_session_pauses_total", "counter", ("action",),
-               "Tool-call pauses by what happened to the session's KV (keep, demote, drop).", "scheduler",
-               waits_for=_SESSIONS),
+               "Tool-call pauses by what happened to the session's KV (keep, demote, drop).", "scheduler"),
     MetricSpec("weft_migrations_total", "counter", ("reason",),
-               "Requests continued on another executor mid-stream.", "scheduler", waits_for=_MIGRATION),
+               "Requests continued on another executor mid-stream (counted per move).", "scheduler"),
     MetricSpec("weft_degradation_rung", "gauge", ("request_class",),
-               "Current rung of the degradation ladder per class (0 = full quality).", "scheduler",
-               waits_for=_SESSIONS),
+               "Current rung of the degradation ladder per class (0 = full quality, 4 = shed).", "scheduler"),
     # -- the verdict (router: it sees whole timelines)
     MetricSpec("weft_p99_attribution_seconds", "gauge", ("component",),
                "Mean time per component among the slowest 1 % of recent requests.", "router"),
@@ -205,8 +201,8 @@ def count_pause(action: str) -> None:
     metric("weft_session_pauses_total").labels(action).inc()
 
 
-def count_migration(reason: str) -> None:
-    metric("weft_migrations_total").labels(reason).inc()
+def count_migration(reason: str, num: int = 1) -> None:
+    metric("weft_migrations_total").labels(reason).inc(num)
 
 
 def set_degradation_rung(request_class: str, rung: int) -> None:

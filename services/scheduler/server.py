@@ -238,7 +238,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             except OverloadedError:
                 REQUESTS.labels("rejected").inc()
                 self._agent_plans.pop(rid, None)
-                catalogue.count_admission_rejection("queue_full")
+                catalogue.count_admission_rejection(self._rejection_reason(request))
                 trace.finish(STORE, outcome="rejected")
                 raise
             outcome = "cancelled"
@@ -345,9 +345,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Observe load for the request's class; OverloadedError when the ladder sheds."""
         rung = self.ladder.observe(RequestClassPb.Name(request.session.request_class),
                                    LoadSignal(admission_fraction=self.tenant_admission.load_fraction()))
+        catalogue.set_degradation_rung(_class_label(request), int(rung))
         if served_rung(rung, DegradationContract()) is Rung.SHED:
             raise OverloadedError("shed by the degradation ladder", retry_after_ms=self.admission.retry_after_ms())
         return rung
+
+    def _rejection_reason(self, request: scheduler_pb2.ScheduleRequest) -> str:
+        """Why admission refused ``request``: the ladder sheds its class, or a queue (the
+        tenant's or the scheduler's) is full."""
+        rung = self.ladder.rungs().get(RequestClassPb.Name(request.session.request_class), Rung.NONE)
+        return "shed" if served_rung(rung, DegradationContract()) is Rung.SHED else "queue_full"
 
     async def _migrating_relay(self, request, prompt, ranked: list[Placement], context, queue_ms: int, *relay_args):
         """``_relay`` wrapped in migration: when the executor dies or stalls mid-stream the
@@ -392,9 +399,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 raise ExecutorFailed(executor, f"{exc.code().name}: {exc.details()}") from exc
 
         first = True
+        trace = relay_args[0] if relay_args else None
+        num_migrations_seen, last_piece_ns = 0, time.time_ns()
         try:
             async for piece in migrating_stream(progress, self.migration, open_attempt):
                 chunk = piece.payload
+                if progress.num_migrations != num_migrations_seen:
+                    # What the move cost this request: the gap since the last piece before it.
+                    catalogue.count_migration("executor_failed", progress.num_migrations - num_migrations_seen)
+                    if trace is not None:
+                        trace.span("scheduler.migration", last_piece_ns, time.time_ns(),
+                                   num_migrations=progress.num_migrations, executor=piece.executor)
+                    num_migrations_seen = progress.num_migrations
+                last_piece_ns = time.time_ns()
                 if first:
                     cached.append(chunk.usage.num_cached_tokens)
                     chunk.degradation_rung = DegradationRungPb.Value(f"DEGRADATION_RUNG_{rung.name}")
@@ -467,7 +484,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         rec = self.view.membership.get(top.name)
         load = (rec.load if rec else None) or ExecutorLoad()
         total = (rec.num_blocks if rec else 0) or load.num_blocks
-        self.agent.pause(plan, top.name, max(0, load.num_blocks - load.num_free_blocks), total)
+        pause = self.agent.pause(plan, top.name, max(0, load.num_blocks - load.num_free_blocks), total)
+        if pause.decision.value != "none":
+            catalogue.count_pause(pause.decision.value)
         # The executor orders its own queue by this (higher first) under its priority policy.
         request.priority = -plan.score(self.admission.clock())
         if plan.release is not None:
