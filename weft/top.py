@@ -152,12 +152,12 @@ def render(snap: Snapshot, width: int = 100) -> str:
             load = f"streaming {_n(_value(s.samples, 'weft_router_in_flight_requests'))}"
         elif s.service == "scheduler":
             load = (f"queued {_n(_value(s.samples, 'weft_queue_depth', service='scheduler'))}  "
-                    f"rejected {_n(_value(s.samples, 'weft_admission_rejections_total'))}  "
+                    f"rejected {_n(_value(s.samples, 'weft_admission_rejections_total') or 0.0)}  "
                     f"executors {_n(_value(s.samples, 'weft_scheduler_executors'))}")
         elif s.service == "executor":
             load = (f"streams {_n(_value(s.samples, 'weft_executor_streams_running'))}  "
                     f"waiting {_n(_value(s.samples, 'weft_executor_queue_depth'))}  "
-                    f"preempted {_n(_value(s.samples, 'weft_kv_preemptions_total'))}")
+                    f"preempted {_n(_value(s.samples, 'weft_kv_preemptions_total') or 0.0)}")
         lines.append(f"{s.service:<12}{s.name:<14}{s.pid:>8}  {'up' if s.up else 'DOWN':<6}{load}")
     lines.append("")
     lines.append(f"{'KV':<12}{'EXECUTOR':<14}{'PARTITION':<14}{'USED':>7}{'RESERVED':>10}{'BORROWED':>10}  POOL")

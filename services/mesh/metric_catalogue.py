@@ -58,12 +58,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                buckets=LATENCY_BUCKETS_S),
     # -- queueing and admission (scheduler)
     MetricSpec("weft_queue_depth", "gauge", ("service",),
-               "Requests waiting: for a scheduler in-flight slot, or in an executor's waiting queue.", "scheduler"),
+               "Requests waiting for an in-flight slot (service: scheduler).", "scheduler"),
     MetricSpec("weft_queue_wait_seconds", "histogram", ("request_class",),
                "Time a request waited for admission in the scheduler.", "scheduler",
                buckets=LATENCY_BUCKETS_S),
     MetricSpec("weft_admission_rejections_total", "counter", ("reason",),
-               "Requests refused at admission (reason: queue_full, no_executor).", "scheduler"),
+               "Requests refused at admission (reason: shed, queue_full, no_executor).", "scheduler"),
     # -- KV memory per partition (executor)
     MetricSpec("weft_kv_blocks", "gauge", ("executor", "partition", "state"),
                "KV blocks per partition: used, reserved (its guaranteed share), borrowed (used beyond it).",

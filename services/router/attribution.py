@@ -8,7 +8,8 @@ spans) is split into components that add up to its end-to-end latency:
                    + time spent preempted (blocks taken back, waiting to recompute)
     prefill        first scheduled → first token, minus preempted time (long prompts)
     decode         first token → last token, minus preempted time (long outputs)
-    tier_miss      KV fetched from the cachestore (spans ``*.tier_fetch``)
+    tier_miss      looking up / fetching the prompt's prefix in the cachestore before
+                   prefill (spans ``*.tier_fetch``)
     migration      continuing on another executor (spans ``*.migration``)
     degraded       time served on a degraded rung (spans ``*.degraded``)
     overhead       the rest: tokenize, placement, hops
@@ -37,7 +38,7 @@ CAUSES = {  # what the verdict says for each component
     "kv_contention": "requests wait for KV blocks or are preempted: the pool (or a partition) is full",
     "prefill": "long prompts: prefill dominates the tail",
     "decode": "long generations: the tail asks for more tokens",
-    "tier_miss": "KV had to come back from the cachestore",
+    "tier_miss": "prefix KV was looked up in / fetched from the cachestore before prefill",
     "migration": "requests moved to another executor mid-stream",
     "degraded": "requests ran on a degraded rung",
     "overhead": "time outside queueing and compute (tokenize, placement, hops)",

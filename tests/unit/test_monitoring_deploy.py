@@ -85,3 +85,16 @@ def test_every_dashboard_query_names_a_catalogue_metric():
     # the list: latency, queue, KV per partition, tiers, pauses, demotions,
     # promotions, migrations, degradation, rejections, and the verdict
     assert {s.name for s in catalogue.CATALOGUE} - {n.removesuffix("_bucket") for n in used} == set()
+
+
+def test_docs_metrics_md_documents_every_catalogue_metric_with_its_type_and_status():
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): [c.strip() for c in line.split("|")[1:-1]]
+            for line in doc.splitlines() if line.startswith("| `weft_")}
+    for spec in catalogue.CATALOGUE:
+        assert spec.name in rows, f"{spec.name} missing from docs/metrics.md"
+        _, kind, labels, service, status, _help = rows[spec.name]
+        assert (kind, service) == (spec.kind, spec.service), spec.name
+        assert labels == ", ".join(f"`{label}`" for label in spec.labels), spec.name
+        assert status == ("live" if spec.live else f"waits for {spec.waits_for}"), spec.name
+    assert set(rows) == {s.name for s in catalogue.CATALOGUE}
