@@ -290,6 +290,83 @@ def test_side_services_killed_serving_continues_and_restart_restores_them(mesh, 
            all_streams_done_s=None, restart_s=restart_s, serving_again_s=round(serves_normally(mesh), 2))
 
 
+def test_a_redelivered_kv_event_is_not_acted_on_twice(mesh):
+    """Replays a real kv event (same source, epoch and sequence) with its hashes swapped
+    for 1,000 fresh ones: acting on it would index them. The index must end at exactly
+    what it held plus the blocks of the genuine events around the replay."""
+    import asyncio
+    import random
+
+    import nats
+
+    from weft.v1 import events_pb2
+
+    active = (events_pb2.TIER_ACTIVE, events_pb2.TIER_UNSPECIFIED)
+
+    def indexed() -> dict[str, int]:
+        with grpc.insecure_channel(f"127.0.0.1:{mesh.state.instance('scheduler').ports['scheduler_port']}") as ch:
+            reply = scheduler_pb2_grpc.SchedulerStub(ch).ListExecutors(
+                scheduler_pb2.ListExecutorsRequest(), timeout=2, metadata=(("x-weft-mesh-secret", MESH_SECRET),))
+        return {e.heartbeat.name: e.num_indexed_blocks for e in reply.executors}
+
+    def long_prompt_request(seed: int) -> None:
+        rng = random.Random(seed)
+        request = router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=[rng.randrange(20, 900) for _ in range(80)]),
+            sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0))
+        with grpc.insecure_channel(mesh.state.grpc_address) as channel:
+            list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=CALL_TIMEOUT_S))
+
+    async def main():
+        nc = await nats.connect(mesh.state.nats_url)
+        events: list[events_pb2.KvEvent] = []
+        raw_stored: list[bytes] = []
+
+        async def on_kv(msg):
+            event = events_pb2.KvEvent.FromString(msg.data)
+            if event.tier in active:
+                events.append(event)
+                if event.kind == events_pb2.KV_EVENT_KIND_STORED:
+                    raw_stored.append(msg.data)
+
+        await nc.subscribe("weft.kv.*", cb=on_kv)
+        await nc.flush()
+        try:
+            start = await asyncio.to_thread(indexed)
+            await asyncio.to_thread(long_prompt_request, 1)
+            await asyncio.to_thread(wait_for, lambda: raw_stored, 20, "a kv stored event")
+            replay = events_pb2.KvEvent.FromString(raw_stored[-1])
+            source = replay.header.source
+            del replay.block_hashes[:]
+            rng = random.Random(7)
+            replay.block_hashes.extend(rng.getrandbits(63) for _ in range(1000))
+            replayed = list(replay.block_hashes)
+            await nc.publish(f"weft.kv.{source}", replay.SerializeToString())
+            await nc.flush()
+            for seed in range(2, 12):  # genuine events from the same executor after the replay
+                await asyncio.to_thread(long_prompt_request, seed)
+                if sum(e.header.source == source for e in events) >= 2:
+                    break
+
+            def expected() -> int:
+                held = set()
+                for e in (e for e in events if e.header.source == source and list(e.block_hashes) != replayed):
+                    if e.kind == events_pb2.KV_EVENT_KIND_STORED:
+                        held |= set(e.block_hashes)
+                    elif e.kind == events_pb2.KV_EVENT_KIND_REMOVED:
+                        held -= set(e.block_hashes)
+                return start[source] + len(held)
+
+            # Equality is reachable only if the replay was dropped: acting on it adds
+            # 1,000 blocks before the later genuine events arrive, and nothing removes them.
+            await asyncio.to_thread(wait_for, lambda: indexed()[source] == expected(), 20,
+                                    "the index to equal the genuine events alone")
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
 def test_chaos_rejects_unknown_names_and_actions(mesh):
     out = subprocess.run([sys.executable, "-m", "weft", "chaos", "kill", "executor-9", "--state-dir",
                           str(mesh.state_dir)], capture_output=True, text=True, timeout=60, cwd=ROOT)
