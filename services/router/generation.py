@@ -140,7 +140,7 @@ class Generator:
                 reason = "stop" if matcher.stopped else chunk.finish_reason
                 usage = Usage(chunk.num_prompt_tokens, chunk.num_output_tokens, chunk.num_cached_tokens)
                 yield Delta(out, chunk.token_ids, chunk.logprobs, reason, usage, chunk.executor,
-                            chunk.degradation_rung, chunk.num_migrations)
+                            chunk.degradation_rung, chunk.num_migrations, chunk.notes)
                 if reason is not None:
                     return
             raise UpstreamError("the scheduler's stream ended without a finish reason")

@@ -36,7 +36,7 @@ from services.router.errors import (AuthenticationError, InvalidRequestError, Ov
 from services.router.delta_streams import merge, timed
 from services.router.generation import Generator, new_request_id
 from services.router.openai_format import ChatFormatter, CompletionFormatter, error_body, sse, sum_usage
-from services.router.schema import Delta
+from services.router.schema import Delta, ServingNotes
 from services.router.tool_calls import ContentDelta, ToolCall, ToolCallParser, parse_tool_calls
 from services.router.validation import parse_chat_request, parse_completion_request
 
@@ -65,6 +65,21 @@ def error_response(exc: BaseException) -> web.Response:
     else:
         status, body = 500, error_body(500, f"internal error ({type(exc).__name__})")
     return web.json_response(body, status=status, headers=headers)
+
+
+def notes_headers(first: ServingNotes | None, last: ServingNotes | None) -> dict[str, str]:
+    """The scheduler's decisions as response headers: ``x-weft-request-class``,
+    ``x-weft-fallback`` (+ ``-reason``) from the first chunk, ``x-weft-pause`` from the
+    last (non-streaming responses only: a stream's headers leave before it ends)."""
+    out = {}
+    if first is not None and first.request_class:
+        out["x-weft-request-class"] = first.request_class
+    if first is not None and first.fallback:
+        out["x-weft-fallback"] = first.fallback
+        out["x-weft-fallback-reason"] = first.fallback_reason
+    if last is not None and last.pause_decision:
+        out["x-weft-pause"] = last.pause_decision
+    return out
 
 
 class HttpApi:
@@ -174,21 +189,24 @@ class HttpApi:
                 await deltas.aclose()
 
     async def _collect_chat(self, req, fmt: ChatFormatter, deltas: AsyncIterator[Delta], rid: str) -> web.Response:
-        text, ids, last = [], [], None
+        text, ids, last, first_notes = [], [], None, None
         async for last in deltas:
             text.append(last.text)
             ids.extend(last.token_ids)
+            first_notes = first_notes or last.notes
         content, calls = "".join(text), []
         if req.parse_tool_calls:
             content, calls = parse_tool_calls(content)
         reason = "tool_calls" if calls else last.finish_reason
         body = fmt.response(content, calls, reason, last.usage, ids if req.return_token_ids else None)
-        return web.json_response(body, headers={EXECUTOR_HEADER: last.executor, "x-request-id": rid})
+        return web.json_response(body, headers={EXECUTOR_HEADER: last.executor, "x-request-id": rid,
+                                                **notes_headers(first_notes, last.notes)})
 
     async def _stream_chat(self, request: web.Request, req, fmt: ChatFormatter, deltas: AsyncIterator[Delta],
                            rid: str) -> web.StreamResponse:
         first = await anext(deltas)  # errors before the first token stay plain HTTP errors
-        resp = web.StreamResponse(headers={**_SSE_HEADERS, EXECUTOR_HEADER: first.executor, "x-request-id": rid})
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, EXECUTOR_HEADER: first.executor, "x-request-id": rid,
+                                           **notes_headers(first.notes, None)})
         await resp.prepare(request)
         parser = ToolCallParser() if req.parse_tool_calls else None
         num_calls = 0
@@ -254,19 +272,23 @@ class HttpApi:
 
     async def _collect_completions(self, req, fmt, merged, n: int, rid: str) -> web.Response:
         texts, ids, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+        first_notes = None
         async for i, delta in merged:
             texts[i].append(delta.text)
             ids[i].extend(delta.token_ids)
             last[i] = delta
+            first_notes = first_notes or (delta.notes if i == 0 else None)
         choices = [fmt.choice(i, "".join(texts[i]), last[i].finish_reason, ids[i] if req.return_token_ids else None)
                    for i in range(n)]
         executors = ",".join(dict.fromkeys(d.executor for d in last))
         return web.json_response(fmt.response(choices, sum_usage([d.usage for d in last])),
-                                 headers={EXECUTOR_HEADER: executors, "x-request-id": rid})
+                                 headers={EXECUTOR_HEADER: executors, "x-request-id": rid,
+                                          **notes_headers(first_notes, last[0].notes)})
 
     async def _stream_completions(self, request, req, fmt, merged, rid: str) -> web.StreamResponse:
         i, delta = await anext(merged)
-        resp = web.StreamResponse(headers={**_SSE_HEADERS, EXECUTOR_HEADER: delta.executor, "x-request-id": rid})
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, EXECUTOR_HEADER: delta.executor, "x-request-id": rid,
+                                           **notes_headers(delta.notes, None)})
         await resp.prepare(request)
         usages = {}
         try:

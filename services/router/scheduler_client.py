@@ -19,7 +19,7 @@ from services.mesh.mesh_auth import mesh_channel
 from services.mesh.retry import rpc_retrying
 from services.mesh.timeline import CURRENT_TRACE, TRACEPARENT_KEY, downstream_spans
 from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
-from services.router.schema import TokenChunk, TokenRequest
+from services.router.schema import ServingNotes, TokenChunk, TokenRequest
 from weft.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -87,6 +87,19 @@ def from_proto(resp: scheduler_pb2.ScheduleResponse) -> TokenChunk:
         degradation_rung=common_pb2.DegradationRung.Name(resp.degradation_rung).removeprefix("DEGRADATION_RUNG_").lower()
         if resp.degradation_rung else "",
         num_migrations=resp.num_migrations,
+        notes=_notes(resp),
+    )
+
+
+def _notes(resp: scheduler_pb2.ScheduleResponse) -> ServingNotes | None:
+    if not (resp.request_class or resp.fallback_taken or resp.pause_decision):
+        return None
+    name = lambda enum, value, prefix: enum.Name(value).removeprefix(prefix).lower() if value else ""  # noqa: E731
+    return ServingNotes(
+        request_class=name(common_pb2.RequestClass, resp.request_class, "REQUEST_CLASS_"),
+        fallback=name(common_pb2.FallbackPath, resp.fallback_taken, "FALLBACK_PATH_"),
+        fallback_reason=resp.fallback_reason,
+        pause_decision=name(common_pb2.PauseDecision, resp.pause_decision, "PAUSE_DECISION_"),
     )
 
 

@@ -112,6 +112,18 @@ class TokenChunk:
     executor: str
     degradation_rung: str = ""  # rung of the degradation ladder that served it (first chunk), "" = unknown
     num_migrations: int = 0  # times the stream moved to another executor (last chunk)
+    notes: ServingNotes | None = None  # what the scheduler decided (class, fallback, pause)
+
+
+@dataclass(frozen=True)
+class ServingNotes:
+    """The scheduler's decisions for one request, as the client may see them: class and
+    contract fallback (first chunk), the session's pause decision (last chunk)."""
+
+    request_class: str = ""
+    fallback: str = ""  # "", "degrade", "reroute", "fail_fast"
+    fallback_reason: str = ""
+    pause_decision: str = ""  # "", "keep", "demote", "drop"
 
 
 @dataclass(frozen=True)
@@ -138,3 +150,4 @@ class Delta:
     executor: str
     degradation_rung: str = ""  # see TokenChunk
     num_migrations: int = 0  # see TokenChunk
+    notes: ServingNotes | None = None  # see TokenChunk

@@ -317,3 +317,36 @@ def test_weft_ps_lists_every_service_healthy_and_scale_adds_and_drains_executors
     drained = read_state(mesh.state_dir).instance("executor-2").pid
     assert weft("scale", "executor=2").stdout.strip() == "executors: executor-0, executor-1"
     assert not pid_alive(drained)
+
+
+def _post_with_headers(mesh: Mesh, path: str, body: dict, key: str = API_KEY) -> tuple[int, dict, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", mesh.http_port, timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def test_http_agent_hops_report_class_and_pause_and_hit_the_cache_per_tenant(mesh):
+    """Session extension fields over HTTP: the response names the class and the pause
+    decision; the next hop of the session hits the cache; another tenant never does."""
+    prompt = [(11 * i + 5) % 900 + 20 for i in range(70)]
+    hop0 = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "session_id": "http-agent", "program_id": "http-prog", "hop_index": 0,
+            "expected_tool_ms": 500}
+    status, headers, body = _post_with_headers(mesh, "/v1/completions", hop0)
+    assert status == 200, body
+    assert headers["x-weft-request-class"] == "agentic"
+    assert headers["x-weft-pause"] in ("keep", "demote", "drop")
+    out = body["choices"][0]["token_ids"]
+    hop1 = {**hop0, "prompt": prompt + out + [42] * 8, "hop_index": 1, "expected_tool_ms": 0}
+    status, _, body = _post_with_headers(mesh, "/v1/completions", hop1)
+    assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64, body
+    other = {**hop0, "session_id": "http-agent-other", "program_id": ""}
+    status, _, body = _post_with_headers(mesh, "/v1/completions", other, key="sk-other")
+    assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, body
+    status, _, body = _post_with_headers(mesh, "/v1/completions", {**hop0, "hop_index": 7})
+    assert status == 400 and body["error"]["param"] == "session.hop_index", body

@@ -56,3 +56,20 @@ def test_session_fields_parse_stateful_mode_and_the_contract():
     s = _session({"session_id": "s", "session_stateful": True, "hop_index": 2, "request_class": "agentic",
                   "contract": {"kv_quota_blocks": 64, "ttft_ceiling_ms": 500, "fallback": "fail_fast"}})
     assert s.stateful and s.hop_index == 2 and s.contract == ContractSpec(64, 500, 0, "fail_fast")
+
+
+def test_scheduler_decisions_become_response_headers():
+    from services.router.http_api import notes_headers
+    from services.router.scheduler_client import from_proto
+    from services.router.schema import ServingNotes
+    from weft.v1 import common_pb2, scheduler_pb2
+
+    first = from_proto(scheduler_pb2.ScheduleResponse(
+        request_class=common_pb2.REQUEST_CLASS_INTERACTIVE, fallback_taken=common_pb2.FALLBACK_PATH_REROUTE,
+        fallback_reason="ttft estimate 900 ms > ceiling 500 ms")).notes
+    last = from_proto(scheduler_pb2.ScheduleResponse(pause_decision=common_pb2.PAUSE_DECISION_KEEP)).notes
+    assert first == ServingNotes("interactive", "reroute", "ttft estimate 900 ms > ceiling 500 ms", "")
+    assert notes_headers(first, last) == {
+        "x-weft-request-class": "interactive", "x-weft-fallback": "reroute",
+        "x-weft-fallback-reason": "ttft estimate 900 ms > ceiling 500 ms", "x-weft-pause": "keep"}
+    assert from_proto(scheduler_pb2.ScheduleResponse()).notes is None and notes_headers(None, None) == {}
