@@ -16,10 +16,12 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.mesh.mesh_auth import mesh_channel
+
 
 async def probe_grpc(address: str, timeout_s: float = 1.0) -> bool:
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with mesh_channel(address) as channel:  # TLS when the mesh is configured with it
             stub = health_pb2_grpc.HealthStub(channel)
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
