@@ -26,7 +26,7 @@ from services.executor.step_trace import RequestSteps, add_executor_spans
 from services.mesh import metric_catalogue as catalogue
 from services.mesh import metrics
 from services.mesh.grpc_server import DrainingError, ErrorRule
-from services.mesh.timeline import STORE, Trace, context_from_metadata, spans_metadata
+from services.mesh.timeline import Trace, context_from_metadata, spans_metadata
 from services.mesh.logging import request_context
 from weft.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc
 
@@ -209,7 +209,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         return step_trace.pop(request_id) if step_trace is not None else RequestSteps()
 
     def _finish_trace(self, trace: Trace, out: StepOutput, first_token_ns: int | None) -> list:
-        """Close this request's executor spans (kept in this process's timeline store)."""
+        """Close this request's executor spans (returned to the scheduler in the trailers)."""
         received_ns = trace.start_ns
         tier = self._tier_ns.pop(out.request_id, None)
         if tier is not None:  # the prompt's prefix was looked up (and maybe promoted) before the engine got it
@@ -217,7 +217,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             received_ns = tier[1]
         add_executor_spans(trace, self._steps(out.request_id), received_ns, first_token_ns, time.time_ns(),
                            out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
-        return trace.finish(STORE, num_output_tokens=out.num_output_tokens)
+        return trace.finish(num_output_tokens=out.num_output_tokens)
 
     async def _pump(self, request, params: SamplingParams, session: SessionOptions, queue: asyncio.Queue) -> None:
         try:

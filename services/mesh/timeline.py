@@ -9,9 +9,9 @@ Each service records its own spans (W3C trace id shared by all, its own span ids
 parent = the caller's span) and returns them, plus those it got from downstream, in
 the ``weft-spans`` trailing metadata of the stream. The router therefore holds the
 whole timeline once the stream ends and keeps the last ``capacity`` of them, by
-request id, in ``TimelineStore`` (served at ``/v1/weft/requests/{id}/timeline``).
-Every service also keeps its own spans in its own store, so a stream that failed
-(no trailers on error) still leaves each hop's part where it was recorded.
+request id, in ``TimelineStore`` (served at ``/v1/weft/requests/{id}/timeline``). A
+stream that fails or is cancelled sends no trailers: its timeline has the router's
+spans only (the other services keep none: nothing could read them there).
 
 Clocks: span times are Unix epoch nanoseconds (``time.time_ns``) so spans from several
 processes on one host order correctly; across hosts they are as good as NTP.
@@ -202,7 +202,7 @@ class TimelineStore:
         return len(self._spans)
 
 
-STORE = TimelineStore()  # this process's timelines
+STORE = TimelineStore(capacity=1024)  # the router's timelines (~10 KB each)
 # The trace of the request the current task works for: how an outbound client finds the
 # context to send without every call signature in between carrying it.
 CURRENT_TRACE: ContextVar[Trace | None] = ContextVar("weft_current_trace", default=None)

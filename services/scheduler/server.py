@@ -21,7 +21,7 @@ from services.mesh import metric_catalogue as catalogue
 from services.mesh import metrics
 from services.mesh.mesh_auth import mesh_channel
 from services.mesh.grpc_server import DrainingError, channel_options
-from services.mesh.timeline import STORE, TRACEPARENT_KEY, Trace, context_from_metadata, downstream_spans, spans_metadata
+from services.mesh.timeline import TRACEPARENT_KEY, Trace, context_from_metadata, downstream_spans, spans_metadata
 from services.mesh.logging import request_context
 from services.mesh.nats_bus import Delivery, EventBus
 from services.scheduler.admission import Admission
@@ -258,7 +258,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     self._agent_observe(plan, chunk, t0)
                     yield chunk
                 outcome = "finished"
-                context.set_trailing_metadata(spans_metadata(trace.finish(STORE, outcome=outcome)))
+                context.set_trailing_metadata(spans_metadata(trace.finish(outcome=outcome)))
             except Exception:
                 outcome = "error" if outcome == "cancelled" else outcome
                 raise
