@@ -239,7 +239,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 REQUESTS.labels("rejected").inc()
                 self._agent_plans.pop(rid, None)
                 catalogue.count_admission_rejection(self._rejection_reason(request))
-                trace.finish(STORE, outcome="rejected")
                 raise
             outcome = "cancelled"
             try:
@@ -267,7 +266,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self._agent_plans.pop(rid, None)
                 self._hop_entropy.pop(rid, None)
                 REQUESTS.labels(outcome).inc()
-                trace.finish(STORE, outcome=outcome)  # no-op when already finished
 
     def _timeout_s(self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext) -> float | None:
         timeouts = []
