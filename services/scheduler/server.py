@@ -541,7 +541,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def _demote(self, rec: ExecutorRecord, ses, plan: HopPlan) -> None:
         try:
             await self.channels.stub(rec.address).DemoteBlocks(executor_pb2.DemoteBlocksRequest(
-                token_ids=ses.context_token_ids, tenant_salt=ses.tenant, priority=-plan.score(time.monotonic()),
+                token_ids=ses.context_token_ids.tolist(), tenant_salt=ses.tenant,
+                priority=-plan.score(time.monotonic()),
                 expected_pause_ms=plan.request.expected_tool_ms, evict_local=True), timeout=10.0)
         except grpc.aio.AioRpcError as exc:
             no_tier = exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "cachestore" in (exc.details() or "")
@@ -555,7 +556,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if expected_s > 0:  # prefetch: promote shortly before the tool is expected back
             await asyncio.sleep(0.8 * expected_s)
             if ses.demoted and ses.pause_started_s is not None:
-                await self._promote(rec, ses.tenant, ses.context_token_ids)
+                await self._promote(rec, ses.tenant, ses.context_token_ids.tolist())
 
     async def _promote(self, rec: ExecutorRecord, tenant: str, token_ids: list[int]) -> None:
         try:
