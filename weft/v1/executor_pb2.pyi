@@ -156,3 +156,17 @@ class PromoteBlocksResponse(_message.Message):
     load_ms: float
     skipped_by_cost_model: bool
     def __init__(self, num_local_blocks: _Optional[int] = ..., num_promoted_blocks: _Optional[int] = ..., num_available_blocks: _Optional[int] = ..., promoted_bytes: _Optional[int] = ..., load_ms: _Optional[float] = ..., skipped_by_cost_model: _Optional[bool] = ...) -> None: ...
+
+class UpdatePrioritiesRequest(_message.Message):
+    __slots__ = ("request_ids", "priorities")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    priorities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., priorities: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class UpdatePrioritiesResponse(_message.Message):
+    __slots__ = ("num_updated",)
+    NUM_UPDATED_FIELD_NUMBER: _ClassVar[int]
+    num_updated: int
+    def __init__(self, num_updated: _Optional[int] = ...) -> None: ...

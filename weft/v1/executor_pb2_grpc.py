@@ -55,6 +55,11 @@ class ExecutorStub:
                 request_serializer=weft_dot_v1_dot_executor__pb2.ReleaseSessionRequest.SerializeToString,
                 response_deserializer=weft_dot_v1_dot_executor__pb2.ReleaseSessionResponse.FromString,
                 _registered_method=True)
+        self.UpdatePriorities = channel.unary_unary(
+                '/weft.v1.Executor/UpdatePriorities',
+                request_serializer=weft_dot_v1_dot_executor__pb2.UpdatePrioritiesRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_executor__pb2.UpdatePrioritiesResponse.FromString,
+                _registered_method=True)
         self.DemoteBlocks = channel.unary_unary(
                 '/weft.v1.Executor/DemoteBlocks',
                 request_serializer=weft_dot_v1_dot_executor__pb2.DemoteBlocksRequest.SerializeToString,
@@ -99,6 +104,13 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdatePriorities(self, request, context):
+        """Re-set the scheduling priority of running or queued requests (dynamic priority).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DemoteBlocks(self, request, context):
         """Copy cached blocks to the cachestore (sleeping tier), optionally dropping the local copies.
         """
@@ -135,6 +147,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.ReleaseSession,
                     request_deserializer=weft_dot_v1_dot_executor__pb2.ReleaseSessionRequest.FromString,
                     response_serializer=weft_dot_v1_dot_executor__pb2.ReleaseSessionResponse.SerializeToString,
+            ),
+            'UpdatePriorities': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdatePriorities,
+                    request_deserializer=weft_dot_v1_dot_executor__pb2.UpdatePrioritiesRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_executor__pb2.UpdatePrioritiesResponse.SerializeToString,
             ),
             'DemoteBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.DemoteBlocks,
@@ -256,6 +273,33 @@ class Executor:
             '/weft.v1.Executor/ReleaseSession',
             weft_dot_v1_dot_executor__pb2.ReleaseSessionRequest.SerializeToString,
             weft_dot_v1_dot_executor__pb2.ReleaseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdatePriorities(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.Executor/UpdatePriorities',
+            weft_dot_v1_dot_executor__pb2.UpdatePrioritiesRequest.SerializeToString,
+            weft_dot_v1_dot_executor__pb2.UpdatePrioritiesResponse.FromString,
             options,
             channel_credentials,
             insecure,
