@@ -168,6 +168,17 @@ class LLMEngine:
         unpinned = self.pins.release(session_id)
         return unpinned, self.pool.evict_cached(evict_block_hashes)
 
+    def update_priorities(self, priorities: dict[str, float]) -> int:
+        """Set new priorities (lower runs first) of known requests; returns how many.
+        The waiting order and preemption victims follow from the next step on."""
+        n = 0
+        for rid, priority in priorities.items():
+            seq = self.requests.get(rid)
+            if seq is not None:
+                seq.priority = priority
+                n += 1
+        return n
+
     def take_kv_events(self) -> list[KVEvent]:
         return self.pool.take_events()
 

@@ -283,6 +283,15 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             num_available_blocks=r.num_available_blocks, promoted_bytes=r.promoted_bytes,
             load_ms=r.load_s * 1000.0, skipped_by_cost_model=r.skipped_by_cost_model)
 
+    async def UpdatePriorities(self, request: executor_pb2.UpdatePrioritiesRequest,
+                               context) -> executor_pb2.UpdatePrioritiesResponse:
+        if len(request.request_ids) != len(request.priorities):
+            raise InvalidRequestError("priorities", "must have one entry per request id")
+        # The wire says "higher runs first"; the engine's sequences "lower runs first".
+        new = {rid: -p for rid, p in zip(request.request_ids, request.priorities)}
+        n = await self.engine.call(lambda e: e.update_priorities(new))
+        return executor_pb2.UpdatePrioritiesResponse(num_updated=n)
+
     async def GetStats(self, request, context) -> executor_pb2.GetStatsResponse:
         stats = await self.engine.call(lambda e: {**e.stats(), "num_steps": e.num_steps})
         return executor_pb2.GetStatsResponse(

@@ -69,6 +69,7 @@ class HopPlan:
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_chunks: int = 0
+    executor: str = ""  # where it runs (first chunk)
 
     @property
     def pauses_after(self) -> bool:

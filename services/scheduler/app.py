@@ -53,6 +53,8 @@ async def main(argv: Sequence[str] | None = None) -> None:
     catalogue.register("scheduler")
     catalogue.metric("weft_queue_depth").labels("scheduler").set_function(lambda: servicer.admission.num_queued)
     servicer.agent.can_demote = config.demote
+    reprioritize = (asyncio.create_task(servicer.reprioritize_forever(config.priority_interval_s),
+                                        name="reprioritize") if config.policy == "weft" else None)
     grpc_server = GrpcServer("weft.v1.Scheduler", config.host, config.port, rules=ERROR_RULES,
                              max_message_bytes=config.max_message_bytes, grace_s=config.grace_s)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, grpc_server.server)
@@ -72,6 +74,8 @@ async def main(argv: Sequence[str] | None = None) -> None:
     try:
         await grpc_server.serve_until_signal()
     finally:
+        if reprioritize is not None:
+            reprioritize.cancel()
         expiry.cancel()
         await bus.close()
         await channels.close()

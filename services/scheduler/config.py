@@ -69,6 +69,8 @@ class SchedulerConfig:
     default_tool_ms: float = option("Expected tool-call pause when neither the caller nor the session's "
                                     "history says, ms.", default=2000.0)
     max_pinned_fraction: float = option("Most of an executor's pool that kept sessions may pin.", default=0.5)
+    priority_interval_s: float = option("Seconds between re-estimations of running requests' priority "
+                                        "(--policy weft).", default=0.5)
     demote: bool = option("Let the pause policy demote paused sessions to the cachestore's host tier "
                           "(executor DemoteBlocks / PromoteBlocks).", default=True)
     intent_shift_threshold: float = option("Distance (0..1) of a new turn from its session's context above "
@@ -99,6 +101,8 @@ class SchedulerConfig:
         from services.scheduler.contracts import parse_tenant_quotas
 
         parse_tenant_quotas(self.tenant_quotas)
+        if self.priority_interval_s <= 0:
+            raise ValueError(f"priority_interval_s must be > 0, got {self.priority_interval_s}")
         if not 0 < self.intent_shift_threshold <= 1 or self.max_sessions < 1:
             raise ValueError("intent_shift_threshold must be in (0, 1] and max_sessions >= 1")
         self.migration_policy  # validates the migration settings

@@ -493,6 +493,27 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await self._promote(rec, request.tenant, prompt)
         return ranked
 
+    async def reprioritize_forever(self, period_s: float = 0.5) -> None:
+        """Every scheduling interval, re-estimate the priority of the requests already on
+        executors and push it (one UpdatePriorities per executor): a long program's
+        running hop sinks as its program's attained service grows, a deadline rises."""
+        while True:
+            await asyncio.sleep(period_s)
+            now = self.admission.clock()
+            by_executor: dict[str, list[tuple[str, float]]] = {}
+            for rid, plan in list(self._agent_plans.items()):
+                if plan.executor:
+                    by_executor.setdefault(plan.executor, []).append((rid, -plan.score(now)))
+            for name, items in by_executor.items():
+                rec = self.view.membership.get(name)
+                if rec is None:
+                    continue
+                try:
+                    await self.channels.stub(rec.address).UpdatePriorities(executor_pb2.UpdatePrioritiesRequest(
+                        request_ids=[r for r, _ in items], priorities=[p for _, p in items]), timeout=1.0)
+                except grpc.aio.AioRpcError as exc:
+                    log.debug("priority_update_failed", executor=name, code=exc.code().name)
+
     def _agent_exec_fields(self, request_id: str) -> dict:
         plan = self._agent_plans.get(request_id)
         if plan is None:
@@ -508,6 +529,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             chunk.fallback_taken = _FALLBACK_TO_PB[plan.fallback.path]
             chunk.fallback_reason = plan.fallback.reason
             plan.num_cached_tokens = chunk.usage.num_cached_tokens
+            plan.executor = chunk.executor
         plan.num_chunks += 1
         plan.output_token_ids.extend(chunk.token_ids_delta)
         if not chunk.finish_reason:

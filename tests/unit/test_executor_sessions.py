@@ -181,3 +181,16 @@ def test_pins_yield_to_a_request_their_partition_could_not_otherwise_serve(check
     out = _run(engine)["live"]
     assert out.num_output_tokens == 4 and out.finish_reason is FinishReason.LENGTH
     assert "s0" not in engine.pins  # the soonest-expiring pin went first
+
+
+def test_priority_updates_reorder_the_waiting_queue(checkpoint):
+    engine = _engine(checkpoint, max_num_seqs=1, preemption_policy="priority")
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, _prompt(6, ord(rid)), GREEDY)
+    assert engine.update_priorities({"c": -5.0, "b": -1.0, "gone": 0.0}) == 2
+    order = []
+    for _ in range(200):
+        if not engine.has_unfinished_requests:
+            break
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["c", "b", "a"]
