@@ -78,6 +78,16 @@ class Piece:
     finished: bool
     payload: object = None  # the server's own message for this chunk, passed through untouched
 
+    @property
+    def is_placement_marker(self) -> bool:
+        """A piece that only names the executor an attempt was placed on (no tokens, no
+        payload): it lets a stall before the first token be pinned on that executor."""
+        return not self.token_ids and not self.finished and self.payload is None
+
+
+def placement_marker(executor: str) -> Piece:
+    return Piece((), executor, False, None)
+
 
 class ExecutorFailed(Exception):
     """An attempt's executor died or refused mid-stream (raised by the server's adapter)."""
@@ -193,6 +203,8 @@ async def migrating_stream(progress: StreamProgress, policy: MigrationPolicy,
                 except asyncio.TimeoutError:
                     raise ExecutorFailed(executor, f"no token for {watch.timeout_s():.1f}s") from None
                 executor = piece.executor or executor
+                if piece.is_placement_marker:
+                    continue
                 watch.observe()
                 progress.record(piece.token_ids)
                 yield piece

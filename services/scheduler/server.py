@@ -37,6 +37,7 @@ from services.scheduler.errors import (
 from services.scheduler.kv_index import KvIndex
 from services.scheduler.migration import (
     ExecutorFailed, MigrationExhausted, MigrationPolicy, NoReplacement, Piece, StreamProgress, migrating_stream,
+    placement_marker,
 )
 from services.scheduler.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
 from services.scheduler.placement import Candidate, InflightTracker, Placement, Placer
@@ -384,6 +385,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
         async def pieces(sub, placements, attempt_queue_ms):
             executor = placements[0].name
+            yield placement_marker(executor)  # a stall before the first token is pinned on it
             try:
                 async for chunk in self._relay(sub, list(sub.prompt_token_ids), placements, context,
                                                attempt_queue_ms, *relay_args):

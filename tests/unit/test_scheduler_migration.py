@@ -132,3 +132,25 @@ def test_policy_rejects_nonsense():
         MigrationPolicy(max_attempts=0)
     with pytest.raises(ValueError):
         MigrationPolicy(stall_factor=0)
+
+
+def test_an_executor_stalled_before_its_first_token_is_excluded_from_the_retry():
+    from services.scheduler.migration import placement_marker
+
+    calls = []
+
+    def stalls_before_first_token(name):
+        async def stream(attempt: Attempt):
+            calls.append(name)
+            yield placement_marker(name)
+            await asyncio.sleep(3600)
+            yield Piece((1,), name, True)  # never reached
+        return stream
+
+    prompt = (4, 5)
+    progress = StreamProgress(prompt, max_tokens=6, min_tokens=0, seed=None)
+    # "a" ranks first every time unless it is excluded
+    pieces = run(progress, FAST, chooser({"a": stalls_before_first_token("a"), "b": executor("b")}))
+    assert [t for p in pieces for t in p.token_ids] == reference(prompt, 6)
+    assert progress.failed_executors == {"a"}
+    assert calls == ["a"]
