@@ -159,7 +159,7 @@ class AgentPlane:
     def finish(self, plan: HopPlan, executor: str, output_token_ids: Sequence[int], num_cached_tokens: int,
                mean_entropy: float, elapsed_ms: float) -> SessionState | None:
         r = plan.request
-        self.contracts.observe_request_ms(elapsed_ms)
+        self.contracts.observe_request_ms(elapsed_ms, len(output_token_ids))
         ses = self.sessions.end_hop(
             r.tenant, r.session_id, r.program_id, r.hop_index, plan.prompt_token_ids, output_token_ids, executor,
             len(plan.prompt_token_ids) - num_cached_tokens, r.expected_tool_ms, mean_entropy)

@@ -5,7 +5,12 @@ NOTE: admission estimates a request's time to first token before it queues,
     ttft_est_ms = (requests ahead of it / in-flight slots) × mean request time (EWMA)
                 + new prompt tokens × prefill_ms_per_token
 
-and when that passes the contract's ceiling it takes the contract's fallback path:
+and its time per output token from what recent requests saw, scaled by how much more
+crowded the executors will be,
+
+    tpot_est_ms = mean observed ms per output token (EWMA) × (1 + requests ahead / slots)
+
+and when either passes the contract's ceiling it takes the contract's fallback path:
 
     FAIL_FAST  refuse now (RESOURCE_EXHAUSTED): the caller can go elsewhere at once
     REROUTE    place on the least-loaded executor instead of the KV-best one
@@ -64,10 +69,11 @@ class ContractBook:
     ``validate`` and ``choose_fallback`` do not modify it."""
 
     def __init__(self, tenant_quotas: dict[str, int] | None = None, prefill_ms_per_token: float = 0.2,
-                 initial_request_ms: float = 500.0) -> None:
+                 initial_request_ms: float = 500.0, initial_tpot_ms: float = 20.0) -> None:
         self.tenant_quotas = dict(tenant_quotas or {})
         self.prefill_ms_per_token = prefill_ms_per_token
         self.mean_request_ms = initial_request_ms
+        self.mean_tpot_ms = initial_tpot_ms
 
     def validate(self, terms: ContractTerms, tenant: str, pool_num_blocks: int) -> None:
         """Raises InvalidScheduleRequest naming the field when the contract asks for more
@@ -81,23 +87,36 @@ class ContractBook:
     def estimate_ttft_ms(self, num_ahead: int, num_slots: int, num_new_tokens: int) -> float:
         return num_ahead / max(1, num_slots) * self.mean_request_ms + num_new_tokens * self.prefill_ms_per_token
 
+    def estimate_tpot_ms(self, num_ahead: int, num_slots: int) -> float:
+        return self.mean_tpot_ms * (1.0 + num_ahead / max(1, num_slots))
+
     def choose_fallback(self, terms: ContractTerms, interactive: bool, num_ahead: int, num_slots: int,
                         num_new_tokens: int) -> FallbackChoice:
         """The path to take for this request now; raises OverloadedError for FAIL_FAST."""
-        if not terms.ttft_ceiling_ms:
+        if not terms.ttft_ceiling_ms and not terms.tpot_ceiling_ms:
             return FallbackChoice(Fallback.NONE)
         est = self.estimate_ttft_ms(num_ahead, num_slots, num_new_tokens)
-        if est <= terms.ttft_ceiling_ms:
+        tpot = self.estimate_tpot_ms(num_ahead, num_slots)
+        misses = []
+        if terms.ttft_ceiling_ms and est > terms.ttft_ceiling_ms:
+            misses.append(f"ttft estimate {est:.0f} ms > ceiling {terms.ttft_ceiling_ms} ms")
+        if terms.tpot_ceiling_ms and tpot > terms.tpot_ceiling_ms:
+            misses.append(f"tpot estimate {tpot:.1f} ms > ceiling {terms.tpot_ceiling_ms} ms")
+        if not misses:
             return FallbackChoice(Fallback.NONE, ttft_estimate_ms=est)
         path = terms.fallback
         if path is Fallback.NONE:
             path = Fallback.REROUTE if interactive else Fallback.DEGRADE
-        reason = f"ttft estimate {est:.0f} ms > ceiling {terms.ttft_ceiling_ms} ms"
+        reason = "; ".join(misses)
         if path is Fallback.FAIL_FAST:
             raise OverloadedError(f"contract cannot be met: {reason}", retry_after_ms=int(est))
         if path is Fallback.DEGRADE:
             reason += "; no degradation step offered by the executors: served at full quality"
         return FallbackChoice(path, reason, est)
 
-    def observe_request_ms(self, ms: float) -> None:
+    def observe_request_ms(self, ms: float, num_output_tokens: int = 0) -> None:
+        """Fold a finished request into the EWMAs (its whole time spread over its tokens
+        bounds its time per output token from above)."""
         self.mean_request_ms = 0.9 * self.mean_request_ms + 0.1 * ms
+        if num_output_tokens > 0:
+            self.mean_tpot_ms = 0.9 * self.mean_tpot_ms + 0.1 * (ms / num_output_tokens)

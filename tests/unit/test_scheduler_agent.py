@@ -176,6 +176,21 @@ def test_fallback_path_follows_the_contract_when_the_ttft_ceiling_cannot_be_met(
         book.choose_fallback(ContractTerms(ttft_ceiling_ms=100, fallback=Fallback.FAIL_FAST), True, **tight)
 
 
+def test_tpot_ceiling_takes_the_fallback_once_observed_token_times_exceed_it_under_load():
+    book = ContractBook(initial_tpot_ms=10)
+    terms = ContractTerms(tpot_ceiling_ms=30)
+    idle = dict(num_ahead=0, num_slots=4, num_new_tokens=10)
+    assert book.choose_fallback(terms, True, **idle).path is Fallback.NONE
+    for _ in range(30):  # requests now take 50 ms per output token
+        book.observe_request_ms(5000, num_output_tokens=100)
+    slow = book.choose_fallback(terms, True, **idle)
+    assert slow.path is Fallback.REROUTE and "tpot" in slow.reason
+    # a looser ceiling still holds when idle, but not with a queue as deep as the slots
+    loose = ContractTerms(tpot_ceiling_ms=60)
+    assert book.choose_fallback(loose, False, **idle).path is Fallback.NONE
+    assert book.choose_fallback(loose, False, num_ahead=4, num_slots=4, num_new_tokens=10).path is Fallback.DEGRADE
+
+
 # -- intent shift ----------------------------------------------------------------------
 def test_intent_shift_flags_a_new_topic_but_not_a_continuation():
     context = [i % 50 for i in range(300)]
