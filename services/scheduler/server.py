@@ -9,7 +9,6 @@ for the next-ranked one.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 
@@ -19,31 +18,26 @@ import structlog
 from services.executor.block_hash import extra_keys_for, hash_block_chain
 from services.mesh import metric_catalogue as catalogue
 from services.mesh import metrics
-from services.mesh.mesh_auth import mesh_channel
-from services.mesh.grpc_server import DrainingError, channel_options
+from services.mesh.grpc_server import DrainingError
 from services.mesh.timeline import TRACEPARENT_KEY, Trace, context_from_metadata, downstream_spans, spans_metadata
 from services.mesh.logging import request_context
-from services.mesh.nats_bus import Delivery, EventBus
 from services.scheduler.admission import Admission
-from services.scheduler.agent_plane import AgentPlane, HopPlan, HopRequest
-from services.scheduler.contracts import ContractTerms, Fallback
-from services.scheduler.pause_policy import PauseDecision
-from services.scheduler.priority import RequestClassName
-from weft.v1 import common_pb2 as common_v1
+from services.scheduler.agent_plane import AgentPlane, HopPlan
 from services.scheduler.degradation import DegradationContract, DegradationLadder, LoadSignal, Rung, served_rung
 from services.scheduler.errors import (
     DeadlineError, ExecutorLostError, InvalidScheduleRequest, NoExecutorError, OverloadedError,
 )
-from services.scheduler.kv_index import KvIndex
+from services.scheduler.server_agent import AgentHooks
+from services.scheduler.server_view import _STATES_BACK, ChannelPool, MeshView
 from services.scheduler.migration import (
     ExecutorFailed, MigrationExhausted, MigrationPolicy, NoReplacement, Piece, StreamProgress, migrating_stream,
     placement_marker,
 )
-from services.scheduler.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
+from services.scheduler.membership import ExecutorLoad
 from services.scheduler.placement import Candidate, InflightTracker, Placement, Placer
 from services.scheduler.tenant_limits import TenantAdmission
 from weft.v1.common_pb2 import DegradationRung as DegradationRungPb, RequestClass as RequestClassPb
-from weft.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from weft.v1 import common_pb2, events_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -52,114 +46,6 @@ PLACED = metrics.counter("weft_scheduler_placements_total", "Requests placed per
 MATCHED_BLOCKS = metrics.counter("weft_scheduler_prefix_blocks_matched_total", "Prompt blocks found on the chosen executor.")
 PROMPT_BLOCKS = metrics.counter("weft_scheduler_prompt_blocks_total", "Full prompt blocks of placed requests.")
 QUEUE_SECONDS = metrics.histogram("weft_scheduler_queue_seconds", "Time waiting for admission.")
-EXECUTORS = metrics.gauge("weft_scheduler_executors", "Known executors.")
-
-_STATES = {
-    events_pb2.EXECUTOR_STATE_JOINING: ExecutorState.JOINING,
-    events_pb2.EXECUTOR_STATE_SERVING: ExecutorState.SERVING,
-    events_pb2.EXECUTOR_STATE_DRAINING: ExecutorState.DRAINING,
-}
-_STATES_BACK = {v: k for k, v in _STATES.items()}
-
-
-class ChannelPool:
-    """One gRPC channel per executor address, reused across requests."""
-
-    def __init__(self, max_message_bytes: int) -> None:
-        self._options = channel_options(max_message_bytes)
-        self._stubs: dict[str, tuple[grpc.aio.Channel, executor_pb2_grpc.ExecutorStub]] = {}
-
-    def stub(self, address: str) -> executor_pb2_grpc.ExecutorStub:
-        entry = self._stubs.get(address)
-        if entry is None:
-            channel = mesh_channel(address, options=self._options)
-            entry = (channel, executor_pb2_grpc.ExecutorStub(channel))
-            self._stubs[address] = entry
-        return entry[1]
-
-    async def close(self) -> None:
-        for channel, _ in self._stubs.values():
-            await channel.close()
-        self._stubs.clear()
-
-
-class MeshView:
-    """Membership + kv index fed by NATS events (heartbeat, load, kv)."""
-
-    def __init__(self, membership: Membership, kv_index: KvIndex) -> None:
-        self.membership = membership
-        self.kv_index = kv_index
-        membership.on_removed(self._forget)
-
-    async def subscribe(self, bus: EventBus) -> None:
-        await bus.subscribe("heartbeat", events_pb2.ExecutorHeartbeat, self.on_heartbeat)
-        await bus.subscribe("load", events_pb2.LoadReport, self.on_load)
-        await bus.subscribe("kv", events_pb2.KvEvent, self.on_kv)
-
-    def on_heartbeat(self, msg: events_pb2.ExecutorHeartbeat, delivery: Delivery) -> None:
-        if delivery is Delivery.RESTARTED:
-            self.kv_index.drop_source(msg.name)
-        rec = ExecutorRecord(
-            name=msg.name, address=msg.address, model_id=msg.model_id, block_size=msg.block_size,
-            state=_STATES.get(msg.state, ExecutorState.JOINING), max_num_seqs=msg.max_num_seqs,
-            num_blocks=msg.num_blocks, max_model_len=msg.max_model_len,
-            interval_s=(msg.interval_ms or 1000) / 1000.0, heartbeat_sequence=msg.header.sequence,
-        )
-        prev = self.membership.get(rec.name)
-        if self.membership.heartbeat(rec):
-            log.info("executor_joined", executor=rec.name, address=rec.address, model_id=rec.model_id,
-                     state=rec.state.value)
-        elif prev is not None and prev.state is not rec.state:
-            log.info("executor_state_changed", executor=rec.name, state=rec.state.value)
-        EXECUTORS.set(len(self.membership))
-
-    def on_load(self, msg: events_pb2.LoadReport, delivery: Delivery) -> None:
-        self.membership.update_load(msg.header.source, ExecutorLoad(
-            num_running=msg.num_running, num_waiting=msg.num_waiting,
-            num_free_blocks=msg.num_free_blocks, num_blocks=msg.num_blocks,
-        ))
-
-    def on_kv(self, msg: events_pb2.KvEvent, delivery: Delivery) -> None:
-        if msg.tier not in (events_pb2.TIER_ACTIVE, events_pb2.TIER_UNSPECIFIED):
-            # Cachestore tiers make no executor a prefix holder, but any executor can
-            # load those blocks: the index keeps them apart (kv_index.py).
-            source, tier = msg.header.source, events_pb2.Tier.Name(msg.tier)
-            if delivery.needs_resync or msg.kind == events_pb2.KV_EVENT_KIND_CLEARED:
-                self.kv_index.drop_store(source)
-            if msg.kind == events_pb2.KV_EVENT_KIND_STORED:
-                self.kv_index.store_stored(source, tier, msg.block_hashes)
-            elif msg.kind == events_pb2.KV_EVENT_KIND_REMOVED:
-                self.kv_index.store_removed(source, tier, msg.block_hashes)
-            return
-        source = msg.header.source
-        if delivery.needs_resync:
-            dropped = self.kv_index.drop_source(source)
-            log.info("kv_index_resync", executor=source, reason=delivery.value, num_dropped=dropped)
-        if msg.kind == events_pb2.KV_EVENT_KIND_STORED:
-            self.kv_index.stored(source, msg.block_hashes)
-        elif msg.kind == events_pb2.KV_EVENT_KIND_REMOVED:
-            self.kv_index.removed(source, msg.block_hashes)
-        elif msg.kind == events_pb2.KV_EVENT_KIND_CLEARED:
-            self.kv_index.drop_source(source)
-
-    def _forget(self, rec: ExecutorRecord) -> None:
-        self.kv_index.drop_source(rec.name)
-        EXECUTORS.set(len(self.membership))
-        log.info("executor_removed", executor=rec.name, address=rec.address)
-
-    async def expire_forever(self, bus: EventBus, period_s: float = 0.2) -> None:
-        """Expire silent executors, but only while our own bus is connected: with NATS
-        down every executor falls silent, and dropping them all would stop serving.
-        (A dead executor is then found by its failed call and skipped.)"""
-        was_connected = bus.connected
-        while True:
-            connected = bus.connected
-            if connected and not was_connected:
-                self.membership.refresh_all()
-            elif connected:
-                self.membership.expire()
-            was_connected = connected
-            await asyncio.sleep(period_s)
 
 
 def _blocks(num_tokens: int, block_size: int) -> int:
@@ -171,7 +57,7 @@ def _class_label(request: scheduler_pb2.ScheduleRequest) -> str:
     return name.removeprefix("REQUEST_CLASS_").lower().replace("unspecified", "")
 
 
-class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+class SchedulerServicer(AgentHooks, scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, view: MeshView, placer: Placer, admission: Admission, channels: ChannelPool,
                  placement_attempts: int = 2, migration: MigrationPolicy | None = None,
                  tenant_admission: TenantAdmission | None = None, ladder: DegradationLadder | None = None,
@@ -446,165 +332,3 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     num_free_blocks=rec.load.num_free_blocks, num_blocks=rec.load.num_blocks,
                 ))
         return out
-
-    # -- agent-native serving (agent_plane.py): protos in, domain decisions out ------
-    def _agent_begin(self, request: scheduler_pb2.ScheduleRequest) -> HopPlan | None:
-        if self.agent is None:
-            return None
-        ses, c = request.session, request.session.contract
-        hop = HopRequest(
-            request_id=request.request_id, tenant=request.tenant, prompt_token_ids=list(request.prompt_token_ids),
-            session_id=ses.session_id, program_id=ses.program_id, hop_index=ses.hop_index,
-            expected_tool_ms=ses.expected_tool_ms, stateful=ses.stateful,
-            request_class=_CLASS_FROM_PB.get(ses.request_class),
-            terms=ContractTerms(c.kv_quota_blocks, c.ttft_ceiling_ms, c.tpot_ceiling_ms,
-                                _FALLBACK_FROM_PB.get(c.fallback, Fallback.NONE)),
-            caller_priority=request.priority,
-        )
-        pool = max((r.num_blocks for r in self.view.membership.placeable(request.model_id)), default=0)
-        plan = self.agent.begin(hop, pool)
-        a = self.admission
-        ahead = a.num_ahead(plan.score(a.clock())) + (1 if a.num_in_flight >= a.max_in_flight else 0)
-        self.agent.fallback(plan, ahead, a.max_in_flight)  # FAIL_FAST raises OverloadedError
-        self._agent_plans[request.request_id] = plan
-        return plan
-
-    async def _agent_place(self, plan: HopPlan | None, request, prompt: list[int],
-                           ranked: list[Placement]) -> list[Placement]:
-        """Reroute, pause decision, stale-KV release and promotion for one placed hop."""
-        if plan is None:
-            return ranked
-        if plan.fallback.path is Fallback.REROUTE and len(ranked) > 1:
-            def active(p: Placement) -> int:
-                rec = self.view.membership.get(p.name)
-                load = rec.load if rec and rec.load else ExecutorLoad()
-                return max(load.num_running + load.num_waiting, self.inflight.num_requests(p.name))
-            ranked = sorted(ranked, key=active)
-        top = ranked[0]
-        rec = self.view.membership.get(top.name)
-        load = (rec.load if rec else None) or ExecutorLoad()
-        total = (rec.num_blocks if rec else 0) or load.num_blocks
-        pause = self.agent.pause(plan, top.name, max(0, load.num_blocks - load.num_free_blocks), total)
-        if pause.decision.value != "none":
-            catalogue.count_pause(pause.decision.value)
-        # The executor orders its own queue by this (higher first) under its priority policy.
-        request.priority = -plan.score(self.admission.clock())
-        if plan.release is not None:
-            await self._release_stale(plan, request.tenant)
-        if plan.resumes_demoted and rec is not None:
-            await self._promote(rec, request.tenant, prompt)
-        return ranked
-
-    async def reprioritize_forever(self, period_s: float = 0.5) -> None:
-        """Every scheduling interval, re-estimate the priority of the requests already on
-        executors and push it (one UpdatePriorities per executor): a long program's
-        running hop sinks as its program's attained service grows, a deadline rises."""
-        while True:
-            await asyncio.sleep(period_s)
-            now = self.admission.clock()
-            by_executor: dict[str, list[tuple[str, float]]] = {}
-            for rid, plan in list(self._agent_plans.items()):
-                if plan.executor:
-                    by_executor.setdefault(plan.executor, []).append((rid, -plan.score(now)))
-            for name, items in by_executor.items():
-                rec = self.view.membership.get(name)
-                if rec is None:
-                    continue
-                try:
-                    await self.channels.stub(rec.address).UpdatePriorities(executor_pb2.UpdatePrioritiesRequest(
-                        request_ids=[r for r, _ in items], priorities=[p for _, p in items]), timeout=1.0)
-                except grpc.aio.AioRpcError as exc:
-                    log.debug("priority_update_failed", executor=name, code=exc.code().name)
-
-    def _agent_exec_fields(self, request_id: str) -> dict:
-        plan = self._agent_plans.get(request_id)
-        if plan is None:
-            return {}
-        return {"pin_ttl_ms": plan.pause.pin_ttl_ms, "kv_quota_blocks": plan.request.terms.kv_quota_blocks}
-
-    def _agent_observe(self, plan: HopPlan | None, chunk: scheduler_pb2.ScheduleResponse, t0: float) -> None:
-        """Stamp the class / fallback / pause on the stream; record the hop when it ends."""
-        if plan is None:
-            return
-        if plan.num_chunks == 0:
-            chunk.request_class = _CLASS_TO_PB[plan.request_class]
-            chunk.fallback_taken = _FALLBACK_TO_PB[plan.fallback.path]
-            chunk.fallback_reason = plan.fallback.reason
-            plan.num_cached_tokens = chunk.usage.num_cached_tokens
-            plan.executor = chunk.executor
-        plan.num_chunks += 1
-        plan.output_token_ids.extend(chunk.token_ids_delta)
-        if not chunk.finish_reason:
-            return
-        chunk.pause_decision = _PAUSE_TO_PB[plan.pause.decision]
-        ses = self.agent.finish(plan, chunk.executor, plan.output_token_ids, plan.num_cached_tokens,
-                                self._hop_entropy.get(plan.request.request_id, 0.0),
-                                (time.monotonic() - t0) * 1000.0)
-        if ses is not None and plan.pause.decision is not PauseDecision.NONE:
-            log.info("session_paused", session_id=ses.session_id, decision=plan.pause.decision.value,
-                     pin_ttl_ms=plan.pause.pin_ttl_ms, executor=chunk.executor, reason=plan.pause.reason)
-        if ses is not None and plan.pause.decision is PauseDecision.DEMOTE:
-            rec = self.view.membership.get(chunk.executor)
-            if rec is not None:
-                asyncio.get_running_loop().create_task(self._demote(rec, ses, plan))
-
-    async def _release_stale(self, plan: HopPlan, tenant: str) -> None:
-        rel = plan.release
-        rec = self.view.membership.get(rel.executor)
-        if rec is None:
-            return
-        keys = extra_keys_for(rec.model_id, tenant)
-        old = hash_block_chain(list(rel.stale_context_token_ids), rec.block_size, keys)
-        keep = set(hash_block_chain(list(rel.new_prompt_token_ids), rec.block_size, keys))
-        try:
-            await self.channels.stub(rec.address).ReleaseSession(executor_pb2.ReleaseSessionRequest(
-                session_id=rel.session_id, evict_block_hashes=[h for h in old if h not in keep]), timeout=2.0)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("session_release_failed", executor=rec.name, details=exc.details())
-
-    async def _demote(self, rec: ExecutorRecord, ses, plan: HopPlan) -> None:
-        try:
-            await self.channels.stub(rec.address).DemoteBlocks(executor_pb2.DemoteBlocksRequest(
-                token_ids=ses.context_token_ids.tolist(), tenant_salt=ses.tenant,
-                priority=-plan.score(time.monotonic()),
-                expected_pause_ms=plan.request.expected_tool_ms, evict_local=True), timeout=10.0)
-        except grpc.aio.AioRpcError as exc:
-            no_tier = exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "cachestore" in (exc.details() or "")
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED or no_tier:
-                self.agent.demote_unavailable(ses)
-            else:
-                log.warning("session_demote_failed", executor=rec.name, details=exc.details())
-                ses.demoted = False
-            return
-        expected_s = (plan.request.expected_tool_ms or ses.observed_pause_ms) / 1000.0
-        if expected_s > 0:  # prefetch: promote shortly before the tool is expected back
-            await asyncio.sleep(0.8 * expected_s)
-            if ses.demoted and ses.pause_started_s is not None:
-                await self._promote(rec, ses.tenant, ses.context_token_ids.tolist())
-
-    async def _promote(self, rec: ExecutorRecord, tenant: str, token_ids: list[int]) -> None:
-        try:
-            await self.channels.stub(rec.address).PromoteBlocks(executor_pb2.PromoteBlocksRequest(
-                # force: the pause policy already priced the round trip when it chose demote.
-                token_ids=token_ids, tenant_salt=tenant, partition=tenant, force=True), timeout=10.0)
-        except grpc.aio.AioRpcError as exc:
-            log.info("session_promote_skipped", executor=rec.name, code=exc.code().name)
-
-
-_CLASS_FROM_PB = {
-    common_v1.REQUEST_CLASS_INTERACTIVE: RequestClassName.INTERACTIVE,
-    common_v1.REQUEST_CLASS_AGENTIC: RequestClassName.AGENTIC,
-    common_v1.REQUEST_CLASS_DETERMINISTIC: RequestClassName.DETERMINISTIC,
-    common_v1.REQUEST_CLASS_BATCH: RequestClassName.BATCH,
-}
-_CLASS_TO_PB = {v: k for k, v in _CLASS_FROM_PB.items()}
-_FALLBACK_FROM_PB = {
-    common_v1.FALLBACK_PATH_DEGRADE: Fallback.DEGRADE,
-    common_v1.FALLBACK_PATH_REROUTE: Fallback.REROUTE,
-    common_v1.FALLBACK_PATH_FAIL_FAST: Fallback.FAIL_FAST,
-}
-_FALLBACK_TO_PB = {Fallback.NONE: common_v1.FALLBACK_PATH_UNSPECIFIED, **{v: k for k, v in _FALLBACK_FROM_PB.items()}}
-_PAUSE_TO_PB = {
-    PauseDecision.NONE: common_v1.PAUSE_DECISION_UNSPECIFIED, PauseDecision.KEEP: common_v1.PAUSE_DECISION_KEEP,
-    PauseDecision.DEMOTE: common_v1.PAUSE_DECISION_DEMOTE, PauseDecision.DROP: common_v1.PAUSE_DECISION_DROP,
-}

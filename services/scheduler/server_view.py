@@ -1,0 +1,128 @@
+"""The scheduler's view of the mesh, fed by NATS events: executor membership, load and
+the kv index, plus the pool of executor channels. Part of the server layer (it reads
+event protos); the decisions live in membership.py, kv_index.py and placement.py."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import structlog
+
+from services.mesh import metrics
+from services.mesh.grpc_server import channel_options
+from services.mesh.mesh_auth import mesh_channel
+from services.mesh.nats_bus import Delivery, EventBus
+from services.scheduler.kv_index import KvIndex
+from services.scheduler.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
+from weft.v1 import events_pb2, executor_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+EXECUTORS = metrics.gauge("weft_scheduler_executors", "Known executors.")
+
+_STATES = {
+    events_pb2.EXECUTOR_STATE_JOINING: ExecutorState.JOINING,
+    events_pb2.EXECUTOR_STATE_SERVING: ExecutorState.SERVING,
+    events_pb2.EXECUTOR_STATE_DRAINING: ExecutorState.DRAINING,
+}
+_STATES_BACK = {v: k for k, v in _STATES.items()}
+
+
+class ChannelPool:
+    """One gRPC channel per executor address, reused across requests."""
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self._options = channel_options(max_message_bytes)
+        self._stubs: dict[str, tuple[grpc.aio.Channel, executor_pb2_grpc.ExecutorStub]] = {}
+
+    def stub(self, address: str) -> executor_pb2_grpc.ExecutorStub:
+        entry = self._stubs.get(address)
+        if entry is None:
+            channel = mesh_channel(address, options=self._options)
+            entry = (channel, executor_pb2_grpc.ExecutorStub(channel))
+            self._stubs[address] = entry
+        return entry[1]
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
+
+
+class MeshView:
+    """Membership + kv index fed by NATS events (heartbeat, load, kv)."""
+
+    def __init__(self, membership: Membership, kv_index: KvIndex) -> None:
+        self.membership = membership
+        self.kv_index = kv_index
+        membership.on_removed(self._forget)
+
+    async def subscribe(self, bus: EventBus) -> None:
+        await bus.subscribe("heartbeat", events_pb2.ExecutorHeartbeat, self.on_heartbeat)
+        await bus.subscribe("load", events_pb2.LoadReport, self.on_load)
+        await bus.subscribe("kv", events_pb2.KvEvent, self.on_kv)
+
+    def on_heartbeat(self, msg: events_pb2.ExecutorHeartbeat, delivery: Delivery) -> None:
+        if delivery is Delivery.RESTARTED:
+            self.kv_index.drop_source(msg.name)
+        rec = ExecutorRecord(
+            name=msg.name, address=msg.address, model_id=msg.model_id, block_size=msg.block_size,
+            state=_STATES.get(msg.state, ExecutorState.JOINING), max_num_seqs=msg.max_num_seqs,
+            num_blocks=msg.num_blocks, max_model_len=msg.max_model_len,
+            interval_s=(msg.interval_ms or 1000) / 1000.0, heartbeat_sequence=msg.header.sequence,
+        )
+        prev = self.membership.get(rec.name)
+        if self.membership.heartbeat(rec):
+            log.info("executor_joined", executor=rec.name, address=rec.address, model_id=rec.model_id,
+                     state=rec.state.value)
+        elif prev is not None and prev.state is not rec.state:
+            log.info("executor_state_changed", executor=rec.name, state=rec.state.value)
+        EXECUTORS.set(len(self.membership))
+
+    def on_load(self, msg: events_pb2.LoadReport, delivery: Delivery) -> None:
+        self.membership.update_load(msg.header.source, ExecutorLoad(
+            num_running=msg.num_running, num_waiting=msg.num_waiting,
+            num_free_blocks=msg.num_free_blocks, num_blocks=msg.num_blocks,
+        ))
+
+    def on_kv(self, msg: events_pb2.KvEvent, delivery: Delivery) -> None:
+        if msg.tier not in (events_pb2.TIER_ACTIVE, events_pb2.TIER_UNSPECIFIED):
+            # Cachestore tiers make no executor a prefix holder, but any executor can
+            # load those blocks: the index keeps them apart (kv_index.py).
+            source, tier = msg.header.source, events_pb2.Tier.Name(msg.tier)
+            if delivery.needs_resync or msg.kind == events_pb2.KV_EVENT_KIND_CLEARED:
+                self.kv_index.drop_store(source)
+            if msg.kind == events_pb2.KV_EVENT_KIND_STORED:
+                self.kv_index.store_stored(source, tier, msg.block_hashes)
+            elif msg.kind == events_pb2.KV_EVENT_KIND_REMOVED:
+                self.kv_index.store_removed(source, tier, msg.block_hashes)
+            return
+        source = msg.header.source
+        if delivery.needs_resync:
+            dropped = self.kv_index.drop_source(source)
+            log.info("kv_index_resync", executor=source, reason=delivery.value, num_dropped=dropped)
+        if msg.kind == events_pb2.KV_EVENT_KIND_STORED:
+            self.kv_index.stored(source, msg.block_hashes)
+        elif msg.kind == events_pb2.KV_EVENT_KIND_REMOVED:
+            self.kv_index.removed(source, msg.block_hashes)
+        elif msg.kind == events_pb2.KV_EVENT_KIND_CLEARED:
+            self.kv_index.drop_source(source)
+
+    def _forget(self, rec: ExecutorRecord) -> None:
+        self.kv_index.drop_source(rec.name)
+        EXECUTORS.set(len(self.membership))
+        log.info("executor_removed", executor=rec.name, address=rec.address)
+
+    async def expire_forever(self, bus: EventBus, period_s: float = 0.2) -> None:
+        """Expire silent executors, but only while our own bus is connected: with NATS
+        down every executor falls silent, and dropping them all would stop serving.
+        (A dead executor is then found by its failed call and skipped.)"""
+        was_connected = bus.connected
+        while True:
+            connected = bus.connected
+            if connected and not was_connected:
+                self.membership.refresh_all()
+            elif connected:
+                self.membership.expire()
+            was_connected = connected
+            await asyncio.sleep(period_s)
