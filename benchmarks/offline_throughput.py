@@ -246,7 +246,7 @@ def report(results, bandwidth: float, traffic: dict, model_dir: Path, args) -> N
         args.out_dir / "offline_throughput.png",
         title="Offline output tokens/s (higher is better)",
         groups=columns,
-        series={e: [results.get((e, c), 0.0) for c in columns] for e in engines if (e, "uniform") in results},
+        series={e: [results.get((e, c), float("nan")) for c in columns] for e in engines if (e, "uniform") in results},
     )
     print("\n".join(lines))
 

@@ -22,7 +22,8 @@ def write_bar_chart(path: Path, title: str, groups: list[str], series: dict[str,
     for i, (name, values) in enumerate(series.items()):
         xs = [g + i * width for g in range(len(groups))]
         bars = ax.bar(xs, values, width, label=name)
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        # a value not measured (NaN) gets neither a bar nor a label
+        ax.bar_label(bars, labels=["" if v != v else f"{v:.0f}" for v in values], fontsize=8)
     ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
