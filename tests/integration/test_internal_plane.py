@@ -108,6 +108,10 @@ def test_request_sharing_a_long_prefix_goes_to_the_executor_holding_it(mesh):
     collect(mesh.executor_stub("ex-b").Generate(warm, timeout=30))
     wait_for(lambda: mesh.serving_executors()["ex-b"].num_indexed_blocks >= 8, 10,
              "the scheduler to index ex-b's prefix blocks")
+    # ...and to see ex-b idle again: a load report taken while the warm-up still held
+    # its blocks would count them as work in progress there and tip the choice to ex-a.
+    wait_for(lambda: (lambda load: load.num_running == 0 and load.num_free_blocks == load.num_blocks)(
+        mesh.serving_executors()["ex-b"].load), 10, "ex-b's load report to show it idle")
 
     tokens, chunks = collect(mesh.scheduler_stub().Generate(scheduler_pb2.ScheduleRequest(
         request_id="prefix-2", tenant=tenant, prompt_token_ids=prefix + [21, 22, 23, 24], sampling=greedy(4)),

@@ -228,6 +228,11 @@ def _indexed_blocks(mesh: Mesh, name: str) -> int:
     return info.num_indexed_blocks if info else 0
 
 
+def _is_idle(mesh: Mesh, name: str) -> bool:
+    info = mesh.scheduler_executors().get(name)
+    return bool(info) and info.load.num_running == 0 and info.load.num_free_blocks == info.load.num_blocks
+
+
 def test_requests_sharing_a_long_prefix_land_on_the_executor_holding_it(mesh):
     prefix = [(17 * i) % 900 + 50 for i in range(20 * BLOCK_SIZE)]  # 20 full blocks
     client = mesh.openai()
@@ -235,6 +240,9 @@ def test_requests_sharing_a_long_prefix_land_on_the_executor_holding_it(mesh):
     holder = raw.headers["x-weft-executor"]
     # The scheduler learns the blocks from the executor's kv events over NATS.
     wait_until(lambda: _indexed_blocks(mesh, holder) >= 20, 30, f"the scheduler to index {holder}'s blocks")
+    # A load report taken while the first request still held its blocks would count
+    # them as work in progress on the holder: wait until the scheduler sees it idle.
+    wait_until(lambda: _is_idle(mesh, holder), 30, f"the scheduler to see {holder} idle")
     for suffix in ([2, 3], [4, 5, 6], [7]):
         raw = client.completions.with_raw_response.create(model=MODEL, prompt=prefix + suffix, max_tokens=1)
         assert raw.headers["x-weft-executor"] == holder
