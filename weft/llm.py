@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -48,9 +49,12 @@ class LLM:
         self,
         prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids) and return outputs in prompt order."""
+        """Generate for every prompt (text or token ids) and return outputs in prompt order.
+        ``use_tqdm``: a progress bar; None shows it when stderr is a terminal."""
+        if use_tqdm is None:
+            use_tqdm = sys.stderr.isatty()
         batch = self._normalise(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
