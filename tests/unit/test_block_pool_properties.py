@@ -1,17 +1,14 @@
-"""BlockPool: a stateful property test over partitions and the prefix cache, and plain
-tests of hashing, LRU eviction and kv events. No model, no processes."""
+"""BlockPool: a stateful property test over partitions and the prefix cache, and the
+smallest reproductions of what it found. No model, no processes. (Hashing and eviction
+order have their own files: test_block_hash.py, test_block_pool_lru.py.)"""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from services.executor.block_hash import extra_keys_for, hash_block, hash_block_chain
+from services.executor.block_hash import hash_block, hash_block_chain
 from services.executor.block_pool import (
     AllBlocksCleared,
     Block,
@@ -21,7 +18,6 @@ from services.executor.block_pool import (
     PartitionSpec,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 2
 PARTITION_NAMES = ("a", "b", "c")
 
@@ -301,102 +297,3 @@ def test_block_stored_event_lists_one_contiguous_chain():
     resident: set[int] = {h1}
     _replay(events, resident)
     assert resident == {h0, h1, h2} == _registered_hashes(pool)
-
-
-# ---------------------------------------------------------------------------------
-# Hashing
-# ---------------------------------------------------------------------------------
-# Computed once with blake2b; a change here breaks agreement with every other
-# executor, the scheduler and the cachestore over the wire.
-EXPECTED_CHAIN = [17594570968189765551, 10329346635462605514]
-CHAIN_INPUT = ([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, extra_keys_for("m", "t"))
-
-
-def test_block_hash_chain_has_a_fixed_value_for_a_fixed_input():
-    tokens, block_size, extra = CHAIN_INPUT
-    assert hash_block_chain(tokens, block_size, extra) == EXPECTED_CHAIN
-
-
-def test_block_hash_chain_is_the_same_in_a_process_with_another_hash_seed():
-    code = (
-        "from services.executor.block_hash import extra_keys_for, hash_block_chain;"
-        "print(hash_block_chain([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, extra_keys_for('m', 't')))"
-    )
-    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO_ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == str(EXPECTED_CHAIN)
-
-
-def test_tenant_salt_and_model_id_change_every_block_hash():
-    tokens = list(range(8))
-    base = hash_block_chain(tokens, 4, extra_keys_for("m", "alice"))
-    other_tenant = hash_block_chain(tokens, 4, extra_keys_for("m", "bob"))
-    other_model = hash_block_chain(tokens, 4, extra_keys_for("m2", "alice"))
-    assert len(base) == 2
-    assert not set(base) & set(other_tenant)
-    assert not set(base) & set(other_model)
-
-
-def test_block_hash_covers_the_parent_so_equal_tokens_after_different_prefixes_differ():
-    a = hash_block_chain([1, 1, 5, 5], 2)
-    b = hash_block_chain([2, 2, 5, 5], 2)
-    assert a[1] != b[1]
-    assert hash_block_chain([1, 1, 5, 5], 2, parent=a[0], start=2) == [a[1]]
-
-
-# ---------------------------------------------------------------------------------
-# LRU eviction
-# ---------------------------------------------------------------------------------
-def _cached_seq(pool: BlockPool, tokens: list[int]) -> tuple[list[Block], list[int]]:
-    hashes = hash_block_chain(tokens, BLOCK_SIZE)
-    blocks = pool.allocate(len(hashes))
-    pool.cache_full_blocks(blocks, hashes, None)
-    return blocks, hashes
-
-
-def _evicted_by_allocating(pool: BlockPool, n: int) -> list[int]:
-    pool.take_events()
-    assert pool.allocate(n) is not None
-    return [h for ev in pool.take_events() if isinstance(ev, BlockRemoved) for h in ev.block_hashes]
-
-
-def test_least_recently_freed_cached_block_is_evicted_first():
-    pool = BlockPool(4, BLOCK_SIZE)
-    a_blocks, a_hashes = _cached_seq(pool, [1, 1, 1, 2])
-    b_blocks, b_hashes = _cached_seq(pool, [2, 2, 2, 1])
-    pool.free(a_blocks)
-    pool.free(b_blocks)
-    assert _evicted_by_allocating(pool, 2) == [a_hashes[1], a_hashes[0]]
-    assert all(pool.contains(h) for h in b_hashes)
-
-
-def test_a_cache_hit_makes_a_block_most_recently_used_again():
-    pool = BlockPool(2, BLOCK_SIZE)
-    a_blocks, (a_hash,) = _cached_seq(pool, [1, 1])
-    b_blocks, (b_hash,) = _cached_seq(pool, [2, 2])
-    pool.free(a_blocks)
-    pool.free(b_blocks)
-    hit = pool.get_cached_blocks([a_hash])
-    pool.touch(hit)
-    pool.free(hit)
-    assert _evicted_by_allocating(pool, 1) == [b_hash]
-    assert pool.contains(a_hash)
-
-
-def test_uncached_free_blocks_are_used_before_cached_ones():
-    pool = BlockPool(4, BLOCK_SIZE)
-    blocks, hashes = _cached_seq(pool, [1, 1, 2, 2])
-    pool.free(blocks)
-    taken = pool.allocate(2)
-    assert {b.block_id for b in taken}.isdisjoint(b.block_id for b in blocks)
-    assert all(pool.contains(h) for h in hashes)
-    assert not [ev for ev in pool.take_events() if isinstance(ev, BlockRemoved)]
-
-
-def test_freeing_a_sequence_makes_its_tail_evictable_before_its_prefix():
-    pool = BlockPool(3, BLOCK_SIZE)
-    blocks, hashes = _cached_seq(pool, [1, 1, 2, 2, 3, 3])
-    pool.free(blocks)
-    assert _evicted_by_allocating(pool, 1) == [hashes[2]]
-    assert pool.get_cached_blocks(hashes) == blocks[:2]
-    assert _evicted_by_allocating(pool, 1) == [hashes[1]]
