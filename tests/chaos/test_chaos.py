@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +26,8 @@ import grpc
 import pytest
 
 from tests.integration.conftest import wait_for
-from weft.mesh_state import MeshState, pid_alive, read_state
+from tests.integration.launched_mesh import launched_mesh
+from weft.mesh_state import MeshState, read_state
 from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,37 +165,14 @@ def record(**row) -> None:
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_model_dir) -> Mesh:
     state_dir = tmp_path_factory.mktemp("chaos-mesh")
-    log = open(state_dir / "launcher.log", "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "weft", "up", "--model", str(tiny_model_dir), "--executors", "2", "--http-port", "0",
-         "--grpc-port", "0", "--state-dir", str(state_dir)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **CHAOS_ENV}, cwd=ROOT)
-    m = Mesh(state_dir, process)
-    try:
-        def ready():
-            if process.poll() is not None:
-                pytest.fail(f"weft up exited: {(state_dir / 'launcher.log').read_text()[-3000:]}")
-            return read_state(state_dir)
-
-        wait_for(ready, 150, "weft up to report the mesh ready", interval_s=0.2)
+    with launched_mesh(state_dir, tiny_model_dir, 2, CHAOS_ENV, check_orphans=False) as (process, _):
+        m = Mesh(state_dir, process)
         for i in range(NUM_STREAMS):  # the undisturbed greedy outputs
             o = generate(m, i, Outcome())
             assert o.completed and len(o.tokens) == MAX_TOKENS, o
             assert o.degradation_rung == common_pb2.DEGRADATION_RUNG_NONE  # the response names its rung
             m.reference[i] = o.tokens
         yield m
-    finally:
-        state = read_state(state_dir)
-        for inst in state.instances if state else ():
-            if pid_alive(inst.pid):
-                os.kill(inst.pid, signal.SIGCONT)  # a paused service must be able to drain
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 def _busiest_executor(outcomes: list[Outcome]) -> str:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ import grpc
 import openai
 import pytest
 
+from tests.integration.launched_mesh import launched_mesh
 from weft.mesh_state import MeshState, pid_alive, read_state
 from weft.tiny_model import make_tiny_checkpoint
 from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -93,32 +92,9 @@ def mesh(tmp_path_factory) -> Mesh:
     model_dir = make_tiny_checkpoint(state_dir / "models" / MODEL)
     keys = state_dir / "keys.txt"
     keys.write_text(f"{API_KEY} acme\nsk-other globex\n")
-    log = open(state_dir / "launcher.log", "wb")
-    env = {**os.environ, "WEFT_EXECUTOR_BLOCK_SIZE": str(BLOCK_SIZE), "WEFT_EXECUTOR_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "weft", "up", "--model", str(model_dir), "--executors", "2", "--http-port", "0",
-         "--grpc-port", "0", "--state-dir", str(state_dir), "--keys-file", str(keys)],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    state = None
-    try:
-        def ready():
-            if process.poll() is not None:
-                raise AssertionError(f"weft up exited: {(state_dir / 'launcher.log').read_text()[-3000:]}")
-            return read_state(state_dir)
-
-        state = wait_until(ready, 120, "weft up to report the mesh ready")
+    env = {"WEFT_EXECUTOR_BLOCK_SIZE": str(BLOCK_SIZE), "WEFT_EXECUTOR_NUM_THREADS": "1"}
+    with launched_mesh(state_dir, Path(model_dir), 2, env, ["--keys-file", str(keys)], timeout_s=120) as (process, state):
         yield Mesh(state, state_dir, Path(model_dir), process)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
-        if state is not None:
-            leftover = [i.name for i in state.instances if pid_alive(i.pid)]
-            assert not leftover, f"orphaned services after weft up stopped: {leftover}"
 
 
 # -- OpenAI client -----------------------------------------------------------------------

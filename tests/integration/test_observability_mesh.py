@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,8 +28,8 @@ import pytest
 
 from services.cachestore.blocks import checksum
 from services.mesh import metric_catalogue as catalogue
-from tests.integration.conftest import wait_for
-from weft.mesh_state import MeshState, pid_alive, read_state
+from tests.integration.launched_mesh import launched_mesh
+from weft.mesh_state import MeshState, read_state
 from weft.tiny_model import make_tiny_checkpoint
 from weft.top import parse_metrics
 from weft.v1 import cachestore_pb2, cachestore_pb2_grpc
@@ -93,36 +92,15 @@ def prompt(n: int, start: int) -> list[int]:
 def mesh(tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("obs-mesh")
     model_dir = make_tiny_checkpoint(state_dir / "models" / "tiny")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WEFT_EXECUTOR_BLOCK_SIZE": "16", "WEFT_EXECUTOR_NUM_THREADS": "1",
+    env = {"PYTHONPATH": str(ROOT), "WEFT_EXECUTOR_BLOCK_SIZE": "16", "WEFT_EXECUTOR_NUM_THREADS": "1",
            "WEFT_EXECUTOR_NUM_KV_BLOCKS": str(NUM_KV_BLOCKS), "WEFT_SCHEDULER_MAX_IN_FLIGHT": str(MAX_IN_FLIGHT),
            "WEFT_SCHEDULER_MAX_QUEUE": "8", "WEFT_SCHEDULER_MAX_IN_FLIGHT_PER_TENANT": "8",
            "WEFT_SCHEDULER_MAX_QUEUE_PER_TENANT": "0", "WEFT_SCHEDULER_DEGRADATION_RUNGS": "none,kv_int8,shed",
            # Each prefill's cachestore lookup waits for a step boundary: on a loaded 2-core box
            # that adds tens of ms of tier time at random, which the verdict tests must not see.
            "WEFT_EXECUTOR_PROMOTE_BEFORE_PREFILL": "false"}
-    log = open(state_dir / "launcher.log", "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "weft", "up", "--model", str(model_dir), "--executors", "1", "--http-port", "0",
-         "--grpc-port", "0", "--state-dir", str(state_dir)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    state = None
-    try:
-        def ready():
-            if process.poll() is not None:
-                raise AssertionError(f"weft up exited: {(state_dir / 'launcher.log').read_text()[-3000:]}")
-            return read_state(state_dir)
-
-        state = wait_for(ready, 120, "weft up to report the mesh ready")
+    with launched_mesh(state_dir, model_dir, 1, env, timeout_s=120) as (_, state):
         yield Mesh(state, state_dir)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
-        if state is not None:
-            assert not [i.name for i in state.instances if pid_alive(i.pid)], "orphaned services"
 
 
 @pytest.fixture(scope="module")

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 from tests.integration.conftest import wait_for
-from weft.mesh_state import read_state
+from tests.integration.launched_mesh import launched_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
 FLOOD, POLITE = "sk-flood", "sk-polite"
@@ -40,25 +36,12 @@ def post(port: int, key: str, max_tokens: int, results: list, index: int) -> Non
 def mesh(tmp_path_factory, tiny_model_dir):
     state_dir = tmp_path_factory.mktemp("overload")
     (state_dir / "keys.txt").write_text(f"{FLOOD} flooder\n{POLITE} polite\n")
-    env = {**os.environ, "WEFT_EXECUTOR_NUM_THREADS": "1", "WEFT_SCHEDULER_MAX_IN_FLIGHT": "8",
+    env = {"WEFT_EXECUTOR_NUM_THREADS": "1", "WEFT_SCHEDULER_MAX_IN_FLIGHT": "8",
            "WEFT_SCHEDULER_MAX_QUEUE": "16", "WEFT_SCHEDULER_MAX_IN_FLIGHT_PER_TENANT": "2",
            "WEFT_SCHEDULER_MAX_QUEUE_PER_TENANT": "2"}
-    log = open(state_dir / "launcher.log", "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "weft", "up", "--model", str(tiny_model_dir), "--executors", "1", "--http-port", "0",
-         "--grpc-port", "0", "--state-dir", str(state_dir), "--keys-file", str(state_dir / "keys.txt")],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    try:
-        state = wait_for(lambda: process.poll() is None and read_state(state_dir), 120, "weft up")
+    with launched_mesh(state_dir, tiny_model_dir, 1, env, ["--keys-file", str(state_dir / "keys.txt")],
+                       timeout_s=120, check_orphans=False) as (_, state):
         yield state
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 def test_flooding_tenant_gets_429s_while_the_other_tenant_is_served(mesh):
