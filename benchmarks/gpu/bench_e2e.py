@@ -11,7 +11,11 @@ each batch size, runs greedy generation with EOS ignored:
   decode tokens/s = batch * (N - 1) / (full - prefill)
 
 and reports decode tokens/s, ms per decode step, and the weight bytes read per second
-(every step reads every weight once) against the device's peak memory bandwidth.
+(every step reads every weight once) against the device's peak memory bandwidth. The
+baseline, measured the same way in the same run, is Hugging Face transformers
+`generate` (static batch, greedy, same checkpoint and dtype); the table gives Weft's
+decode tokens/s as a ratio to it, and how many of the first prompt's greedy tokens the
+two agree on (bf16 rounding may split them late in a random-weight model).
 
 --smoke writes a tiny checkpoint and runs it on CPU (Triton interpreter for the triton
 back end) to check that the script runs at all; its numbers mean nothing.
@@ -101,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engine token budget per step; default 4096")
     p.add_argument("--peak-tbps", type=float, default=None,
                    help="device peak memory bandwidth in TB/s; default: looked up by device name")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the Hugging Face transformers generate baseline")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
     p.add_argument("--out", type=Path, default=None,
                    help="also write the Markdown section to this file (it is always printed)")
@@ -193,22 +199,24 @@ def engine_options(args, torch, device: str, max_batch: int) -> dict:
     return options
 
 
-def run_batch(llm, SamplingParams, batch: int, args, torch) -> dict:
+def measure(generate, batch: int, args, torch) -> dict:
+    """Time generate(prompts, max_tokens) -> token lists the prefill/full way described above."""
     gen = torch.Generator().manual_seed(args.seed + batch)
+    last: list[list[int]] = []
 
     def timed(max_tokens: int) -> float:
         # Fresh prompts each run, so no run gets the previous one's prefix-cache hits. Ids
         # start above the special tokens; the tokenizer's vocab matches the model's.
         prompts = torch.randint(10, args.shape.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
+        outputs = generate(prompts, max_tokens)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        assert all(len(o.token_ids) == max_tokens for o in outputs), "EOS was not ignored"
+        assert all(len(o) == max_tokens for o in outputs), "EOS was not ignored"
+        last[:] = [prompts[0], outputs[0]]
         return elapsed
 
     timed(2)  # warm-up: kernels compiled, allocator primed
@@ -217,7 +225,33 @@ def run_batch(llm, SamplingParams, batch: int, args, torch) -> dict:
     decode_s = max(full_s - prefill_s, 1e-9)
     return {"batch": batch, "prefill_s": prefill_s, "full_s": full_s,
             "decode_tps": batch * (args.max_tokens - 1) / decode_s,
-            "step_ms": 1e3 * decode_s / (args.max_tokens - 1)}
+            "step_ms": 1e3 * decode_s / (args.max_tokens - 1),
+            "first_prompt": last[0], "first_output": last[1]}
+
+
+def weft_generate(llm, SamplingParams):
+    def generate(prompts, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    return generate
+
+
+def hf_generate(model, torch, device: str):
+    @torch.inference_mode()
+    def generate(prompts, max_tokens):
+        ids = torch.tensor(prompts, device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        return out[:, ids.shape[1]:].tolist()
+    return generate
+
+
+def greedy_agreement(weft_row: dict, hf_row: dict, weft_gen, hf_gen, max_tokens: int) -> str:
+    """Leading tokens on which both greedy continuations of the same prompt agree."""
+    prompt = weft_row["first_prompt"]
+    a, b = weft_gen([prompt], max_tokens)[0], hf_gen([prompt], max_tokens)[0]
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{same}/{max_tokens}"
 
 
 def render(rows: list[dict], args, device_name: str, peak: float | None) -> str:
@@ -227,11 +261,16 @@ def render(rows: list[dict], args, device_name: str, peak: float | None) -> str:
     table = []
     for r in rows:
         gbps = weight_bytes / (r["step_ms"] / 1e3) / 1e9
+        hf = r.get("hf")
         table.append([r["batch"], f"{r['decode_tps']:,.0f}", f"{r['step_ms']:.2f}", f"{gbps:,.0f}",
                       "n/a" if peak is None else f"{100 * gbps / (peak * 1e3):.0f} %",
-                      f"{r['prefill_s']:.2f}", f"{r['full_s']:.2f}"])
+                      f"{r['prefill_s']:.2f}", f"{r['full_s']:.2f}",
+                      "not run" if hf is None else f"{hf['decode_tps']:,.0f}",
+                      "n/a" if hf is None else f"{r['decode_tps'] / hf['decode_tps']:.2f}x",
+                      r.get("agreement", "n/a")])
     headers = ["batch", "decode tok/s", "ms / step", "weight GB/s", "% of peak",
-               "prefill run s", "full run s"]
+               "prefill run s", "full run s", "HF generate tok/s", "Weft / HF",
+               "greedy agreement"]
     s = args.shape
     return "\n".join([
         "## End-to-end decode (weft.LLM)",
@@ -268,8 +307,18 @@ def main(argv: list[str] | None = None) -> int:
 
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(str(args.model_dir), **engine_options(args, torch, device, max(batches)))
-    rows = [run_batch(llm, SamplingParams, b, args, torch)
-            for b in tqdm(batches, desc="end-to-end decode", unit="batch")]
+    weft_gen = weft_generate(llm, SamplingParams)
+    rows = [measure(weft_gen, b, args, torch) for b in tqdm(batches, desc="weft decode", unit="batch")]
+    if not args.no_baseline:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(args.model_dir), dtype=getattr(torch, args.dtype)).to(device).eval()
+        hf_gen = hf_generate(model, torch, device)
+        for row in tqdm(rows, desc="HF generate baseline", unit="batch"):
+            row["hf"] = measure(hf_gen, row["batch"], args, torch)
+        rows[0]["agreement"] = greedy_agreement(rows[0], rows[0]["hf"], weft_gen, hf_gen, args.max_tokens)
+        del model
     text = render(rows, args, device_name, peak)
     print(text)
     if args.out is not None:

@@ -24,7 +24,7 @@ usage: benchmarks/gpu/run.sh [options]
   --skip-e2e         skip stage 3 (end-to-end benchmark)
   --help             this text
 
-Stage time limits: tests 210 s, attention 120 s, end-to-end 120 s.
+Stage time limits: tests 180 s, attention 100 s, end-to-end 170 s.
 EOF
 }
 
@@ -70,14 +70,14 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log to $WORK/NAME
 if [ "$RUN_TESTS" = 1 ]; then
   XDIST=()  # parallel workers compile the many kernel variants in parallel
   if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi
-  stage tests 210 "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" tests/kernels
+  stage tests 180 "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" tests/kernels
 fi
 if [ "$RUN_ATTENTION" = 1 ]; then
-  stage attention 120 "$PY" benchmarks/gpu/bench_attention.py "${PEAK_ARGS[@]}" --out "$WORK/attention.md"
+  stage attention 100 "$PY" benchmarks/gpu/bench_attention.py "${PEAK_ARGS[@]}" --out "$WORK/attention.md"
 fi
 if [ "$RUN_E2E" = 1 ]; then
   if "$PY" -c "import weft.llm" 2>"$WORK/e2e-import.log"; then
-    stage e2e 120 "$PY" benchmarks/gpu/bench_e2e.py "${PEAK_ARGS[@]}" --out "$WORK/e2e.md"
+    stage e2e 170 "$PY" benchmarks/gpu/bench_e2e.py "${PEAK_ARGS[@]}" --out "$WORK/e2e.md"
   else
     echo "e2e: not run, weft.llm does not import ($(tail -1 "$WORK/e2e-import.log")); see --wheels" \
       | tee -a "$WORK/summary.txt"
