@@ -40,6 +40,12 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         if self.max_prefill_chunk > self.max_num_batched_tokens:
             raise ValueError("max_prefill_chunk must not exceed max_num_batched_tokens")
+        if (self.attention_backend == "triton" and not self.device.startswith("cuda")
+                and torch.cuda.is_available()):
+            # With a GPU present the kernels compile for it (the interpreter stays off), and
+            # a compiled kernel cannot read a CPU cache: say so now, not at the first step.
+            raise ValueError(f"attention_backend 'triton' needs device 'cuda' on a machine with a GPU "
+                             f"(device is {self.device!r}); the CPU back end is 'torch'")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,6 +1,9 @@
-"""A whole greedy generation through the Triton back end (interpreted on CPU) equals the
-torch back end's: the kernels are wired into the engine, not only correct in isolation."""
+"""A whole greedy generation through the Triton back end (interpreted on CPU, compiled on a
+GPU) equals the torch back end's: the kernels are wired into the engine, not only correct
+in isolation."""
 from __future__ import annotations
+
+import torch
 
 from weft import LLM, SamplingParams
 from weft.tiny_model import make_tiny_checkpoint
@@ -11,7 +14,8 @@ def test_triton_backend_generation_equals_torch_backend(tmp_path):
     # one short prompt and one spanning two prefill chunks, then a prefix-cache hit
     prompts = [[5, 9, 200, 31, 7], list(range(40, 60)), list(range(40, 60)) + [3]]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    options = dict(max_prefill_chunk=16, max_num_batched_tokens=32, block_size=16, num_kv_blocks=16)
+    options = dict(max_prefill_chunk=16, max_num_batched_tokens=32, block_size=16, num_kv_blocks=16,
+                   device="cuda" if torch.cuda.is_available() else "cpu")
 
     expected = LLM(path, attention_backend="torch", **options).generate(prompts, params)
     triton_llm = LLM(path, attention_backend="triton", **options)

@@ -57,7 +57,7 @@ class TorchAttentionBackend(AttentionBackend):
         scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scale  # [B, kvh, group, L]
         if min(lens) != max_len:
             # [B, 1, 1, L]: True where the key position is past the sequence's end
-            pad = (torch.arange(max_len) >= meta.decode_seq_lens.to(torch.long)[:, None])[:, None, None, :]
+            pad = (torch.arange(max_len, device=q.device) >= meta.decode_seq_lens.to(torch.long)[:, None])[:, None, None, :]
             scores = scores.masked_fill(pad, float("-inf"))
         o = torch.matmul(scores.softmax(-1), v)  # [B, kvh, group, d]
         return o.view(b, self.num_heads, self.head_dim)
@@ -76,7 +76,8 @@ class TorchAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
                 # query j sits at position ctx + j and sees keys 0..ctx+j
-                mask = torch.arange(seq_len)[None, :] <= (torch.arange(qlen)[:, None] + ctx)
+                dev = q.device
+                mask = torch.arange(seq_len, device=dev)[None, :] <= (torch.arange(qlen, device=dev)[:, None] + ctx)
                 o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             out[start : start + qlen] = o[0].transpose(0, 1)
             start += qlen
