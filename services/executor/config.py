@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.executor.engine_config import ATTENTION_BACKENDS, EngineConfig
+from services.executor.engine_config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig
 from services.mesh.env_config import option
 from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
 from services.mesh.nats_bus import subject
@@ -48,6 +48,23 @@ class ExecutorConfig:
     credit_audit_period_s: float = option("Seconds between audits that decay a borrowing tenant's credit; "
                                           "0 disables.", default=2.0)
     num_threads: int | None = option("Torch CPU threads; none: torch's choice.", default=None)
+    kv_cache_dtype: str = option(
+        "KV cache storage (auto: the model dtype; int8: int8 with a scale per token and KV head, about "
+        "4x the tokens of a float32 cache in the same bytes). An int8 executor serves the kv_int8 rung "
+        "of the degradation ladder.", default="auto", choices=KV_CACHE_DTYPES)
+    kv_compress_budget_blocks: int = option(
+        "0: off. Else the most KV blocks one sequence keeps: past it, the middle block with the least "
+        "attention mass is dropped (the first --kv-compress-sink-blocks and newest "
+        "--kv-compress-recent-blocks are always kept). Such an executor serves the kv_compress rung.",
+        default=0)
+    kv_compress_recent_blocks: int = option("Newest blocks a compressed sequence always keeps.", default=4)
+    kv_compress_sink_blocks: int = option("First blocks (attention sinks) a compressed sequence always keeps.",
+                                          default=1)
+    serves_rung: str = option(
+        "Degradation rung this executor's pool serves: none (full quality), kv_int8, kv_compress or "
+        "smaller_model (a smaller checkpoint with the same tokenizer). Empty: derived from the KV flags "
+        "(int8 -> kv_int8, a compress budget -> kv_compress, else none).", default="",
+        choices=("", "none", "kv_int8", "kv_compress", "smaller_model"))
     heartbeat_interval_s: float = option("Seconds between membership heartbeats.", default=1.0)
     load_report_interval_s: float = option("Seconds between load reports.", default=0.25)
     grace_s: float = option("On SIGTERM, seconds in-flight requests get to finish.", default=10.0)
@@ -92,7 +109,19 @@ class ExecutorConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_prefill_chunk=self.max_prefill_chunk,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             model_id=self.model_id, num_threads=self.num_threads, preemption_policy=self.preemption_policy,
+            kv_cache_dtype=self.kv_cache_dtype, kv_compress_budget_blocks=self.kv_compress_budget_blocks,
+            kv_compress_recent_blocks=self.kv_compress_recent_blocks,
+            kv_compress_sink_blocks=self.kv_compress_sink_blocks,
         )
+
+    @property
+    def resolved_serves_rung(self) -> str:
+        """The degradation rung this executor's pool serves (see --serves-rung)."""
+        if self.serves_rung:
+            return self.serves_rung
+        if self.kv_cache_dtype == "int8":
+            return "kv_int8"
+        return "kv_compress" if self.kv_compress_budget_blocks else "none"
 
     @property
     def partitions(self):

@@ -7,6 +7,7 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class EngineConfig:
     preemption_policy: str = "fcfs"
     model_id: str = ""  # hashed into block hashes; defaults to the checkpoint's directory name
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's choice
+    # Degradation-ladder mechanisms (a degraded executor profile; see docs/architecture.md).
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: symmetric int8, one scale per token and KV head
+    kv_compress_budget_blocks: int = 0  # 0: off; else most KV blocks a sequence keeps (heavy hitters + recent)
+    kv_compress_recent_blocks: int = 4  # the newest blocks a compressed sequence always keeps
+    kv_compress_sink_blocks: int = 1  # the first blocks (attention sinks) it always keeps
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -40,6 +46,17 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         if self.max_prefill_chunk > self.max_num_batched_tokens:
             raise ValueError("max_prefill_chunk must not exceed max_num_batched_tokens")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_compress_budget_blocks < 0:
+            raise ValueError(f"kv_compress_budget_blocks must be >= 0, got {self.kv_compress_budget_blocks}")
+        if self.kv_compress_budget_blocks and (
+                self.kv_compress_recent_blocks < 1 or self.kv_compress_sink_blocks < 0
+                or self.kv_compress_sink_blocks + self.kv_compress_recent_blocks >= self.kv_compress_budget_blocks):
+            raise ValueError("kv_compress_budget_blocks must exceed kv_compress_sink_blocks + "
+                             "kv_compress_recent_blocks (and recent >= 1, sink >= 0), got "
+                             f"budget={self.kv_compress_budget_blocks} sink={self.kv_compress_sink_blocks} "
+                             f"recent={self.kv_compress_recent_blocks}")
         if (self.attention_backend == "triton" and not self.device.startswith("cuda")
                 and torch.cuda.is_available()):
             # With a GPU present the kernels compile for it (the interpreter stays off), and
