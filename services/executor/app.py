@@ -73,7 +73,12 @@ async def main(argv: Sequence[str] | None = None) -> None:
             async_engine, CreditAuditor(config.partitions), config.credit_audit_period_s), name="credit-audit")
     events.read_load = lambda: async_engine.call(_stats_and_gauges)
     servicer = ExecutorServicer(async_engine, name, engine.model_id, config.block_size)
-    if config.cachestore_address:
+    if config.cachestore_address and config.kv_cache_dtype == "int8":
+        # Payloads carry one model-dtype tensor per block; the int8 cache's scales have no
+        # place in them (kv_transfer.py), so this executor neither demotes nor promotes.
+        servicer.no_tiers_reason = "its KV cache is int8 (kv_cache_dtype), which does not transfer"
+        log.warning("tier_transfer_disabled", executor=name, kv_cache_dtype=config.kv_cache_dtype)
+    elif config.cachestore_address:
         from services.executor.tier_ops import build_tier_ops
 
         servicer.tiers = build_tier_ops(async_engine, config.cachestore_address, engine.model_id, config.block_size,

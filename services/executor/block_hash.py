@@ -48,6 +48,11 @@ def hash_block_chain(
     return hashes
 
 
-def extra_keys_for(model_id: str, tenant_salt: str = "") -> bytes:
-    """Extra hash keys: blocks of different models or tenants never collide or share."""
-    return model_id.encode() + b"\x00" + tenant_salt.encode()
+def extra_keys_for(model_id: str, tenant_salt: str = "", kv_cache_dtype: str = "auto") -> bytes:
+    """Extra hash keys: blocks of different models, tenants or cache storage formats never
+    collide or share. The model-dtype cache ("auto") adds nothing, so its hashes are the
+    ones every other component computes from (model id, tenant)."""
+    keys = model_id.encode() + b"\x00" + tenant_salt.encode()
+    if kv_cache_dtype != "auto":
+        keys += b"\x00kv_cache_dtype=" + kv_cache_dtype.encode()
+    return keys

@@ -68,7 +68,7 @@ class LLMEngine:
         if self.model_config.sliding_window:
             model_len = min(model_len, self.model_config.sliding_window)
         self.max_model_len = min(config.max_model_len or model_len, model_len)
-        block_bytes = ModelRunner.kv_bytes_per_block(self.model, config.block_size)
+        block_bytes = ModelRunner.kv_bytes_per_block(self.model, config.block_size, config.kv_cache_dtype)
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
         self.pool = BlockPool(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
@@ -80,7 +80,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk,
         )
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.kv_cache_dtype)
         self.model_id = config.model_id or self.model_dir.name
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
@@ -136,7 +136,7 @@ class LLMEngine:
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             partition=partition,
-            extra_keys=extra_keys_for(self.model_id, tenant_salt),
+            extra_keys=extra_keys_for(self.model_id, tenant_salt, self.config.kv_cache_dtype),
             priority=priority,
             session=session,
             max_num_tokens=min(self.max_model_len, session.kv_quota_blocks * self.config.block_size

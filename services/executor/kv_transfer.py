@@ -11,6 +11,10 @@ Payload layout of one block, all layers together (row-major)::
 
 The header (dtype, shape) travels with it; an import whose header disagrees with the
 engine's cache is refused, never reinterpreted.
+
+An int8 cache (``QuantizedKVCache``) does not transfer: its scales have no place in that
+header, so export finds nothing and import refuses everything (``can_transfer``); the
+executor does not build tier operations for it (app.py).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.executor.attention.base import QuantizedKVCache
 from services.executor.block_hash import BlockHash
 from services.executor.block_pool import DEFAULT_PARTITION
 from services.executor.engine import LLMEngine
@@ -54,16 +59,26 @@ class ImportResult:
     num_refused: int  # did not fit the pool, or a header disagreed with the cache
 
 
+def can_transfer(engine: LLMEngine) -> bool:
+    """Whether ``engine``'s cache blocks can move to and from the cachestore (not int8)."""
+    return not isinstance(engine.runner.kv_caches[0], QuantizedKVCache)
+
+
 def block_layout(engine: LLMEngine) -> tuple[str, tuple[int, ...]]:
-    """(dtype name, payload shape) of one block of ``engine``'s cache. Reads only."""
+    """(dtype name, payload shape) of one block of ``engine``'s cache. Reads only.
+    Raises ValueError for an int8 cache, which has no payload layout."""
+    if not can_transfer(engine):
+        raise ValueError("kv_cache_dtype 'int8' blocks do not transfer to the cachestore")
     kv = engine.runner.kv_caches[0]  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     return _NAMES[kv.dtype], (2, len(engine.runner.kv_caches), *kv.shape[2:])
 
 
 def _gather(engine: LLMEngine, block_hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, torch.Tensor]]:
     """Engine thread: copies of the resident blocks among ``block_hashes`` (missing ones
-    are skipped). Does not modify the pool."""
+    are skipped; an int8 cache yields none). Does not modify the pool."""
     out = []
+    if not can_transfer(engine):
+        return out
     for h in block_hashes:
         block = engine.pool.cached_block(h)
         if block is None:
@@ -104,7 +119,9 @@ def import_blocks(
     match hits them. The blocks end free-cached (evictable, tail first), exactly like
     blocks a finished request left behind. ``hold_hashes`` (the chain's resident head)
     are referenced while fresh blocks are taken, so making room never evicts them.
-    Mutates the pool and the KV cache tensors."""
+    Mutates the pool and the KV cache tensors. An int8 cache refuses every payload."""
+    if not can_transfer(engine):
+        return ImportResult(0, 0, len(payloads))
     dtype, shape = block_layout(engine)
     tensors = []
     num_present = 0

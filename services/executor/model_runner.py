@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.attention.base import AttentionMetadata
+from services.executor.attention.base import AttentionMetadata, QuantizedKVCache
 from services.executor.batch_scheduler import ScheduledSeq, StepPlan
 from services.executor.model.llama import LlamaModel
 from services.executor.sampler import SampledTokens, sample
@@ -23,16 +23,28 @@ def _block_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.block_size = block_size
         self.device = model.device
-        shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        # one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_caches = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
+        self.kv_caches: list[torch.Tensor | QuantizedKVCache]
+        if kv_cache_dtype == "int8":
+            # one per layer: int8 [2, num_blocks, block_size, kvh, d] + float32 scales [2, num_blocks, block_size, kvh]
+            self.kv_caches = [
+                QuantizedKVCache.zeros(num_blocks, block_size, model.num_kv_heads, model.head_dim, model.dtype, self.device)
+                for _ in range(model.num_layers)
+            ]
+        else:
+            shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+            # one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+            self.kv_caches = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
 
     @staticmethod
-    def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+    def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
+        """Bytes one KV block takes over all layers (int8: data plus its float32 scales)."""
+        if kv_cache_dtype == "int8":
+            per_layer = QuantizedKVCache.bytes_per_block(block_size, model.num_kv_heads, model.head_dim)
+            return per_layer * model.num_layers
         return 2 * block_size * model.num_kv_heads * model.head_dim * model.num_layers * model.dtype.itemsize
 
     def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

@@ -142,6 +142,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, engine: AsyncEngine, name: str, model_id: str, block_size: int) -> None:
         self.engine = engine
         self.tiers = None  # TierOps (tier_ops.py) when a cachestore is configured; set by app.py
+        self.no_tiers_reason = "no cachestore configured"  # why tiers is None, for the RPC error
         self.name = name
         self.model_id = model_id
         self.block_size = block_size
@@ -262,7 +263,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def DemoteBlocks(self, request: executor_pb2.DemoteBlocksRequest,
                            context) -> executor_pb2.DemoteBlocksResponse:
         if self.tiers is None:
-            raise InvalidRequestError("cachestore_address", f"executor {self.name} has no cachestore configured")
+            raise InvalidRequestError("cachestore_address", f"executor {self.name}: {self.no_tiers_reason}")
         r = await self.tiers.demoter.demote(
             request.block_hashes, request.token_ids, request.tenant_salt, request.priority,
             request.expected_pause_ms, request.evict_local)
@@ -274,7 +275,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def PromoteBlocks(self, request: executor_pb2.PromoteBlocksRequest,
                             context) -> executor_pb2.PromoteBlocksResponse:
         if self.tiers is None:
-            raise InvalidRequestError("cachestore_address", f"executor {self.name} has no cachestore configured")
+            raise InvalidRequestError("cachestore_address", f"executor {self.name}: {self.no_tiers_reason}")
         r = await self.tiers.promoter.promote(
             list(request.token_ids), request.tenant_salt, request.partition or request.tenant_salt or "default",
             force=request.force)

@@ -17,6 +17,16 @@ Paged KV cache of one layer (``kv_cache``)::
 
 A sequence's block table row lists its block ids in order; entries past the blocks it
 owns are padding (any valid block id, never read because lengths bound the reads).
+
+``kv_cache`` is either that tensor (the model dtype) or a ``QuantizedKVCache``: int8
+data of the same shape plus one float32 scale per (slot, KV head)::
+
+    data   [2, num_blocks, block_size, num_kv_heads, head_dim]   int8
+    scales [2, num_blocks, block_size, num_kv_heads]             float32
+    x[slot, h, :] ~= data[slot, h, :] * scales[slot, h]
+
+Per-token scales let a block fill one token at a time without ever requantising it.
+The Triton kernels read per-block scales, so a quantised cache runs on the torch back end.
 """
 from __future__ import annotations
 
@@ -63,11 +73,73 @@ class AttentionMetadata:
         return self.num_decodes
 
 
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over the last dim: ``(q, scale)`` with ``x ~= q * scale[..., None]``
+    and ``|x - q * scale| <= scale / 2``; ``scale = amax(|x|) / 127`` (0 -> q = 0)."""
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1) / 127.0  # [..., ] float32
+    ratio = torch.where(scale[..., None] > 0, x32 / scale[..., None], 0.0)
+    return ratio.round_().clamp_(-127, 127).to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q * scale[..., None]`` in ``dtype``; the inverse of ``quantize_int8`` up to scale/2.
+    The product is taken in float32 so a half-precision ``dtype`` rounds only once."""
+    return (q.to(torch.float32) * scale[..., None]).to(dtype)
+
+
+@dataclass(frozen=True)
+class QuantizedKVCache:
+    """One layer's paged KV cache stored as int8 with a scale per (slot, KV head).
+
+    The tensors are mutable (``write`` fills slots in place); the dataclass is not.
+    """
+
+    data: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim] int8
+    scales: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads] float32
+    dtype: torch.dtype  # what gathered keys/values dequantise to (the model's dtype)
+
+    @classmethod
+    def zeros(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+              dtype: torch.dtype, device: torch.device | str) -> QuantizedKVCache:
+        return cls(
+            torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=torch.int8, device=device),
+            torch.zeros((2, num_blocks, block_size, num_kv_heads), dtype=torch.float32, device=device),
+            dtype,
+        )
+
+    @staticmethod
+    def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int) -> int:
+        """K and V of one block of one layer: int8 data plus float32 scales."""
+        return 2 * block_size * num_kv_heads * (head_dim + torch.float32.itemsize)
+
+    @property
+    def block_size(self) -> int:
+        return self.data.shape[2]
+
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantise ``k``/``v`` [num_tokens, kvh, d] into the slots ``slot_mapping`` names.
+        Mutates those slots' data and scales only."""
+        kvh, d = self.data.shape[3:]
+        data = self.data.view(2, -1, kvh, d)  # [2, slots, kvh, d]
+        scales = self.scales.view(2, -1, kvh)  # [2, slots, kvh]
+        for i, x in enumerate((k, v)):
+            q, scale = quantize_int8(x)
+            data[i].index_copy_(0, slot_mapping, q)
+            scales[i].index_copy_(0, slot_mapping, scale)
+
+    def gather(self, kv: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """Dequantised blocks ``block_ids`` of keys (kv=0) or values (kv=1),
+        [len(block_ids), block_size, kvh, d] in ``self.dtype``. Reads only."""
+        return dequantize_int8(self.data[kv].index_select(0, block_ids),
+                               self.scales[kv].index_select(0, block_ids), self.dtype)
+
+
 class AttentionBackend(abc.ABC):
     """Writes a layer's new K/V into the paged cache, then attends.
 
-    ``forward`` mutates ``kv_cache`` (the slots named by ``meta.slot_mapping``) and
-    nothing else; it returns a new tensor.
+    ``forward`` mutates ``kv_cache`` (the slots named by ``meta.slot_mapping``; data and
+    scales for a ``QuantizedKVCache``) and nothing else; it returns a new tensor.
     """
 
     name: str = "abstract"
@@ -88,7 +160,7 @@ class AttentionBackend(abc.ABC):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor | QuantizedKVCache,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store k/v at ``meta.slot_mapping`` in ``kv_cache`` and return attention output."""

@@ -2,14 +2,15 @@
 
 Decodes are batched into one SDPA call (keys gathered through the block tables and
 padded to the longest context, masked by length); each prefill chunk is one SDPA call
-over its gathered prefix + itself with an offset-causal mask.
+over its gathered prefix + itself with an offset-causal mask. A ``QuantizedKVCache``
+quantises new rows on write and dequantises gathered blocks to the model dtype.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from services.executor.attention.base import AttentionBackend, AttentionMetadata
+from services.executor.attention.base import AttentionBackend, AttentionMetadata, QuantizedKVCache
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -20,13 +21,17 @@ class TorchAttentionBackend(AttentionBackend):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor | QuantizedKVCache,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        block_size = kv_cache.shape[2]
-        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)  # [2, slots, kvh, d]
-        flat[0].index_copy_(0, meta.slot_mapping, k)
-        flat[1].index_copy_(0, meta.slot_mapping, v)
+        if isinstance(kv_cache, QuantizedKVCache):
+            block_size = kv_cache.block_size
+            kv_cache.write(meta.slot_mapping, k, v)
+        else:
+            block_size = kv_cache.shape[2]
+            flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)  # [2, slots, kvh, d]
+            flat[0].index_copy_(0, meta.slot_mapping, k)
+            flat[1].index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -36,13 +41,19 @@ class TorchAttentionBackend(AttentionBackend):
             self._prefill(q[nd:], kv_cache, meta, block_size, out[nd:])
         return out
 
-    def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given block-table rows, [rows, kvh, num_blocks*block_size, d]."""
+    def _gather(self, kv_cache: torch.Tensor | QuantizedKVCache, block_tables: torch.Tensor,
+                num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given block-table rows, [rows, kvh, num_blocks*block_size, d]
+        (dequantised to the model dtype when the cache is int8)."""
         table = block_tables[:, :num_blocks].reshape(-1)
         rows = block_tables.shape[0]
-        # index_select is ~50x cheaper than advanced indexing for this on CPU
-        k = kv_cache[0].index_select(0, table).view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = kv_cache[1].index_select(0, table).view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if isinstance(kv_cache, QuantizedKVCache):
+            k, v = kv_cache.gather(0, table), kv_cache.gather(1, table)
+        else:
+            # index_select is ~50x cheaper than advanced indexing for this on CPU
+            k, v = kv_cache[0].index_select(0, table), kv_cache[1].index_select(0, table)
+        k = k.view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return k, v
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, block_size: int) -> torch.Tensor:
