@@ -3,7 +3,7 @@
 NOTE: one table (``weft/mesh_spec.py``) says what runs; this module only renders it
 with free loopback ports and manages processes:
 
-    nats ──▶ cachestore, scheduler, executor-0..N-1, router   (started together)
+    nats ──▶ cachestore, scheduler, executor-0..N-1 (+ --extra-executor ones), router   (started together)
          ──▶ wait: every instance healthy AND the scheduler lists every executor
          ──▶ state file + control endpoint ──▶ wait for Ctrl-C / SIGTERM
     stop: router first (no new work), then executors / scheduler / cachestore, NATS last;
@@ -20,6 +20,7 @@ import asyncio
 import ctypes
 import os
 import secrets
+import shlex
 import signal
 import sys
 import time
@@ -62,10 +63,16 @@ class UpOptions:
     startup_timeout_s: float = 180.0
     stop_timeout_s: float = 15.0
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. WEFT_EXECUTOR_NUM_KV_BLOCKS
+    # One more executor per entry, started with these flags appended to its command (they win
+    # over the mesh's env): e.g. "--serves-rung kv_int8 --kv-cache-dtype int8", a degraded pool.
+    extra_executors: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_executors < 0:
             raise ValueError("num_executors must be >= 0")
+        for flags in self.extra_executors:
+            if not shlex.split(flags):
+                raise ValueError("an extra executor needs at least one flag")
         for name in ("http_port", "grpc_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65536)")
@@ -108,6 +115,7 @@ class Launcher:
         self.model_dir = ""
         self.ports: dict[str, int] = {}
         self.running: dict[str, _Running] = {}  # instance name -> process
+        self.extra_argv: dict[str, list[str]] = {}  # executor name -> its own flags (--extra-executor)
         self.control_port = 0
         self.control_token = secrets.token_hex(16)
         self._scale_lock = asyncio.Lock()
@@ -131,7 +139,7 @@ class Launcher:
     async def _spawn(self, spec: ServiceSpec, name: str) -> _Running:
         own_ports = self._instance_ports(spec)
         ctx = self._context({**self.ports, **own_ports}, executor_name=name if spec.scalable else "").mapping()
-        argv = [a.format_map(ctx) for a in spec.command]
+        argv = [a.format_map(ctx) for a in spec.command] + self.extra_argv.get(name, [])
         argv = [sys.executable, *argv] if spec.python else [str(nats_server_binary()), *argv[1:]]
         env = {**os.environ, **self.options.extra_env, **spec.render(ctx), "WEFT_LOG_FORMAT": "json",
                "PYTHONUNBUFFERED": "1"}
@@ -224,7 +232,10 @@ class Launcher:
         try:
             await self._spawn(BY_NAME["nats"], "nats")
             await self._wait_healthy(["nats"], deadline)
-            names = ["cachestore", "scheduler", *(f"executor-{i}" for i in range(opts.num_executors)), "router"]
+            executors = [f"executor-{i}" for i in range(opts.num_executors + len(opts.extra_executors))]
+            for name, flags in zip(executors[opts.num_executors:], opts.extra_executors):
+                self.extra_argv[name] = shlex.split(flags)
+            names = ["cachestore", "scheduler", *executors, "router"]
             for name in names:
                 await self._spawn(BY_NAME[name.split("-")[0]], name)
             await self._wait_healthy(names, deadline)
@@ -271,7 +282,10 @@ class Launcher:
                     await self._terminate(new)
                     raise
             elif replicas < len(current):
-                await self._terminate(current[replicas:][::-1])
+                drained = current[replicas:][::-1]
+                await self._terminate(drained)
+                for name in drained:  # a later replica under this name is a plain executor
+                    self.extra_argv.pop(name, None)
             write_state(self.state_dir, self.state())
             return self.executor_names()
 

@@ -25,6 +25,10 @@ def register_up(subparsers) -> None:
     up.add_argument("--model", default=None, metavar="DIR",
                     help="checkpoint directory; default: a tiny random model created (once) in the state dir")
     up.add_argument("--executors", type=int, default=1, metavar="N", help="executor processes; default: %(default)s")
+    up.add_argument("--extra-executor", action="append", default=[], metavar="FLAGS", dest="extra_executors",
+                    help="one more executor started with these executor flags, e.g. "
+                         "--extra-executor='--serves-rung kv_int8 --kv-cache-dtype int8' (a degraded-rung pool); "
+                         "repeatable")
     up.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP API port (0: free); default: %(default)s")
     up.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (0: free); default: %(default)s")
     up.add_argument("--keys-file", default="", help="API keys file for the router; default: no auth")
@@ -49,7 +53,8 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     options = UpOptions(model_dir=args.model, num_executors=args.executors, http_port=args.http_port,
                         grpc_port=args.grpc_port, state_dir=Path(args.state_dir), keys_file=args.keys_file,
-                        log_level=args.log_level, startup_timeout_s=args.startup_timeout)
+                        log_level=args.log_level, startup_timeout_s=args.startup_timeout,
+                        extra_executors=tuple(args.extra_executors))
 
     def ready(state) -> None:
         print("Weft mesh is up")

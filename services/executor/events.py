@@ -42,6 +42,7 @@ class Identity:
     max_num_seqs: int
     max_model_len: int = 0
     num_blocks: int = 0
+    serves_rung: str = "none"  # degradation rung its pool serves (ExecutorConfig.resolved_serves_rung)
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,7 @@ def encode_event(item: Heartbeat | LoadSnapshot | KvChange):
             name=i.name, address=i.address, model_id=i.model_id, block_size=i.block_size,
             state=_STATES[item.state], max_num_seqs=i.max_num_seqs, num_blocks=i.num_blocks,
             interval_ms=int(item.interval_s * 1000), max_model_len=i.max_model_len,
+            serves_rung=common_pb2.DegradationRung.Value(f"DEGRADATION_RUNG_{i.serves_rung.upper()}"),
         )
     if isinstance(item, LoadSnapshot):
         return events_pb2.LoadReport(num_running=item.num_running, num_waiting=item.num_waiting,

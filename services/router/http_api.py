@@ -69,14 +69,17 @@ def error_response(exc: BaseException) -> web.Response:
 
 def notes_headers(first: ServingNotes | None, last: ServingNotes | None) -> dict[str, str]:
     """The scheduler's decisions as response headers: ``x-weft-request-class``,
-    ``x-weft-fallback`` (+ ``-reason``) from the first chunk, ``x-weft-pause`` from the
-    last (non-streaming responses only: a stream's headers leave before it ends)."""
+    ``x-weft-fallback`` (+ ``-reason``) and ``x-weft-degradation-rung`` from the first chunk,
+    ``x-weft-pause`` from the last (non-streaming responses only: a stream's headers leave
+    before it ends)."""
     out = {}
     if first is not None and first.request_class:
         out["x-weft-request-class"] = first.request_class
     if first is not None and first.fallback:
         out["x-weft-fallback"] = first.fallback
         out["x-weft-fallback-reason"] = first.fallback_reason
+    if first is not None and first.degradation_rung:  # the ladder rung it was served on
+        out["x-weft-degradation-rung"] = first.degradation_rung
     if last is not None and last.pause_decision:
         out["x-weft-pause"] = last.pause_decision
     return out

@@ -67,7 +67,9 @@ def to_proto(req: TokenRequest) -> scheduler_pb2.ScheduleRequest:
         expected_tool_ms=ses.expected_tool_ms, request_class=_CLASSES[ses.request_class],
         stateful=ses.stateful, contract=common_pb2.Contract(
             kv_quota_blocks=ses.contract.kv_quota_blocks, ttft_ceiling_ms=ses.contract.ttft_ceiling_ms,
-            tpot_ceiling_ms=ses.contract.tpot_ceiling_ms, fallback=_FALLBACKS[ses.contract.fallback]),
+            tpot_ceiling_ms=ses.contract.tpot_ceiling_ms, fallback=_FALLBACKS[ses.contract.fallback],
+            accepted_degrade_steps=[common_pb2.DegradeStep.Value(f"DEGRADE_STEP_{x.upper()}")
+                                    for x in ses.contract.accepted_degrade_steps]),
     )
     return scheduler_pb2.ScheduleRequest(
         request_id=req.request_id, model_id=req.model, prompt_token_ids=list(req.prompt_token_ids),
@@ -92,7 +94,7 @@ def from_proto(resp: scheduler_pb2.ScheduleResponse) -> TokenChunk:
 
 
 def _notes(resp: scheduler_pb2.ScheduleResponse) -> ServingNotes | None:
-    if not (resp.request_class or resp.fallback_taken or resp.pause_decision):
+    if not (resp.request_class or resp.fallback_taken or resp.pause_decision or resp.degradation_rung):
         return None
     name = lambda enum, value, prefix: enum.Name(value).removeprefix(prefix).lower() if value else ""  # noqa: E731
     return ServingNotes(
@@ -100,6 +102,7 @@ def _notes(resp: scheduler_pb2.ScheduleResponse) -> ServingNotes | None:
         fallback=name(common_pb2.FallbackPath, resp.fallback_taken, "FALLBACK_PATH_"),
         fallback_reason=resp.fallback_reason,
         pause_decision=name(common_pb2.PauseDecision, resp.pause_decision, "PAUSE_DECISION_"),
+        degradation_rung=name(common_pb2.DegradationRung, resp.degradation_rung, "DEGRADATION_RUNG_"),
     )
 
 

@@ -26,6 +26,10 @@ class Sampling:
     semantic_cache: bool = False  # opt-in: a greedy request may be answered from the semantic response cache
 
 
+# Rungs of the degradation ladder a contract may list (``weft.v1.DegradeStep``), mildest first.
+DEGRADE_STEPS = ("none", "kv_int8", "kv_compress", "smaller_model", "shed")
+
+
 @dataclass(frozen=True)
 class ContractSpec:
     """Per-task contract (``weft.v1.Contract``); zeros mean "none" / "by class"."""
@@ -34,6 +38,9 @@ class ContractSpec:
     ttft_ceiling_ms: int = 0
     tpot_ceiling_ms: int = 0
     fallback: str = ""  # "", "degrade", "reroute", "fail_fast"
+    # Degradation rungs the task accepts (names from DEGRADE_STEPS); empty: every rung.
+    # ("none",) alone: full quality only. Shed always applies.
+    accepted_degrade_steps: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,13 +124,15 @@ class TokenChunk:
 
 @dataclass(frozen=True)
 class ServingNotes:
-    """The scheduler's decisions for one request, as the client may see them: class and
-    contract fallback (first chunk), the session's pause decision (last chunk)."""
+    """The scheduler's decisions for one request, as the client may see them: class,
+    contract fallback and degradation rung (first chunk), the session's pause decision
+    (last chunk)."""
 
     request_class: str = ""
     fallback: str = ""  # "", "degrade", "reroute", "fail_fast"
     fallback_reason: str = ""
     pause_decision: str = ""  # "", "keep", "demote", "drop"
+    degradation_rung: str = ""  # rung it was served on (first chunk): "none", "kv_int8", ...; "" = unknown
 
 
 @dataclass(frozen=True)

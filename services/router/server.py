@@ -130,10 +130,20 @@ def _message(msg: router_pb2.ChatMessage) -> dict:
 def _session(s: common_pb2.SessionInfo):
     c = s.contract
     contract = ContractSpec(kv_quota_blocks=c.kv_quota_blocks, ttft_ceiling_ms=c.ttft_ceiling_ms,
-                            tpot_ceiling_ms=c.tpot_ceiling_ms, fallback=_FALLBACK_NAMES.get(c.fallback, ""))
+                            tpot_ceiling_ms=c.tpot_ceiling_ms, fallback=_FALLBACK_NAMES.get(c.fallback, ""),
+                            accepted_degrade_steps=_degrade_step_names(c.accepted_degrade_steps))
     return Session(session_id=s.session_id, program_id=s.program_id, hop_index=s.hop_index,
                    expected_tool_ms=s.expected_tool_ms, request_class=_CLASSES.get(s.request_class, ""),
                    stateful=s.stateful, contract=contract)
+
+
+def _degrade_step_names(steps) -> tuple[str, ...]:
+    names: dict[str, None] = {}
+    for step in steps:
+        if step == common_pb2.DEGRADE_STEP_UNSPECIFIED or step not in common_pb2.DegradeStep.values():
+            raise InvalidRequestError("session.contract.accepted_degrade_steps", f"unknown degradation step {step}")
+        names[common_pb2.DegradeStep.Name(step).removeprefix("DEGRADE_STEP_").lower()] = None
+    return tuple(names)
 
 
 _FALLBACK_NAMES = {common_pb2.FALLBACK_PATH_DEGRADE: "degrade", common_pb2.FALLBACK_PATH_REROUTE: "reroute",

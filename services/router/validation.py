@@ -15,7 +15,7 @@ from typing import Any
 from services.router.chat_messages import parse_message, parse_tool_choice, parse_tools
 from services.router.errors import InvalidRequestError, ModelNotFoundError
 from services.router.json_fields import json_object, json_type, optional_field
-from services.router.schema import ChatRequest, CompletionRequest, ContractSpec, Sampling, Session
+from services.router.schema import DEGRADE_STEPS, ChatRequest, CompletionRequest, ContractSpec, Sampling, Session
 
 _REQUEST_CLASSES = ("", "interactive", "agentic", "deterministic", "batch")
 _FALLBACKS = ("", "degrade", "reroute", "fail_fast")
@@ -202,7 +202,8 @@ def _session(body: Mapping[str, Any]) -> Session:
 
 
 def _contract(value: Any) -> ContractSpec:
-    """The ``contract`` extension object: kv_quota_blocks, ttft_ceiling_ms, tpot_ceiling_ms, fallback."""
+    """The ``contract`` extension object: kv_quota_blocks, ttft_ceiling_ms, tpot_ceiling_ms, fallback,
+    accepted_degrade_steps."""
     if value is None:
         return ContractSpec()
     obj = json_object(value, "contract")
@@ -215,7 +216,26 @@ def _contract(value: Any) -> ContractSpec:
     fallback = optional_field(obj, "fallback", str, "")
     if fallback not in _FALLBACKS:
         raise InvalidRequestError("contract.fallback", f"must be one of {list(_FALLBACKS[1:])}")
-    return ContractSpec(fallback=fallback, **numbers)
+    return ContractSpec(fallback=fallback, accepted_degrade_steps=_degrade_steps(obj.get("accepted_degrade_steps")),
+                        **numbers)
+
+
+def _degrade_steps(value: Any) -> tuple[str, ...]:
+    """``contract.accepted_degrade_steps``: an array of rung names (duplicates dropped)."""
+    name = "contract.accepted_degrade_steps"
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidRequestError(name, f"must be an array of rung names, got {json_type(value)}")
+    steps: list[str] = []
+    for i, step in enumerate(value):
+        if not isinstance(step, str):
+            raise InvalidRequestError(f"{name}[{i}]", f"must be a string, got {json_type(step)}")
+        if step not in DEGRADE_STEPS:
+            raise InvalidRequestError(f"{name}[{i}]", f"unknown rung {step!r}; must be one of {list(DEGRADE_STEPS)}")
+        if step not in steps:
+            steps.append(step)
+    return tuple(steps)
 
 
 def _is_token_id(value: Any, vocab_size: int) -> bool:

@@ -14,12 +14,13 @@ Domain types only (no protobuf): ``server.py`` converts. Mutates only its own ta
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
 
 from services.scheduler.contracts import ContractBook, ContractTerms, Fallback, FallbackChoice
+from services.scheduler.degradation import Rung
 from services.scheduler.intent_shift import IntentShiftDetector
 from services.scheduler.pause_policy import PauseDecision, PauseInputs, PausePlan, PausePolicy
 from services.scheduler.priority import PriorityInputs, Prioritizer, RequestClassName
@@ -127,11 +128,12 @@ class AgentPlane:
         return HopPlan(hop, ctx.prompt_token_ids, cls, now, inputs, lambda t: prioritizer.score(inputs, t),
                        resumes_demoted, release)
 
-    def fallback(self, plan: HopPlan, num_ahead: int, num_slots: int) -> FallbackChoice:
-        """Contract check at admission; raises OverloadedError for FAIL_FAST."""
+    def fallback(self, plan: HopPlan, num_ahead: int, num_slots: int, offered: Iterable[Rung] = ()) -> FallbackChoice:
+        """Contract check at admission; raises OverloadedError for FAIL_FAST. ``offered``:
+        the degradation rungs live executors serve (a DEGRADE fallback may use one)."""
         plan.fallback = self.contracts.choose_fallback(
             plan.request.terms, plan.request_class is RequestClassName.INTERACTIVE, num_ahead, num_slots,
-            len(plan.prompt_token_ids))
+            len(plan.prompt_token_ids), offered)
         return plan.fallback
 
     # -- at placement -----------------------------------------------------------------

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from services.mesh.env_config import option
 from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
 from services.mesh.nats_bus import subject
-from services.scheduler.degradation import LadderConfig, Rung
+from services.scheduler.degradation import LadderConfig, Rung, parse_thresholds
 from services.scheduler.migration import MigrationPolicy
 from services.scheduler.placement import PlacementPolicy
 
@@ -48,7 +48,12 @@ class SchedulerConfig:
         "Hang-detection ceiling before an attempt's first token (prefill, queueing), seconds.", default=60.0)
     degradation_rungs: str = option(
         "Comma-separated degradation-ladder rungs to use (none, kv_int8, kv_compress, smaller_model, shed); "
-        "only none and shed act today.", default="none,shed")
+        "a degraded rung acts only while a live executor serves it (executor --serves-rung).",
+        default="none,kv_int8,kv_compress,smaller_model,shed")
+    degradation_thresholds: str = option(
+        "Ladder thresholds on the load (0..1), rung=enter:exit comma-separated over the defaults "
+        "(kv_int8=0.6:0.45, kv_compress=0.7:0.55, smaller_model=0.8:0.65, shed=0.95:0.75); "
+        "enter 0 with exit 0 pins a class on that rung.", default="")
     degradation_min_dwell_s: float = option("Seconds a class stays on a rung before it may step down.", default=2.0)
     policy: str = option(
         "Scheduling policy: weft (dynamic per-program priority, cost-based tool-call pauses), fcfs (arrival "
@@ -96,7 +101,7 @@ class SchedulerConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
-        self.ladder_config  # validates the rung list
+        self.ladder_config  # validates the rung list and thresholds
         self.pause_costs  # validates the cost model
         from services.scheduler.contracts import parse_tenant_quotas
 
@@ -116,7 +121,8 @@ class SchedulerConfig:
     @property
     def ladder_config(self) -> LadderConfig:
         rungs = frozenset(Rung.parse(r) for r in self.degradation_rungs.split(",") if r.strip())
-        return LadderConfig(enabled=rungs | {Rung.NONE}, min_dwell_s=self.degradation_min_dwell_s)
+        return LadderConfig(enabled=rungs | {Rung.NONE}, thresholds=parse_thresholds(self.degradation_thresholds),
+                            min_dwell_s=self.degradation_min_dwell_s)
 
     @property
     def pause_costs(self):

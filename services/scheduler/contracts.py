@@ -14,8 +14,9 @@ and when either passes the contract's ceiling it takes the contract's fallback p
 
     FAIL_FAST  refuse now (RESOURCE_EXHAUSTED): the caller can go elsewhere at once
     REROUTE    place on the least-loaded executor instead of the KV-best one
-    DEGRADE    serve it; the degradation steps it accepts are applied where the
-               executor offers them (none today: it is served at full quality, and says so)
+    DEGRADE    serve it on the least degraded rung the contract accepts that a live
+               executor pool offers (and say which); with none offered it is served at
+               full quality, and says so
     (unset)    interactive → REROUTE, everything else → DEGRADE
 
 The path taken is visible in the response (``fallback_taken``, ``fallback_reason``).
@@ -26,8 +27,10 @@ its tenant has).
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from services.scheduler.degradation import DegradationContract, Rung
 from services.scheduler.errors import InvalidScheduleRequest, OverloadedError
 
 
@@ -44,6 +47,7 @@ class ContractTerms:
     ttft_ceiling_ms: int = 0
     tpot_ceiling_ms: int = 0
     fallback: Fallback = Fallback.NONE  # NONE: chosen by class
+    degradation: DegradationContract = DegradationContract()  # accepted degradation rungs
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class FallbackChoice:
     path: Fallback
     reason: str = ""
     ttft_estimate_ms: float = 0.0
+    rung: Rung = Rung.NONE  # DEGRADE: the rung it is served on (at least)
 
 
 def parse_tenant_quotas(text: str) -> dict[str, int]:
@@ -91,8 +96,9 @@ class ContractBook:
         return self.mean_tpot_ms * (1.0 + num_ahead / max(1, num_slots))
 
     def choose_fallback(self, terms: ContractTerms, interactive: bool, num_ahead: int, num_slots: int,
-                        num_new_tokens: int) -> FallbackChoice:
-        """The path to take for this request now; raises OverloadedError for FAIL_FAST."""
+                        num_new_tokens: int, offered: Iterable[Rung] = ()) -> FallbackChoice:
+        """The path to take for this request now; raises OverloadedError for FAIL_FAST.
+        ``offered``: degradation rungs live executors serve (for DEGRADE)."""
         if not terms.ttft_ceiling_ms and not terms.tpot_ceiling_ms:
             return FallbackChoice(Fallback.NONE)
         est = self.estimate_ttft_ms(num_ahead, num_slots, num_new_tokens)
@@ -110,9 +116,15 @@ class ContractBook:
         reason = "; ".join(misses)
         if path is Fallback.FAIL_FAST:
             raise OverloadedError(f"contract cannot be met: {reason}", retry_after_ms=int(est))
+        rung = Rung.NONE
         if path is Fallback.DEGRADE:
-            reason += "; no degradation step offered by the executors: served at full quality"
-        return FallbackChoice(path, reason, est)
+            lowest = terms.degradation.lowest_offered(offered)
+            if lowest is None:
+                reason += "; no accepted degradation step offered by the executors: served at full quality"
+            else:
+                rung = lowest
+                reason += f"; served on the {rung.label} rung"
+        return FallbackChoice(path, reason, est, rung)
 
     def observe_request_ms(self, ms: float, num_output_tokens: int = 0) -> None:
         """Fold a finished request into the EWMAs (its whole time spread over its tokens

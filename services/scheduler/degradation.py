@@ -6,17 +6,23 @@ before anything is refused, and climbs back only when load has clearly fallen.
                         + recent window) pool)           + retry hint)
 
 NOTE: hysteresis. Each rung has an *enter* threshold and a lower *exit* threshold on
-the load signal (0 = idle, 1 = admission full). A class moves up one rung when load
+the load signal (0 = idle, 1 = admission full or the full-quality KV pool full). A class moves up one rung when load
 reaches the next rung's enter threshold and down one rung when load falls below its
 current rung's exit threshold *and* it has stayed on that rung ``min_dwell_s``; so a
 load hovering at one threshold cannot flap the rung on every request.
 
-Mechanism only today: the state machine moves through every *enabled* rung, but only
-``none`` and ``shed`` act. The ladder is built from the rungs enabled in config
-(default: none, shed), so a rung whose mechanism has not landed is never entered.
-A task's contract lists the rungs it accepts; a request served while its class sits
-on a rung it does not accept is served on the highest accepted rung below it (shed
-always applies: it is the last resort, not a quality choice).
+NOTE: a degraded rung is served by an executor pool configured for it (``--serves-rung``,
+or ``--kv-cache-dtype int8`` / ``--kv-compress-budget-blocks``), so a rung *acts* only
+while at least one live executor offers it. The state machine moves through every rung
+enabled in config (default: all); what a request is actually served on is
+
+    served_rung(class rung, contract, offered) = shed                 if the class sheds
+                                               = max { r <= class rung : r accepted, r offered }
+                                               = none                 if there is no such r
+
+and placement sends it only to executors serving that rung (a degraded pool never serves
+a full-quality request). A rung's enter threshold of 0 pins the class on it (forced
+degradation: a deliberately degraded deployment, or a test).
 """
 from __future__ import annotations
 
@@ -45,20 +51,26 @@ class Rung(enum.IntEnum):
             raise ValueError(f"unknown degradation rung {text!r}; known: {[r.label for r in cls]}") from None
 
 
-# Rungs whose mechanism exists today (the rest are state-machine positions only).
-ACTING_RUNGS = frozenset({Rung.NONE, Rung.SHED})
+# Rungs that act without any executor pool: full quality, and refusing.
+ALWAYS_ACTING = frozenset({Rung.NONE, Rung.SHED})
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Load at which a rung is entered, and below which it is left (exit < enter)."""
+    """Load at which a rung is entered, and below which it is left (exit < enter).
+    ``enter == exit == 0`` pins the rung: entered on the first observation, never left."""
 
     enter: float
     exit: float
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.exit < self.enter:
-            raise ValueError(f"need 0 <= exit < enter, got exit={self.exit} enter={self.enter}")
+        pinned = self.enter == self.exit == 0.0
+        if not pinned and not 0.0 <= self.exit < self.enter:
+            raise ValueError(f"need 0 <= exit < enter (or both 0: pinned), got exit={self.exit} enter={self.enter}")
+
+    @property
+    def pinned(self) -> bool:
+        return self.enter == 0.0
 
 
 DEFAULT_THRESHOLDS = {
@@ -73,7 +85,7 @@ DEFAULT_THRESHOLDS = {
 class LadderConfig:
     """Which rungs exist and where they start; ``none`` is always the bottom rung."""
 
-    enabled: frozenset[Rung] = frozenset({Rung.NONE, Rung.SHED})
+    enabled: frozenset[Rung] = frozenset({Rung.NONE, Rung.SHED})  # the scheduler's config enables all
     thresholds: dict[Rung, Thresholds] = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
     min_dwell_s: float = 2.0
 
@@ -92,12 +104,31 @@ class LadderConfig:
         return sorted(self.enabled)
 
 
+def parse_thresholds(text: str) -> dict[Rung, Thresholds]:
+    """``"kv_int8=0.5:0.3,shed=0.9:0.7"`` (rung=enter:exit) over the defaults; raises
+    ValueError naming the bad item."""
+    out = dict(DEFAULT_THRESHOLDS)
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, values = item.partition("=")
+        enter, sep2, exit_ = values.partition(":")
+        try:
+            if not sep or not sep2:
+                raise ValueError("expected rung=enter:exit")
+            rung = Rung.parse(name)
+            if rung is Rung.NONE:
+                raise ValueError("the 'none' rung has no thresholds")
+            out[rung] = Thresholds(enter=float(enter), exit=float(exit_))
+        except ValueError as exc:
+            raise ValueError(f"degradation threshold {item!r}: {exc}") from None
+    return out
+
+
 @dataclass(frozen=True)
 class LoadSignal:
     """What the ladder reads. Fractions in [0, 1]."""
 
     admission_fraction: float  # (in flight + queued) / (max in flight + max queue)
-    kv_used_fraction: float = 0.0  # KV blocks in use across executors
+    kv_used_fraction: float = 0.0  # KV blocks in use / total over the full-quality pool
 
     @property
     def load(self) -> float:
@@ -106,14 +137,21 @@ class LoadSignal:
 
 @dataclass(frozen=True)
 class DegradationContract:
-    """Rungs a task accepts besides ``none`` (shed is never negotiable)."""
+    """Rungs a task accepts; ``none`` and ``shed`` always (shed is never negotiable).
+    Built from the contract's accepted steps: none listed = every rung accepted."""
 
     accepted: frozenset[Rung] = frozenset(Rung)
 
     @classmethod
     def from_labels(cls, labels: Iterable[str]) -> DegradationContract:
+        """Raises ValueError on an unknown rung name."""
         rungs = {Rung.parse(x) for x in labels if x.strip()}
-        return cls(frozenset(rungs | {Rung.NONE, Rung.SHED})) if rungs else cls()
+        return cls(frozenset(rungs | ALWAYS_ACTING)) if rungs else cls()
+
+    def lowest_offered(self, offered: Iterable[Rung]) -> Rung | None:
+        """The least degraded rung this contract accepts among ``offered`` (none and shed
+        excluded): where a DEGRADE fallback serves a request. None when there is none."""
+        return min((r for r in offered if r in self.accepted and r not in ALWAYS_ACTING), default=None)
 
 
 class ClassLadder:
@@ -161,12 +199,14 @@ class DegradationLadder:
         return {name: ladder.rung for name, ladder in self._classes.items()}
 
 
-def served_rung(class_rung: Rung, contract: DegradationContract) -> Rung:
+def served_rung(class_rung: Rung, contract: DegradationContract, offered: Iterable[Rung] = ()) -> Rung:
     """The rung a request is actually served on: shed always applies; otherwise the
-    highest rung at or below the class's that the contract accepts and that acts today."""
+    highest rung at or below the class's that the contract accepts and that some live
+    executor offers (``offered``), else none. Pure."""
     if class_rung is Rung.SHED:
         return Rung.SHED
+    acting = ALWAYS_ACTING | frozenset(offered)
     for rung in sorted((r for r in Rung if r <= class_rung), reverse=True):
-        if rung in contract.accepted and rung in ACTING_RUNGS:
+        if rung in contract.accepted and rung in acting:
             return rung
     return Rung.NONE

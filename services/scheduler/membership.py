@@ -4,6 +4,9 @@ An executor appears with its first heartbeat and is placeable while SERVING; one
 says DRAINING stays known (its streams finish) but gets no new work; one silent for
 ``missed_heartbeats`` of its own intervals is dropped, and ``on_removed`` listeners
 (kv index, channel pool) forget it. No restart is ever needed to add or remove one.
+
+Each executor serves one degradation rung (``none``: full quality); the rungs the
+placeable executors serve are the ones the ladder can act on (degradation.py).
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+from services.scheduler.degradation import Rung
 
 
 class ExecutorState(enum.Enum):
@@ -45,6 +50,7 @@ class ExecutorRecord:
     heartbeat_sequence: int = 0  # sequence number of the heartbeat this record came from
     last_seen_s: float = 0.0
     load: ExecutorLoad | None = None
+    serves_rung: Rung = Rung.NONE  # the degradation rung its pool is configured for
 
     @property
     def is_placeable(self) -> bool:
@@ -113,9 +119,26 @@ class Membership:
     def all(self) -> list[ExecutorRecord]:
         return sorted(self._executors.values(), key=lambda r: r.name)
 
-    def placeable(self, model_id: str = "") -> list[ExecutorRecord]:
-        """SERVING executors, of ``model_id`` when given, by name."""
-        return [r for r in self.all() if r.is_placeable and (not model_id or r.model_id == model_id)]
+    def placeable(self, model_id: str = "", rung: Rung | None = None) -> list[ExecutorRecord]:
+        """SERVING executors, of ``model_id`` when given, serving ``rung`` when given, by name.
+        (A smaller-model pool runs another checkpoint, so ``model_id`` is not its own: a
+        request names the model it wants, and the rung says whether a smaller one may do.)"""
+        return [r for r in self.all() if r.is_placeable and (rung is None or r.serves_rung is rung)
+                and (not model_id or r.model_id == model_id or r.serves_rung is Rung.SMALLER_MODEL)]
+
+    def offered_rungs(self, model_id: str = "") -> frozenset[Rung]:
+        """Degradation rungs some placeable executor (of ``model_id``) serves. Does not modify."""
+        return frozenset(r.serves_rung for r in self.placeable(model_id))
+
+    def kv_used_fraction(self, model_id: str = "") -> float:
+        """KV blocks in use / KV blocks in all, over the placeable full-quality executors
+        with a load report (0.0 when none has reported). Does not modify."""
+        used = total = 0
+        for rec in self.placeable(model_id, Rung.NONE):
+            if rec.load is not None and rec.load.num_blocks > 0:
+                used += max(0, rec.load.num_blocks - rec.load.num_free_blocks)
+                total += rec.load.num_blocks
+        return used / total if total else 0.0
 
     def __len__(self) -> int:
         return len(self._executors)

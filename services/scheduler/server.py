@@ -23,12 +23,13 @@ from services.mesh.timeline import TRACEPARENT_KEY, Trace, context_from_metadata
 from services.mesh.logging import request_context
 from services.scheduler.admission import Admission
 from services.scheduler.agent_plane import AgentPlane, HopPlan
-from services.scheduler.degradation import DegradationContract, DegradationLadder, LoadSignal, Rung, served_rung
+from services.scheduler.degradation import DegradationLadder, Rung
 from services.scheduler.errors import (
     DeadlineError, ExecutorLostError, InvalidScheduleRequest, NoExecutorError, OverloadedError,
 )
 from services.scheduler.server_agent import AgentHooks
-from services.scheduler.server_view import _STATES_BACK, ChannelPool, MeshView
+from services.scheduler.server_degrade import DegradeHooks
+from services.scheduler.server_view import _STATES_BACK, ChannelPool, MeshView, rung_to_pb
 from services.scheduler.migration import (
     ExecutorFailed, MigrationExhausted, MigrationPolicy, NoReplacement, Piece, StreamProgress, migrating_stream,
     placement_marker,
@@ -36,7 +37,6 @@ from services.scheduler.migration import (
 from services.scheduler.membership import ExecutorLoad
 from services.scheduler.placement import Candidate, InflightTracker, Placement, Placer
 from services.scheduler.tenant_limits import TenantAdmission
-from weft.v1.common_pb2 import DegradationRung as DegradationRungPb, RequestClass as RequestClassPb
 from weft.v1 import common_pb2, events_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -57,7 +57,7 @@ def _class_label(request: scheduler_pb2.ScheduleRequest) -> str:
     return name.removeprefix("REQUEST_CLASS_").lower().replace("unspecified", "")
 
 
-class SchedulerServicer(AgentHooks, scheduler_pb2_grpc.SchedulerServicer):
+class SchedulerServicer(AgentHooks, DegradeHooks, scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, view: MeshView, placer: Placer, admission: Admission, channels: ChannelPool,
                  placement_attempts: int = 2, migration: MigrationPolicy | None = None,
                  tenant_admission: TenantAdmission | None = None, ladder: DegradationLadder | None = None,
@@ -78,10 +78,10 @@ class SchedulerServicer(AgentHooks, scheduler_pb2_grpc.SchedulerServicer):
         self._hop_entropy: dict[str, float] = {}
 
     # -- placement ------------------------------------------------------------------
-    def rank(self, model_id: str, tenant: str, prompt: Sequence[int]) -> list[Placement]:
-        """Placeable executors, best first. Hashes are computed exactly as the executor
-        does: its block size and extra_keys_for(its model id, tenant)."""
-        records = self.view.membership.placeable(model_id)
+    def rank(self, model_id: str, tenant: str, prompt: Sequence[int], rung: Rung = Rung.NONE) -> list[Placement]:
+        """Placeable executors serving ``rung``, best first. Hashes are computed exactly as
+        the executor does: its block size and extra_keys_for(its model id, tenant)."""
+        records = self.view.membership.placeable(model_id, rung)
         chains: dict[tuple[str, int], tuple[int, dict[str, int]]] = {}
         candidates = []
         for rec in records:
@@ -120,7 +120,7 @@ class SchedulerServicer(AgentHooks, scheduler_pb2_grpc.SchedulerServicer):
             t0 = time.monotonic()
             trace = Trace(rid, "scheduler", context_from_metadata(context.invocation_metadata()))
             try:
-                self._shed_if_degraded(request)
+                rung = self._serve_rung(request)
                 await self.tenant_admission.enter(request.tenant, plan.score if plan is not None else None)
             except OverloadedError:
                 REQUESTS.labels("rejected").inc()
@@ -133,14 +133,19 @@ class SchedulerServicer(AgentHooks, scheduler_pb2_grpc.SchedulerServicer):
                 QUEUE_SECONDS.observe(queue_s)
                 catalogue.observe_queue_wait(_class_label(request), queue_s)
                 admitted_ns = trace.span("scheduler.queue", trace.start_ns, time.time_ns()).end_ns
-                ranked = self.rank(request.model_id, request.tenant, prompt)
-                trace.span("scheduler.place", admitted_ns, time.time_ns(), num_candidates=len(ranked))
+                ranked = self.rank(request.model_id, request.tenant, prompt, rung)
+                if not ranked and rung is not Rung.NONE:  # its pool left while it queued
+                    rung = Rung.NONE
+                    ranked = self.rank(request.model_id, request.tenant, prompt, rung)
+                trace.span("scheduler.place", admitted_ns, time.time_ns(), num_candidates=len(ranked),
+                           rung=rung.label)
                 if not ranked:
                     outcome = "no_executor"
                     catalogue.count_admission_rejection("no_executor")
                     raise NoExecutorError(f"no serving executor for model {request.model_id or '(any)'!r}")
                 ranked = await self._agent_place(plan, request, prompt, ranked)
-                async for chunk in self._migrating_relay(request, prompt, ranked, context, int(queue_s * 1000), trace):
+                async for chunk in self._migrating_relay(request, prompt, ranked, context, int(queue_s * 1000), trace,
+                                                         rung=rung):
                     self._agent_observe(plan, chunk, t0)
                     yield chunk
                 outcome = "finished"
@@ -225,37 +230,23 @@ class SchedulerServicer(AgentHooks, scheduler_pb2_grpc.SchedulerServicer):
                 call.cancel()  # no-op when the call finished; aborts the executor's request otherwise
                 self.inflight.finish(placement.name, request.request_id)
 
-    # -- degradation and migration (services/scheduler/degradation.py, migration.py) --
-    def _shed_if_degraded(self, request: scheduler_pb2.ScheduleRequest) -> Rung:
-        """Observe load for the request's class; OverloadedError when the ladder sheds."""
-        rung = self.ladder.observe(RequestClassPb.Name(request.session.request_class),
-                                   LoadSignal(admission_fraction=self.tenant_admission.load_fraction()))
-        catalogue.set_degradation_rung(_class_label(request), int(rung))
-        if served_rung(rung, DegradationContract()) is Rung.SHED:
-            raise OverloadedError("shed by the degradation ladder", retry_after_ms=self.admission.retry_after_ms())
-        return rung
-
-    def _rejection_reason(self, request: scheduler_pb2.ScheduleRequest) -> str:
-        """Why admission refused ``request``: the ladder sheds its class, or a queue (the
-        tenant's or the scheduler's) is full."""
-        rung = self.ladder.rungs().get(RequestClassPb.Name(request.session.request_class), Rung.NONE)
-        return "shed" if served_rung(rung, DegradationContract()) is Rung.SHED else "queue_full"
-
-    async def _migrating_relay(self, request, prompt, ranked: list[Placement], context, queue_ms: int, *relay_args):
+    # -- migration (services/scheduler/migration.py); degradation: server_degrade.py --
+    async def _migrating_relay(self, request, prompt, ranked: list[Placement], context, queue_ms: int, *relay_args,
+                               rung: Rung = Rung.NONE):
         """``_relay`` wrapped in migration: when the executor dies or stalls mid-stream the
         request continues elsewhere from prompt + tokens so far (one stream to the client,
-        usage counted across attempts). Attempts are bounded; then UNAVAILABLE."""
+        usage counted across attempts), on another executor serving the same ``rung``.
+        Attempts are bounded; then UNAVAILABLE."""
         sampling = request.sampling
         progress = StreamProgress(tuple(prompt), sampling.max_tokens, sampling.min_tokens,
                                   sampling.seed if sampling.HasField("seed") else None)
-        rung = served_rung(self.ladder.rungs().get(RequestClassPb.Name(request.session.request_class), Rung.NONE),
-                           DegradationContract())
         cached: list[int] = []
 
         def open_attempt(attempt):
             placements = ranked
             if attempt.index:
-                placements = [p for p in self.rank(request.model_id, request.tenant, list(attempt.prompt_token_ids))
+                placements = [p for p in self.rank(request.model_id, request.tenant, list(attempt.prompt_token_ids),
+                                                   rung)
                               if p.name not in attempt.exclude]
                 if not placements:
                     raise NoReplacement(f"every placeable executor failed: {sorted(attempt.exclude)}")
@@ -300,7 +291,7 @@ class SchedulerServicer(AgentHooks, scheduler_pb2_grpc.SchedulerServicer):
                 last_piece_ns = time.time_ns()
                 if first:
                     cached.append(chunk.usage.num_cached_tokens)
-                    chunk.degradation_rung = DegradationRungPb.Value(f"DEGRADATION_RUNG_{rung.name}")
+                    chunk.degradation_rung = rung_to_pb(rung)
                     first = False
                 if progress.num_migrations:
                     chunk.usage.num_prompt_tokens = len(prompt)
@@ -322,6 +313,7 @@ class SchedulerServicer(AgentHooks, scheduler_pb2_grpc.SchedulerServicer):
                     name=rec.name, address=rec.address, model_id=rec.model_id, block_size=rec.block_size,
                     state=_STATES_BACK[rec.state], max_num_seqs=rec.max_num_seqs, num_blocks=rec.num_blocks,
                     interval_ms=int(rec.interval_s * 1000), max_model_len=rec.max_model_len,
+                    serves_rung=rung_to_pb(rec.serves_rung),
                 ),
                 num_indexed_blocks=self.view.kv_index.num_blocks(rec.name),
                 last_seen_ago_ms=int(max(0.0, now - rec.last_seen_s) * 1000),

@@ -14,6 +14,7 @@ from services.scheduler.contracts import ContractTerms, Fallback
 from services.scheduler.pause_policy import PauseDecision
 from services.scheduler.placement import Placement
 from services.scheduler.priority import RequestClassName
+from services.scheduler.server_degrade import degradation_contract
 from services.executor.block_hash import extra_keys_for, hash_block_chain
 from services.scheduler.membership import ExecutorLoad, ExecutorRecord
 from weft.v1 import common_pb2 as common_v1, executor_pb2, scheduler_pb2
@@ -36,14 +37,15 @@ class AgentHooks:
             expected_tool_ms=ses.expected_tool_ms, stateful=ses.stateful,
             request_class=_CLASS_FROM_PB.get(ses.request_class),
             terms=ContractTerms(c.kv_quota_blocks, c.ttft_ceiling_ms, c.tpot_ceiling_ms,
-                                _FALLBACK_FROM_PB.get(c.fallback, Fallback.NONE)),
+                                _FALLBACK_FROM_PB.get(c.fallback, Fallback.NONE), degradation_contract(c)),
             caller_priority=request.priority,
         )
         pool = max((r.num_blocks for r in self.view.membership.placeable(request.model_id)), default=0)
         plan = self.agent.begin(hop, pool)
         a = self.admission
         ahead = a.num_ahead(plan.score(a.clock())) + (1 if a.num_in_flight >= a.max_in_flight else 0)
-        self.agent.fallback(plan, ahead, a.max_in_flight)  # FAIL_FAST raises OverloadedError
+        # FAIL_FAST raises OverloadedError; DEGRADE may use a rung a live executor pool serves.
+        self.agent.fallback(plan, ahead, a.max_in_flight, self.view.membership.offered_rungs(request.model_id))
         self._agent_plans[request.request_id] = plan
         return plan
 

@@ -12,9 +12,10 @@ from services.mesh import metrics
 from services.mesh.grpc_server import channel_options
 from services.mesh.mesh_auth import mesh_channel
 from services.mesh.nats_bus import Delivery, EventBus
+from services.scheduler.degradation import Rung
 from services.scheduler.kv_index import KvIndex
 from services.scheduler.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
-from weft.v1 import events_pb2, executor_pb2_grpc
+from weft.v1 import common_pb2, events_pb2, executor_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -26,6 +27,21 @@ _STATES = {
     events_pb2.EXECUTOR_STATE_DRAINING: ExecutorState.DRAINING,
 }
 _STATES_BACK = {v: k for k, v in _STATES.items()}
+
+
+def rung_from_pb(value: int) -> Rung:
+    """A ``DegradationRung`` enum value → Rung. UNSPECIFIED (an older sender): none; a value
+    this scheduler does not know (a newer sender): shed, which no request is placed on."""
+    if not value:
+        return Rung.NONE
+    try:
+        return Rung.parse(common_pb2.DegradationRung.Name(value).removeprefix("DEGRADATION_RUNG_"))
+    except ValueError:
+        return Rung.SHED
+
+
+def rung_to_pb(rung: Rung) -> int:
+    return common_pb2.DegradationRung.Value(f"DEGRADATION_RUNG_{rung.name}")
 
 
 class ChannelPool:
@@ -70,11 +86,12 @@ class MeshView:
             state=_STATES.get(msg.state, ExecutorState.JOINING), max_num_seqs=msg.max_num_seqs,
             num_blocks=msg.num_blocks, max_model_len=msg.max_model_len,
             interval_s=(msg.interval_ms or 1000) / 1000.0, heartbeat_sequence=msg.header.sequence,
+            serves_rung=rung_from_pb(msg.serves_rung),
         )
         prev = self.membership.get(rec.name)
         if self.membership.heartbeat(rec):
             log.info("executor_joined", executor=rec.name, address=rec.address, model_id=rec.model_id,
-                     state=rec.state.value)
+                     state=rec.state.value, serves_rung=rec.serves_rung.label)
         elif prev is not None and prev.state is not rec.state:
             log.info("executor_state_changed", executor=rec.name, state=rec.state.value)
         EXECUTORS.set(len(self.membership))

@@ -1,10 +1,12 @@
-"""The degradation ladder's state machine: hysteresis, dwell, enabled rungs, contracts."""
+"""The degradation ladder's state machine: hysteresis, dwell, enabled rungs, thresholds,
+contracts, and which rung a request is served on given the rungs executors offer."""
 from __future__ import annotations
 
 import pytest
 
 from services.scheduler.degradation import (
-    ClassLadder, DegradationContract, DegradationLadder, LadderConfig, LoadSignal, Rung, Thresholds, served_rung,
+    DEFAULT_THRESHOLDS, ClassLadder, DegradationContract, DegradationLadder, LadderConfig, LoadSignal, Rung, Thresholds,
+    parse_thresholds, served_rung,
 )
 
 ALL = frozenset(Rung)
@@ -60,12 +62,54 @@ def test_classes_move_independently():
     assert ladder.rungs() == {"batch": Rung.SHED, "interactive": Rung.NONE}
 
 
-def test_served_rung_respects_the_contract_and_what_acts_today():
+def test_a_degraded_rung_is_served_only_while_some_executor_offers_it():
     everything = DegradationContract()
-    assert served_rung(Rung.KV_COMPRESS, everything) is Rung.NONE  # not acting yet: served at full quality
+    assert served_rung(Rung.KV_COMPRESS, everything) is Rung.NONE  # no degraded pool: full quality
+    assert served_rung(Rung.KV_COMPRESS, everything, {Rung.NONE, Rung.KV_COMPRESS}) is Rung.KV_COMPRESS
+    assert served_rung(Rung.KV_COMPRESS, everything, {Rung.KV_INT8}) is Rung.KV_INT8  # highest offered below
+    assert served_rung(Rung.KV_INT8, everything, {Rung.KV_COMPRESS}) is Rung.NONE  # never above the class's
+    assert served_rung(Rung.SMALLER_MODEL, everything, {Rung.KV_INT8, Rung.KV_COMPRESS}) is Rung.KV_COMPRESS
+    assert served_rung(Rung.NONE, everything, {Rung.KV_INT8}) is Rung.NONE
+
+
+def test_served_rung_is_the_highest_rung_the_contract_accepts_and_shed_always_applies():
+    offered = {Rung.KV_INT8, Rung.KV_COMPRESS, Rung.SMALLER_MODEL}
+    int8_only = DegradationContract.from_labels(["kv_int8"])
+    assert served_rung(Rung.SMALLER_MODEL, int8_only, offered) is Rung.KV_INT8
+    assert served_rung(Rung.KV_INT8, DegradationContract.from_labels(["kv_compress"]), offered) is Rung.NONE
+    assert served_rung(Rung.SMALLER_MODEL, DegradationContract.from_labels(["none"]), offered) is Rung.NONE
     assert served_rung(Rung.SHED, DegradationContract.from_labels(["none"])) is Rung.SHED
-    assert served_rung(Rung.NONE, everything) is Rung.NONE
-    assert DegradationContract.from_labels(["kv_int8"]).accepted == {Rung.NONE, Rung.KV_INT8, Rung.SHED}
+    assert int8_only.accepted == {Rung.NONE, Rung.KV_INT8, Rung.SHED}
+    assert DegradationContract.from_labels([]) == DegradationContract()  # none listed: every rung
+
+
+def test_a_degrade_fallback_takes_the_least_degraded_accepted_rung_on_offer():
+    offered = {Rung.NONE, Rung.KV_COMPRESS, Rung.SMALLER_MODEL, Rung.SHED}
+    assert DegradationContract().lowest_offered(offered) is Rung.KV_COMPRESS
+    assert DegradationContract.from_labels(["smaller_model"]).lowest_offered(offered) is Rung.SMALLER_MODEL
+    assert DegradationContract.from_labels(["kv_int8"]).lowest_offered(offered) is None
+    assert DegradationContract().lowest_offered({Rung.NONE}) is None
+
+
+def test_an_enter_threshold_of_zero_pins_the_class_on_the_rung():
+    clock = Clock()
+    thresholds = parse_thresholds("kv_int8=0:0")
+    ladder = ClassLadder(LadderConfig(enabled=frozenset({Rung.NONE, Rung.KV_INT8, Rung.SHED}),
+                                      thresholds=thresholds, min_dwell_s=0), clock)
+    assert ladder.observe(load(0.0)) is Rung.KV_INT8
+    clock.now = 100.0
+    assert ladder.observe(load(0.0)) is Rung.KV_INT8  # never left
+    assert ladder.observe(load(1.0)) is Rung.SHED  # the rungs above still act on load
+    assert ladder.observe(load(0.0)) is Rung.KV_INT8
+
+
+def test_thresholds_parse_over_the_defaults_and_bad_items_are_named():
+    parsed = parse_thresholds(" shed=0.9:0.7 ")
+    assert parsed[Rung.SHED] == Thresholds(enter=0.9, exit=0.7)
+    assert parsed[Rung.KV_INT8] == DEFAULT_THRESHOLDS[Rung.KV_INT8]
+    for bad in ("kv_int8=0.5", "turbo=0.5:0.1", "kv_int8=0.3:0.5", "none=0.5:0.1", "shed=x:0.1"):
+        with pytest.raises(ValueError, match="degradation threshold"):
+            parse_thresholds(bad)
 
 
 def test_config_is_validated():

@@ -37,6 +37,7 @@ class DegradeStep(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DEGRADE_STEP_KV_COMPRESS: _ClassVar[DegradeStep]
     DEGRADE_STEP_SMALLER_MODEL: _ClassVar[DegradeStep]
     DEGRADE_STEP_SHED: _ClassVar[DegradeStep]
+    DEGRADE_STEP_NONE: _ClassVar[DegradeStep]
 
 class FallbackPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -72,6 +73,7 @@ DEGRADE_STEP_KV_INT8: DegradeStep
 DEGRADE_STEP_KV_COMPRESS: DegradeStep
 DEGRADE_STEP_SMALLER_MODEL: DegradeStep
 DEGRADE_STEP_SHED: DegradeStep
+DEGRADE_STEP_NONE: DegradeStep
 FALLBACK_PATH_UNSPECIFIED: FallbackPath
 FALLBACK_PATH_DEGRADE: FallbackPath
 FALLBACK_PATH_REROUTE: FallbackPath

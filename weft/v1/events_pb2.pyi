@@ -1,3 +1,4 @@
+from weft.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -89,7 +90,7 @@ class LoadReport(_message.Message):
     def __init__(self, header: _Optional[_Union[EventHeader, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ExecutorHeartbeat(_message.Message):
-    __slots__ = ("header", "name", "address", "model_id", "block_size", "state", "max_num_seqs", "num_blocks", "interval_ms", "max_model_len")
+    __slots__ = ("header", "name", "address", "model_id", "block_size", "state", "max_num_seqs", "num_blocks", "interval_ms", "max_model_len", "serves_rung")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +101,7 @@ class ExecutorHeartbeat(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    SERVES_RUNG_FIELD_NUMBER: _ClassVar[int]
     header: EventHeader
     name: str
     address: str
@@ -110,4 +112,5 @@ class ExecutorHeartbeat(_message.Message):
     num_blocks: int
     interval_ms: int
     max_model_len: int
-    def __init__(self, header: _Optional[_Union[EventHeader, _Mapping]] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., state: _Optional[_Union[ExecutorState, str]] = ..., max_num_seqs: _Optional[int] = ..., num_blocks: _Optional[int] = ..., interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    serves_rung: _common_pb2.DegradationRung
+    def __init__(self, header: _Optional[_Union[EventHeader, _Mapping]] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., state: _Optional[_Union[ExecutorState, str]] = ..., max_num_seqs: _Optional[int] = ..., num_blocks: _Optional[int] = ..., interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., serves_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ...) -> None: ...

@@ -1,0 +1,144 @@
+"""Placement by degradation rung: executors announce the rung their pool serves, the
+scheduler offers the ladder only those rungs, places a request served on rung R only on
+executors serving R (full-quality requests never land on a degraded pool), and reads KV
+use of the full-quality pool as load. In-process gRPC fakes stand in for executors."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.executor.events import ExecutorState as ExecState, Heartbeat, Identity
+from services.executor.server import encode_event
+from services.mesh.nats_bus import Delivery
+from services.scheduler.admission import Admission
+from services.scheduler.degradation import DegradationLadder, LadderConfig, Rung, parse_thresholds
+from services.scheduler.kv_index import KvIndex
+from services.scheduler.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
+from services.scheduler.placement import PlacementPolicy, make_placer
+from services.scheduler.server import ChannelPool, MeshView, SchedulerServicer
+from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2
+
+
+def record(name: str, rung: Rung = Rung.NONE, state=ExecutorState.SERVING, load: ExecutorLoad | None = None,
+           address: str = "") -> ExecutorRecord:
+    return ExecutorRecord(name=name, address=address or f"{name}:1", model_id="m", block_size=16, state=state,
+                          num_blocks=100, load=load, serves_rung=rung)
+
+
+def membership(*records: ExecutorRecord) -> Membership:
+    m = Membership()
+    for r in records:
+        m.heartbeat(r)
+        if r.load is not None:
+            m.update_load(r.name, r.load)
+    return m
+
+
+def test_only_live_executors_offer_their_rung():
+    m = membership(record("full"), record("int8", Rung.KV_INT8),
+                   record("compress", Rung.KV_COMPRESS, state=ExecutorState.DRAINING))
+    assert m.offered_rungs() == {Rung.NONE, Rung.KV_INT8}
+    assert [r.name for r in m.placeable(rung=Rung.KV_INT8)] == ["int8"]
+    assert [r.name for r in m.placeable(rung=Rung.NONE)] == ["full"]
+    assert m.placeable(rung=Rung.KV_COMPRESS) == []  # draining: takes no new work
+
+
+def test_kv_load_is_measured_over_the_full_quality_pool_only():
+    m = membership(record("a", load=ExecutorLoad(num_free_blocks=10, num_blocks=100)),
+                   record("b", load=ExecutorLoad(num_free_blocks=70, num_blocks=100)),
+                   record("int8", Rung.KV_INT8, load=ExecutorLoad(num_free_blocks=0, num_blocks=400)),
+                   record("silent"))
+    assert m.kv_used_fraction() == pytest.approx(120 / 200)
+    assert Membership().kv_used_fraction() == 0.0
+
+
+def test_the_servicer_ranks_only_executors_serving_the_requests_rung():
+    view = MeshView(membership(record("full-a"), record("full-b"), record("int8", Rung.KV_INT8)), KvIndex())
+    servicer = SchedulerServicer(view, make_placer(PlacementPolicy.KV), Admission(4, 4), ChannelPool(1 << 20))
+    assert {p.name for p in servicer.rank("m", "t", list(range(40)))} == {"full-a", "full-b"}
+    assert [p.name for p in servicer.rank("m", "t", list(range(40)), Rung.KV_INT8)] == ["int8"]
+    assert servicer.rank("m", "t", list(range(40)), Rung.KV_COMPRESS) == []
+
+
+def test_a_heartbeat_carries_the_rung_the_executor_serves_into_membership():
+    view = MeshView(Membership(), KvIndex())
+    for name, rung in (("plain", "none"), ("int8", "kv_int8")):
+        msg = encode_event(Heartbeat(Identity(name, f"{name}:1", "m", 16, 8, serves_rung=rung), ExecState.SERVING, 1.0))
+        msg.header.source = name
+        view.on_heartbeat(msg, Delivery.FIRST)
+    old = encode_event(Heartbeat(Identity("old", "old:1", "m", 16, 8), ExecState.SERVING, 1.0))
+    old.ClearField("serves_rung")  # an executor from before the field existed
+    view.on_heartbeat(old, Delivery.FIRST)
+    rungs = {r.name: r.serves_rung for r in view.membership.all()}
+    assert rungs == {"plain": Rung.NONE, "int8": Rung.KV_INT8, "old": Rung.NONE}
+
+
+class FakeExecutor(executor_pb2_grpc.ExecutorServicer):
+    """Answers every Generate with one final token, naming itself."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.request_ids: list[str] = []
+
+    async def Generate(self, request, context):
+        self.request_ids.append(request.request_id)
+        yield executor_pb2.ExecuteResponse(
+            request_id=request.request_id, token_ids_delta=[7], finish_reason=common_pb2.FINISH_REASON_LENGTH,
+            usage=common_pb2.Usage(num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=1),
+            executor=self.name)
+
+
+def test_requests_reach_the_pool_of_the_rung_they_are_served_on_and_say_which():
+    async def main():
+        fakes, servers, records = {}, [], []
+        for name, rung in (("full", Rung.NONE), ("int8", Rung.KV_INT8)):
+            fakes[name] = FakeExecutor(name)
+            server = grpc.aio.server()
+            executor_pb2_grpc.add_ExecutorServicer_to_server(fakes[name], server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            servers.append(server)
+            records.append(record(name, rung, address=f"127.0.0.1:{port}"))
+        ladder = DegradationLadder(LadderConfig(enabled=frozenset({Rung.NONE, Rung.KV_INT8, Rung.SHED}),
+                                                thresholds=parse_thresholds("kv_int8=0:0")))  # pinned on kv_int8
+        view = MeshView(membership(*records), KvIndex())
+        servicer = SchedulerServicer(view, make_placer(PlacementPolicy.KV), Admission(4, 4), ChannelPool(1 << 20),
+                                     ladder=ladder)
+
+        class Context:
+            def time_remaining(self):
+                return 10.0
+
+            def invocation_metadata(self):
+                return ()
+
+            def set_trailing_metadata(self, md):
+                pass
+
+        async def generate(rid: str, steps=()) -> scheduler_pb2.ScheduleResponse:
+            req = scheduler_pb2.ScheduleRequest(
+                request_id=rid, prompt_token_ids=[1, 2, 3], tenant="t",
+                session=common_pb2.SessionInfo(request_class=common_pb2.REQUEST_CLASS_BATCH,
+                                               contract=common_pb2.Contract(accepted_degrade_steps=steps)))
+            return [c async for c in servicer.Generate(req, Context())][0]
+
+        try:
+            degraded = await generate("r-any")
+            full = await generate("r-full-only", [common_pb2.DEGRADE_STEP_NONE])
+            compress_only = await generate("r-compress", [common_pb2.DEGRADE_STEP_KV_COMPRESS])
+            view.membership.remove("int8")  # the degraded pool is gone
+            after = await generate("r-after")
+        finally:
+            for server in servers:
+                await server.stop(0)
+            await servicer.channels.close()
+        return fakes, degraded, full, compress_only, after
+
+    fakes, degraded, full, compress_only, after = asyncio.run(main())
+    assert (degraded.executor, degraded.degradation_rung) == ("int8", common_pb2.DEGRADATION_RUNG_KV_INT8)
+    for resp in (full, compress_only, after):
+        assert (resp.executor, resp.degradation_rung) == ("full", common_pb2.DEGRADATION_RUNG_NONE)
+    assert fakes["int8"].request_ids == ["r-any"]
+    assert fakes["full"].request_ids == ["r-full-only", "r-compress", "r-after"]
