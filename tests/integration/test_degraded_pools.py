@@ -1,6 +1,7 @@
 """Degradation rungs served by executor pools, through the real mesh (`weft up`): one
-full-quality executor and one started with ``--serves-rung kv_int8`` (``--extra-executor``),
-the scheduler's ladder pinned on kv_int8 (enter threshold 0). A request whose contract
+full-quality executor and one started with ``--kv-cache-dtype int8`` (``--extra-executor``;
+its rung, kv_int8, derived from the flag), the scheduler's ladder pinned on kv_int8
+(enter threshold 0). A request whose contract
 accepts kv_int8 is served by the int8 pool and says so; one whose contract does not is
 served at full quality by the other executor; with no degraded executor alive every
 request is served on ``none``. (No timing thresholds: the ladder is pinned by config.)"""
@@ -39,7 +40,7 @@ def mesh(tmp_path_factory, tiny_model_dir):
     state_dir = tmp_path_factory.mktemp("degraded-pools")
     env = {"WEFT_EXECUTOR_NUM_THREADS": "1", "WEFT_SCHEDULER_DEGRADATION_RUNGS": "none,kv_int8,shed",
            "WEFT_SCHEDULER_DEGRADATION_THRESHOLDS": "kv_int8=0:0"}
-    with launched_mesh(state_dir, tiny_model_dir, 1, env, ["--extra-executor=--serves-rung kv_int8"],
+    with launched_mesh(state_dir, tiny_model_dir, 1, env, ["--extra-executor=--kv-cache-dtype int8"],
                        timeout_s=150) as (_, state):
         yield state, state_dir
 
@@ -53,8 +54,11 @@ def executors(state) -> dict[str, scheduler_pb2.ExecutorInfo]:
 
 def test_each_executor_announces_the_rung_its_pool_serves(mesh):
     state, _ = mesh
-    rungs = {name: e.heartbeat.serves_rung for name, e in executors(state).items()}
+    known = executors(state)
+    rungs = {name: e.heartbeat.serves_rung for name, e in known.items()}
     assert rungs == {FULL: common_pb2.DEGRADATION_RUNG_NONE, INT8: common_pb2.DEGRADATION_RUNG_KV_INT8}
+    # the same KV bytes hold more int8 blocks: it really runs the int8 cache
+    assert known[INT8].heartbeat.num_blocks > known[FULL].heartbeat.num_blocks
 
 
 def test_a_request_accepting_kv_int8_is_served_by_the_int8_pool_and_says_so(mesh):
