@@ -235,8 +235,8 @@ class SchedulerServicer(AgentHooks, DegradeHooks, scheduler_pb2_grpc.SchedulerSe
                                rung: Rung = Rung.NONE):
         """``_relay`` wrapped in migration: when the executor dies or stalls mid-stream the
         request continues elsewhere from prompt + tokens so far (one stream to the client,
-        usage counted across attempts), on another executor serving the same ``rung``.
-        Attempts are bounded; then UNAVAILABLE."""
+        usage counted across attempts), on another executor serving the same ``rung`` (else
+        a full-quality one: never the reverse). Attempts are bounded; then UNAVAILABLE."""
         sampling = request.sampling
         progress = StreamProgress(tuple(prompt), sampling.max_tokens, sampling.min_tokens,
                                   sampling.seed if sampling.HasField("seed") else None)
@@ -245,9 +245,12 @@ class SchedulerServicer(AgentHooks, DegradeHooks, scheduler_pb2_grpc.SchedulerSe
         def open_attempt(attempt):
             placements = ranked
             if attempt.index:
-                placements = [p for p in self.rank(request.model_id, request.tenant, list(attempt.prompt_token_ids),
-                                                   rung)
-                              if p.name not in attempt.exclude]
+                for pool in (rung, Rung.NONE):  # a degraded request whose pool is gone ends at full quality
+                    placements = [p for p in self.rank(request.model_id, request.tenant,
+                                                       list(attempt.prompt_token_ids), pool)
+                                  if p.name not in attempt.exclude]
+                    if placements:
+                        break
                 if not placements:
                     raise NoReplacement(f"every placeable executor failed: {sorted(attempt.exclude)}")
             sub = scheduler_pb2.ScheduleRequest()

@@ -76,69 +76,105 @@ def test_a_heartbeat_carries_the_rung_the_executor_serves_into_membership():
 
 
 class FakeExecutor(executor_pb2_grpc.ExecutorServicer):
-    """Answers every Generate with one final token, naming itself."""
+    """Answers a Generate with ``max_tokens`` tokens (the last one final), naming itself;
+    with ``die_after`` it fails UNAVAILABLE after that many tokens instead."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, die_after: int | None = None) -> None:
         self.name = name
+        self.die_after = die_after
         self.request_ids: list[str] = []
 
     async def Generate(self, request, context):
         self.request_ids.append(request.request_id)
-        yield executor_pb2.ExecuteResponse(
-            request_id=request.request_id, token_ids_delta=[7], finish_reason=common_pb2.FINISH_REASON_LENGTH,
-            usage=common_pb2.Usage(num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=1),
-            executor=self.name)
+        n = request.sampling.max_tokens or 1
+        for i in range(1, n + 1):
+            if self.die_after is not None and i > self.die_after:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "executor died")
+            yield executor_pb2.ExecuteResponse(
+                request_id=request.request_id, token_ids_delta=[7],
+                finish_reason=common_pb2.FINISH_REASON_LENGTH if i == n else 0,
+                usage=common_pb2.Usage(num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=i),
+                executor=self.name)
+
+
+class Context:
+    def time_remaining(self):
+        return 10.0
+
+    def invocation_metadata(self):
+        return ()
+
+    def set_trailing_metadata(self, md):
+        pass
+
+
+async def start_pools(fakes: dict[str, tuple[FakeExecutor, Rung]]):
+    """In-process gRPC servers for ``fakes`` and a servicer whose ladder is pinned on kv_int8."""
+    servers, records = [], []
+    for name, (fake, rung) in fakes.items():
+        server = grpc.aio.server()
+        executor_pb2_grpc.add_ExecutorServicer_to_server(fake, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        records.append(record(name, rung, address=f"127.0.0.1:{port}"))
+    ladder = DegradationLadder(LadderConfig(enabled=frozenset({Rung.NONE, Rung.KV_INT8, Rung.SHED}),
+                                            thresholds=parse_thresholds("kv_int8=0:0")))  # pinned on kv_int8
+    view = MeshView(membership(*records), KvIndex())
+    servicer = SchedulerServicer(view, make_placer(PlacementPolicy.KV), Admission(4, 4), ChannelPool(1 << 20),
+                                 ladder=ladder)
+    return servicer, servers
+
+
+def schedule_request(rid: str, steps=(), max_tokens: int = 1) -> scheduler_pb2.ScheduleRequest:
+    return scheduler_pb2.ScheduleRequest(
+        request_id=rid, prompt_token_ids=[1, 2, 3], tenant="t", sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+        session=common_pb2.SessionInfo(request_class=common_pb2.REQUEST_CLASS_BATCH,
+                                       contract=common_pb2.Contract(accepted_degrade_steps=steps)))
 
 
 def test_requests_reach_the_pool_of_the_rung_they_are_served_on_and_say_which():
+    fakes = {"full": (FakeExecutor("full"), Rung.NONE), "int8": (FakeExecutor("int8"), Rung.KV_INT8)}
+
     async def main():
-        fakes, servers, records = {}, [], []
-        for name, rung in (("full", Rung.NONE), ("int8", Rung.KV_INT8)):
-            fakes[name] = FakeExecutor(name)
-            server = grpc.aio.server()
-            executor_pb2_grpc.add_ExecutorServicer_to_server(fakes[name], server)
-            port = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            servers.append(server)
-            records.append(record(name, rung, address=f"127.0.0.1:{port}"))
-        ladder = DegradationLadder(LadderConfig(enabled=frozenset({Rung.NONE, Rung.KV_INT8, Rung.SHED}),
-                                                thresholds=parse_thresholds("kv_int8=0:0")))  # pinned on kv_int8
-        view = MeshView(membership(*records), KvIndex())
-        servicer = SchedulerServicer(view, make_placer(PlacementPolicy.KV), Admission(4, 4), ChannelPool(1 << 20),
-                                     ladder=ladder)
-
-        class Context:
-            def time_remaining(self):
-                return 10.0
-
-            def invocation_metadata(self):
-                return ()
-
-            def set_trailing_metadata(self, md):
-                pass
+        servicer, servers = await start_pools(fakes)
 
         async def generate(rid: str, steps=()) -> scheduler_pb2.ScheduleResponse:
-            req = scheduler_pb2.ScheduleRequest(
-                request_id=rid, prompt_token_ids=[1, 2, 3], tenant="t",
-                session=common_pb2.SessionInfo(request_class=common_pb2.REQUEST_CLASS_BATCH,
-                                               contract=common_pb2.Contract(accepted_degrade_steps=steps)))
-            return [c async for c in servicer.Generate(req, Context())][0]
+            return [c async for c in servicer.Generate(schedule_request(rid, steps), Context())][0]
 
         try:
             degraded = await generate("r-any")
             full = await generate("r-full-only", [common_pb2.DEGRADE_STEP_NONE])
             compress_only = await generate("r-compress", [common_pb2.DEGRADE_STEP_KV_COMPRESS])
-            view.membership.remove("int8")  # the degraded pool is gone
+            servicer.view.membership.remove("int8")  # the degraded pool is gone
             after = await generate("r-after")
         finally:
             for server in servers:
                 await server.stop(0)
             await servicer.channels.close()
-        return fakes, degraded, full, compress_only, after
+        return degraded, full, compress_only, after
 
-    fakes, degraded, full, compress_only, after = asyncio.run(main())
+    degraded, full, compress_only, after = asyncio.run(main())
     assert (degraded.executor, degraded.degradation_rung) == ("int8", common_pb2.DEGRADATION_RUNG_KV_INT8)
     for resp in (full, compress_only, after):
         assert (resp.executor, resp.degradation_rung) == ("full", common_pb2.DEGRADATION_RUNG_NONE)
-    assert fakes["int8"].request_ids == ["r-any"]
-    assert fakes["full"].request_ids == ["r-full-only", "r-compress", "r-after"]
+    assert fakes["int8"][0].request_ids == ["r-any"]
+    assert fakes["full"][0].request_ids == ["r-full-only", "r-compress", "r-after"]
+
+
+def test_a_degraded_stream_whose_pool_dies_finishes_on_a_full_quality_executor():
+    fakes = {"full": (FakeExecutor("full"), Rung.NONE), "int8": (FakeExecutor("int8", die_after=2), Rung.KV_INT8)}
+
+    async def main():
+        servicer, servers = await start_pools(fakes)
+        try:
+            return [c async for c in servicer.Generate(schedule_request("r", max_tokens=5), Context())]
+        finally:
+            for server in servers:
+                await server.stop(0)
+            await servicer.channels.close()
+
+    chunks = asyncio.run(main())
+    assert [c.executor for c in chunks] == ["int8", "int8", "full", "full", "full"]
+    assert chunks[0].degradation_rung == common_pb2.DEGRADATION_RUNG_KV_INT8
+    assert sum(len(c.token_ids_delta) for c in chunks) == 5 and chunks[-1].num_migrations == 1
