@@ -19,6 +19,7 @@ from services.executor.block_pool import DEFAULT_PARTITION, BlockPool, KVEvent, 
 from services.executor.checkpoint import load_state_dict
 from services.executor.engine_config import EngineConfig
 from services.executor.errors import InvalidRequestError
+from services.executor.kv_compress import choose_victims
 from services.executor.kv_manager import KVCacheManager
 from services.executor.model.llama import LlamaModel
 from services.executor.model_config import ModelConfig
@@ -86,10 +87,13 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_compressed_blocks = 0  # KV blocks dropped by compression (kv_compress.py)
+        self.runner.track_block_scores = config.kv_compress_budget_blocks > 0
         self.step_trace = None  # optional StepTrace (step_trace.py): per-request step timings, KV gauges
         log.info(
             "engine_ready", model=str(self.model_dir), num_kv_blocks=self.num_blocks,
             block_size=config.block_size, attention=config.resolved_attention_backend,
+            kv_compress_budget_blocks=config.kv_compress_budget_blocks,
         )
 
     # -- requests ---------------------------------------------------------------
@@ -206,6 +210,8 @@ class LLMEngine:
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted)
         self._advance(plan)
+        if result.block_scores is not None:
+            self._fold_block_scores(plan, result.block_scores)
         if self.step_trace is not None:
             self.step_trace.on_step(self, plan, start_ns, time.time_ns())
         logprobs = result.tokens.logprobs
@@ -222,12 +228,42 @@ class LLMEngine:
                 self._finish_session(seq)
                 self.scheduler.remove(seq)
                 self.requests.pop(seq.request_id, None)
+        if self.config.kv_compress_budget_blocks:
+            for item in plan.decodes + plan.prefills:
+                self._compress(item.seq)
         return outputs
 
     def _advance(self, plan: StepPlan) -> None:
         for item in plan.decodes + plan.prefills:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(item.seq)
+
+    @staticmethod
+    def _fold_block_scores(plan: StepPlan, block_scores: torch.Tensor) -> None:
+        """Add the step's attention mass per block ([rows, max_blocks], rows in plan
+        order) to each sequence's running scores, kept aligned with ``seq.blocks``."""
+        rows = block_scores.tolist()
+        for item, row in zip(plan.decodes + plan.prefills, rows):
+            seq = item.seq
+            n = len(seq.blocks)
+            seq.block_scores.extend([0.0] * (n - len(seq.block_scores)))
+            seq.block_scores = [a + b for a, b in zip(seq.block_scores, row[:n])]
+
+    def _compress(self, seq: Sequence) -> None:
+        """KV compression: drop the sequence's lowest-scored middle blocks until it holds
+        at most the budget. Only once its prompt is computed: a prompt longer than the
+        budget is prefilled whole and compressed afterwards, while a recompute after
+        preemption is compressed between its chunks past the prompt (else a sequence
+        that outgrew the pool under compression could never be recomputed)."""
+        if seq.is_finished or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return
+        c = self.config
+        scores = seq.block_scores or [0.0] * len(seq.blocks)  # no scores (triton): oldest first
+        victims = choose_victims(scores, c.kv_compress_budget_blocks, c.kv_compress_sink_blocks,
+                                 c.kv_compress_recent_blocks)
+        if victims:
+            self.kv.drop_blocks(seq, victims)
+            self.num_compressed_blocks += len(victims)
 
     def _requeue_if_pins_yield(self, unservable: list[Sequence]) -> list[Sequence]:
         """A request that does not fit only because idle sessions' pins fill its
@@ -289,6 +325,7 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_free_blocks": self.pool.num_free_blocks,
             "num_preemptions": self.num_preemptions,
+            "num_compressed_blocks": self.num_compressed_blocks,
             "num_blocks": self.num_blocks,
             "num_pinned_blocks": self.pins.num_pinned_blocks,
             "time": time.monotonic(),

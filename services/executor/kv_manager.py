@@ -41,8 +41,9 @@ class KVCacheManager:
         return self.pool.get_cached_blocks(seq.block_hashes[: max_hit_tokens // self.block_size])
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
-        """Fresh blocks needed to hold ``num_new_tokens`` more tokens after the hits."""
-        computed = max(seq.num_computed_tokens, num_hit_blocks * self.block_size)
+        """Fresh blocks needed to hold ``num_new_tokens`` more tokens after the hits.
+        Only kept blocks count: tokens dropped by compression hold none."""
+        computed = max(seq.num_cached_kv_tokens, num_hit_blocks * self.block_size)
         total = -(-(computed + num_new_tokens) // self.block_size)
         return max(0, total - max(len(seq.blocks), num_hit_blocks))
 
@@ -64,7 +65,11 @@ class KVCacheManager:
         return True
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register hashes of blocks that became full and computed this step."""
+        """Register hashes of blocks that became full and computed this step. Once a
+        sequence dropped blocks, nothing more of it is registered: later K/V were
+        computed over a compressed context, not over the prefix its hash names."""
+        if seq.num_evicted_tokens:
+            return
         num_full = seq.num_computed_tokens // self.block_size
         done = self._num_registered.get(seq.request_id, 0)
         if num_full <= done or not self.pool.enable_prefix_caching:
@@ -77,8 +82,29 @@ class KVCacheManager:
         self._num_registered[seq.request_id] = num_full
 
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's blocks; full ones stay cached for later hits."""
+        """Release the sequence's blocks; full ones stay cached for later hits. Its
+        compression state goes with them (a recompute starts uncompressed)."""
         if seq.blocks:
             self.pool.free(seq.blocks, seq.partition)
         seq.blocks = []
+        seq.num_evicted_tokens = 0
+        seq.block_scores = []
         self._num_registered.pop(seq.request_id, None)
+
+    def drop_blocks(self, seq: Sequence, indices: list[int]) -> None:
+        """Compression: release the full blocks at ``indices`` (positions in
+        ``seq.blocks``) and shift the sequence's cache past them. Registered hashes stay
+        valid (those blocks were computed over the whole prefix) and remain hits.
+        Raises ``ValueError`` for the partial last block or an index out of range."""
+        if not indices:
+            return
+        drop = set(indices)
+        num_full = seq.num_cached_kv_tokens // self.block_size
+        if min(drop) < 0 or max(drop) >= num_full:
+            raise ValueError(f"can only drop full blocks 0..{num_full - 1}, got {sorted(drop)}")
+        victims = [b for i, b in enumerate(seq.blocks) if i in drop]
+        self.pool.free(victims, seq.partition)
+        seq.blocks = [b for i, b in enumerate(seq.blocks) if i not in drop]
+        if seq.block_scores:
+            seq.block_scores = [s for i, s in enumerate(seq.block_scores) if i not in drop]
+        seq.num_evicted_tokens += len(drop) * self.block_size

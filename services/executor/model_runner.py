@@ -15,6 +15,9 @@ from services.executor.sampler import SampledTokens, sample
 class StepResult:
     sampled: list[ScheduledSeq]  # rows that picked a token, in order
     tokens: SampledTokens
+    # [len(plan.decodes) + len(plan.prefills), max_blocks] float32 attention mass per
+    # block-table entry (decodes first, then prefills), or None when not tracked
+    block_scores: torch.Tensor | None = None
 
 
 def _block_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -23,6 +26,10 @@ def _block_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 class ModelRunner:
+    # Set by the engine when KV compression is on: steps then carry a block_scores
+    # accumulator (when the back end fills one); off, the default path pays nothing.
+    track_block_scores: bool = False
+
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.block_size = block_size
@@ -57,15 +64,23 @@ class ModelRunner:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             input_ids.extend(seq.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            ids = seq.block_ids()
-            slots.extend(ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            positions.extend(range(start, start + n))  # absolute: RoPE sees the true position
+            # Cache index = position - evicted (compression dropped whole blocks before it):
+            #   position  0 .. ev-1 | ev .. start+n-1
+            #   cache       (gone)  | 0  .. start+n-1-ev   -> blocks[idx // bs], offset idx % bs
+            ids, ev = seq.block_ids(), seq.num_evicted_tokens
+            slots.extend(ids[i // bs] * bs + i % bs for i in range(start - ev, start + n - ev))
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.device
-        decode_lens = tuple(s.seq.num_computed_tokens + 1 for s in plan.decodes)
+        decode_lens = tuple(s.seq.num_cached_kv_tokens + 1 for s in plan.decodes)
         q_lens = tuple(s.num_new_tokens for s in plan.prefills)
-        ctx_lens = tuple(s.seq.num_computed_tokens for s in plan.prefills)
+        ctx_lens = tuple(s.seq.num_cached_kv_tokens for s in plan.prefills)
+        items = plan.decodes + plan.prefills
+        block_scores = None
+        if self.track_block_scores and self.model.attn.produces_block_scores:
+            width = max(len(s.seq.blocks) for s in items)
+            block_scores = torch.zeros((len(items), width), dtype=torch.float32, device=dev)
         empty_table = torch.zeros((0, 1), dtype=torch.int32, device=dev)
         starts = [0]
         for q in q_lens:
@@ -85,6 +100,7 @@ class ModelRunner:
             prefill_query_lens_host=q_lens,
             prefill_context_lens_host=ctx_lens,
             decode_seq_lens_host=decode_lens,
+            block_scores=block_scores,
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -100,8 +116,8 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         sampled = [s for s in plan.decodes + plan.prefills if s.samples]
         if not sampled:
-            return StepResult([], SampledTokens([], None))
+            return StepResult([], SampledTokens([], None), meta.block_scores)
         logits = self.model.compute_logits(hidden[sample_rows])  # [rows, vocab]
         tokens = sample(logits, [s.seq.params for s in sampled], [s.seq.generator for s in sampled],
                         [s.seq.session.track_entropy for s in sampled])
-        return StepResult(sampled, tokens)
+        return StepResult(sampled, tokens, meta.block_scores)

@@ -74,6 +74,11 @@ class Sequence:
     session: SessionOptions = NO_SESSION
     max_num_tokens: int = 1 << 62  # context cap: the model's, or the per-task KV quota's
     entropy_sum: float = 0.0  # nats, over sampled tokens (only when session.track_entropy)
+    # KV compression (kv_compress.py): tokens whose blocks were dropped, always whole
+    # blocks, so cache index = position - num_evicted_tokens; and the attention mass
+    # each kept block received, aligned with ``blocks``. Both reset when all blocks go.
+    num_evicted_tokens: int = 0
+    block_scores: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -91,6 +96,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_cached_kv_tokens(self) -> int:
+        """Computed tokens whose K/V are still in the cache (not dropped by compression)."""
+        return self.num_computed_tokens - self.num_evicted_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

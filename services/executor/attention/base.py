@@ -67,6 +67,11 @@ class AttentionMetadata:
     prefill_query_lens_host: tuple[int, ...] = ()
     prefill_context_lens_host: tuple[int, ...] = ()
     decode_seq_lens_host: tuple[int, ...] = ()
+    # [num_decodes + num_prefills, max_blocks] float32, or None (KV compression off):
+    # attention mass each sequence's queries put on each of its block-table entries,
+    # summed over heads and layers. A back end that can adds to it in place (decodes:
+    # every query; prefills: each chunk's last query); others leave it as it is.
+    block_scores: torch.Tensor | None = None
 
     @property
     def num_decode_tokens(self) -> int:
@@ -143,6 +148,7 @@ class AttentionBackend(abc.ABC):
     """
 
     name: str = "abstract"
+    produces_block_scores: bool = False  # whether forward() fills meta.block_scores
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         if num_heads % num_kv_heads != 0:

@@ -15,6 +15,7 @@ from services.executor.attention.base import AttentionBackend, AttentionMetadata
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    produces_block_scores = True
 
     def forward(
         self,
@@ -70,7 +71,10 @@ class TorchAttentionBackend(AttentionBackend):
             # [B, 1, 1, L]: True where the key position is past the sequence's end
             pad = (torch.arange(max_len, device=q.device) >= meta.decode_seq_lens.to(torch.long)[:, None])[:, None, None, :]
             scores = scores.masked_fill(pad, float("-inf"))
-        o = torch.matmul(scores.softmax(-1), v)  # [B, kvh, group, d]
+        probs = scores.softmax(-1)  # [B, kvh, group, L]
+        if meta.block_scores is not None:
+            _add_block_mass(meta.block_scores[:b], probs.sum((1, 2)), block_size)
+        o = torch.matmul(probs, v)  # [B, kvh, group, d]
         return o.view(b, self.num_heads, self.head_dim)
 
     def _prefill(
@@ -91,4 +95,20 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.arange(seq_len, device=dev)[None, :] <= (torch.arange(qlen, device=dev)[:, None] + ctx)
                 o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             out[start : start + qlen] = o[0].transpose(0, 1)
+            if meta.block_scores is not None:
+                # Observation window of one: the chunk's last query row, explicitly
+                # (it sees every key), stands for the chunk's attention.
+                last = q[start + qlen - 1].view(self.num_kv_heads, -1, self.head_dim)  # [kvh, group, d]
+                probs = (torch.matmul(last, k[0].transpose(-1, -2)) * self.scale).softmax(-1)  # [kvh, group, L]
+                _add_block_mass(meta.block_scores[meta.num_decodes + i : meta.num_decodes + i + 1],
+                                probs.sum((0, 1))[None], block_size)
             start += qlen
+
+
+def _add_block_mass(block_scores: torch.Tensor, mass: torch.Tensor, block_size: int) -> None:
+    """Add per-key attention ``mass`` [rows, L] into ``block_scores`` [rows, max_blocks]
+    (in place), summed per cache block: key j belongs to block-table entry j // block_size."""
+    rows, length = mass.shape
+    num_blocks = -(-length // block_size)
+    padded = F.pad(mass.float(), (0, num_blocks * block_size - length))  # [rows, num_blocks * bs]
+    block_scores[:, :num_blocks] += padded.view(rows, num_blocks, block_size).sum(-1)
