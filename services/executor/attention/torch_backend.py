@@ -99,7 +99,7 @@ class TorchAttentionBackend(AttentionBackend):
                 # Observation window of one: the chunk's last query row, explicitly
                 # (it sees every key), stands for the chunk's attention.
                 last = q[start + qlen - 1].view(self.num_kv_heads, -1, self.head_dim)  # [kvh, group, d]
-                probs = (torch.matmul(last, k[0].transpose(-1, -2)) * self.scale).softmax(-1)  # [kvh, group, L]
+                probs = (torch.matmul(last, k[0].transpose(-1, -2)).float() * self.scale).softmax(-1)  # [kvh, group, L]
                 _add_block_mass(meta.block_scores[meta.num_decodes + i : meta.num_decodes + i + 1],
                                 probs.sum((0, 1))[None], block_size)
             start += qlen
