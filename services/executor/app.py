@@ -50,7 +50,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     bus = EventBus(config.nats_url, name)
     identity = Identity(name=name, address=config.address(config.port), model_id=config.resolved_model_id,
                         block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                        serves_rung=config.resolved_serves_rung)
+                        serves_rung=config.resolved_serves_rung, kv_cache_dtype=config.kv_cache_dtype)
     events = ExecutorEvents(lambda kind, item: bus.publish(kind, encode_event(item)), identity,
                             config.heartbeat_interval_s, config.load_report_interval_s)
     bus.on_connect(events.publish_heartbeat)
@@ -95,7 +95,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     events.set_identity(Identity(
         name=name, address=config.address(port), model_id=engine.model_id, block_size=config.block_size,
         max_num_seqs=config.max_num_seqs, max_model_len=engine.max_model_len, num_blocks=engine.num_blocks,
-        serves_rung=config.resolved_serves_rung,
+        serves_rung=config.resolved_serves_rung, kv_cache_dtype=config.kv_cache_dtype,
     ))
     await events.set_state(ExecutorState.SERVING)
     log.info("executor_ready", executor=name, port=port, model_id=engine.model_id, num_kv_blocks=engine.num_blocks,

@@ -43,6 +43,7 @@ class Identity:
     max_model_len: int = 0
     num_blocks: int = 0
     serves_rung: str = "none"  # degradation rung its pool serves (ExecutorConfig.resolved_serves_rung)
+    kv_cache_dtype: str = "auto"  # KV storage; salts block hashes (block_hash.extra_keys_for)
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,7 @@ def encode_event(item: Heartbeat | LoadSnapshot | KvChange):
             state=_STATES[item.state], max_num_seqs=i.max_num_seqs, num_blocks=i.num_blocks,
             interval_ms=int(item.interval_s * 1000), max_model_len=i.max_model_len,
             serves_rung=common_pb2.DegradationRung.Value(f"DEGRADATION_RUNG_{i.serves_rung.upper()}"),
+            kv_cache_dtype=i.kv_cache_dtype,
         )
     if isinstance(item, LoadSnapshot):
         return events_pb2.LoadReport(num_running=item.num_running, num_waiting=item.num_waiting,

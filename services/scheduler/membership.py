@@ -51,6 +51,7 @@ class ExecutorRecord:
     last_seen_s: float = 0.0
     load: ExecutorLoad | None = None
     serves_rung: Rung = Rung.NONE  # the degradation rung its pool is configured for
+    kv_cache_dtype: str = "auto"  # its KV storage, part of its block-hash salt
 
     @property
     def is_placeable(self) -> bool:

@@ -80,14 +80,15 @@ class SchedulerServicer(AgentHooks, DegradeHooks, scheduler_pb2_grpc.SchedulerSe
     # -- placement ------------------------------------------------------------------
     def rank(self, model_id: str, tenant: str, prompt: Sequence[int], rung: Rung = Rung.NONE) -> list[Placement]:
         """Placeable executors serving ``rung``, best first. Hashes are computed exactly as
-        the executor does: its block size and extra_keys_for(its model id, tenant)."""
+        the executor does: its block size and extra_keys_for(its model id, tenant, KV dtype)."""
         records = self.view.membership.placeable(model_id, rung)
-        chains: dict[tuple[str, int], tuple[int, dict[str, int]]] = {}
+        chains: dict[tuple[str, int, str], tuple[int, dict[str, int], list[int]]] = {}
         candidates = []
         for rec in records:
-            key = (rec.model_id, rec.block_size)
+            key = (rec.model_id, rec.block_size, rec.kv_cache_dtype)
             if key not in chains:
-                hashes = hash_block_chain(prompt, rec.block_size, extra_keys_for(rec.model_id, tenant))
+                keys = extra_keys_for(rec.model_id, tenant, rec.kv_cache_dtype)
+                hashes = hash_block_chain(prompt, rec.block_size, keys)
                 chains[key] = (len(hashes), self.view.kv_index.match_prefix(hashes), hashes)
             num_prompt_blocks, matched, hashes = chains[key]
             load = rec.load or ExecutorLoad()

@@ -133,7 +133,7 @@ class AgentHooks:
         rec = self.view.membership.get(rel.executor)
         if rec is None:
             return
-        keys = extra_keys_for(rec.model_id, tenant)
+        keys = extra_keys_for(rec.model_id, tenant, rec.kv_cache_dtype)
         old = hash_block_chain(list(rel.stale_context_token_ids), rec.block_size, keys)
         keep = set(hash_block_chain(list(rel.new_prompt_token_ids), rec.block_size, keys))
         try:

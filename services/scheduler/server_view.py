@@ -86,7 +86,7 @@ class MeshView:
             state=_STATES.get(msg.state, ExecutorState.JOINING), max_num_seqs=msg.max_num_seqs,
             num_blocks=msg.num_blocks, max_model_len=msg.max_model_len,
             interval_s=(msg.interval_ms or 1000) / 1000.0, heartbeat_sequence=msg.header.sequence,
-            serves_rung=rung_from_pb(msg.serves_rung),
+            serves_rung=rung_from_pb(msg.serves_rung), kv_cache_dtype=msg.kv_cache_dtype or "auto",
         )
         prev = self.membership.get(rec.name)
         if self.membership.heartbeat(rec):

@@ -62,6 +62,30 @@ def test_the_servicer_ranks_only_executors_serving_the_requests_rung():
     assert servicer.rank("m", "t", list(range(40)), Rung.KV_COMPRESS) == []
 
 
+def test_an_int8_executor_is_ranked_by_its_own_int8_salted_block_hashes():
+    from services.executor.block_hash import extra_keys_for, hash_block_chain
+
+    prompt = list(range(40))
+    int8 = ExecutorRecord(name="int8", address="int8:1", model_id="m", block_size=16, state=ExecutorState.SERVING,
+                          num_blocks=100, serves_rung=Rung.KV_INT8, kv_cache_dtype="int8")
+    index = KvIndex()
+    # what the int8 executor itself stores for this prompt: hashes salted with its cache dtype
+    index.stored("int8", hash_block_chain(prompt, 16, extra_keys_for("m", "t", "int8")))
+    servicer = SchedulerServicer(MeshView(membership(int8), index), make_placer(PlacementPolicy.KV),
+                                 Admission(4, 4), ChannelPool(1 << 20))
+    [placement] = servicer.rank("m", "t", prompt, Rung.KV_INT8)
+    assert placement.num_matched_blocks == 2
+
+
+def test_a_heartbeat_carries_the_kv_cache_dtype_into_membership():
+    view = MeshView(Membership(), KvIndex())
+    msg = encode_event(Heartbeat(Identity("q", "q:1", "m", 16, 8, serves_rung="kv_int8", kv_cache_dtype="int8"),
+                                 ExecState.SERVING, 1.0))
+    msg.header.source = "q"
+    view.on_heartbeat(msg, Delivery.FIRST)
+    assert view.membership.get("q").kv_cache_dtype == "int8"
+
+
 def test_a_heartbeat_carries_the_rung_the_executor_serves_into_membership():
     view = MeshView(Membership(), KvIndex())
     for name, rung in (("plain", "none"), ("int8", "kv_int8")):

@@ -90,7 +90,7 @@ class LoadReport(_message.Message):
     def __init__(self, header: _Optional[_Union[EventHeader, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ExecutorHeartbeat(_message.Message):
-    __slots__ = ("header", "name", "address", "model_id", "block_size", "state", "max_num_seqs", "num_blocks", "interval_ms", "max_model_len", "serves_rung")
+    __slots__ = ("header", "name", "address", "model_id", "block_size", "state", "max_num_seqs", "num_blocks", "interval_ms", "max_model_len", "serves_rung", "kv_cache_dtype")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class ExecutorHeartbeat(_message.Message):
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     SERVES_RUNG_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     header: EventHeader
     name: str
     address: str
@@ -113,4 +114,5 @@ class ExecutorHeartbeat(_message.Message):
     interval_ms: int
     max_model_len: int
     serves_rung: _common_pb2.DegradationRung
-    def __init__(self, header: _Optional[_Union[EventHeader, _Mapping]] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., state: _Optional[_Union[ExecutorState, str]] = ..., max_num_seqs: _Optional[int] = ..., num_blocks: _Optional[int] = ..., interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., serves_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, header: _Optional[_Union[EventHeader, _Mapping]] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., state: _Optional[_Union[ExecutorState, str]] = ..., max_num_seqs: _Optional[int] = ..., num_blocks: _Optional[int] = ..., interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., serves_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
