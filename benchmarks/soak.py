@@ -32,7 +32,7 @@ from benchmarks.loopback_mesh import loopback_mesh, served_model, stream_complet
 from benchmarks.report import write_markdown  # noqa: E402
 
 METRICS_PORT_KEYS = {"scheduler": "scheduler_metrics_port", "executor": "executor_metrics_port",
-                     "cachestore": "cachestore_metrics_port"}
+                     "cachestore": "cachestore_metrics_port", "router": "router_metrics_port"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,9 +75,7 @@ async def sample(session: aiohttp.ClientSession, state) -> dict[str, dict[str, f
             rss_mib, fds = proc.memory_info().rss / 2**20, float(proc.num_fds())
         except psutil.Error:
             rss_mib, fds = None, None
-        if inst.service == "router":
-            url = f"{state.http_url}/metrics"
-        elif inst.service in METRICS_PORT_KEYS:
+        if inst.service in METRICS_PORT_KEYS:
             url = f"http://127.0.0.1:{inst.ports[METRICS_PORT_KEYS[inst.service]]}/metrics"
         else:
             url = None

@@ -128,7 +128,10 @@ class Launcher:
         return Context(bind_host=host, model_dir=self.model_dir, ports=ports,
                        hosts={s.name: host for s in SERVICES}, keys_file=self.options.keys_file,
                        log_level=self.options.log_level, executor_name=executor_name,
-                       cachestore_dir=str(self.state_dir / "cachestore"))
+                       cachestore_dir=str(self.state_dir / "cachestore"),
+                       # Passed through (the table renders it for every service): from the
+                       # options' extra environment, else this process's.
+                       mesh_secret=self.options.extra_env.get("WEFT_MESH_SECRET", os.environ.get("WEFT_MESH_SECRET", "")))
 
     def _instance_ports(self, spec: ServiceSpec) -> dict[str, int]:
         if spec.scalable:  # every replica listens on its own ports

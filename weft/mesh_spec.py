@@ -16,6 +16,8 @@ same everywhere and only the rendered values differ. Values are templates over a
     {<port_key>}      this instance's own ports    local: free ports  compose: the defaults below
     {executor_name}   executor-<i> locally; compose replicas name themselves (empty)
     {cachestore_dir}  the archived KV tier         local: <state dir>/cachestore   compose: a volume
+    {mesh_secret}     shared secret of internal calls  local: $WEFT_MESH_SECRET (may be empty)
+                                                   compose: ${WEFT_MESH_SECRET:-<dev default>}
 """
 from __future__ import annotations
 
@@ -50,7 +52,9 @@ class ServiceSpec:
         return {key: template.format_map(ctx) for key, template in self.settings.items()}
 
 
-_COMMON = {"WEFT_LOG_LEVEL": "{log_level}"}
+# Every Python service: log level, and the mesh secret its internal gRPC calls carry and
+# its servers require (services/mesh/mesh_auth.py).
+_COMMON = {"WEFT_LOG_LEVEL": "{log_level}", "WEFT_MESH_SECRET": "{mesh_secret}"}
 
 SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec(
@@ -99,11 +103,14 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec(
         name="router", role="public gRPC + OpenAI HTTP API, tokenization",
         command=("-m", "services.router"),
-        ports={"router_http_port": 8000, "router_grpc_port": 50051},
+        # Metrics on their own port (per-tenant labels stay off the public one), bound like
+        # the other services' (loopback locally, the compose network in compose), never published.
+        ports={"router_http_port": 8000, "router_grpc_port": 50051, "router_metrics_port": 9150},
         settings={**_COMMON, "WEFT_ROUTER_HOST": "{bind_host}", "WEFT_ROUTER_HTTP_PORT": "{router_http_port}",
                   "WEFT_ROUTER_GRPC_PORT": "{router_grpc_port}", "WEFT_ROUTER_MODEL_DIR": "{model_dir}",
                   "WEFT_ROUTER_SCHEDULER_ADDRESS": "{scheduler_addr}", "WEFT_ROUTER_KEYS_FILE": "{keys_file}",
-                  "WEFT_ROUTER_CACHESTORE_ADDRESS": "{cachestore_addr}"},
+                  "WEFT_ROUTER_CACHESTORE_ADDRESS": "{cachestore_addr}",
+                  "WEFT_ROUTER_METRICS_HOST": "{bind_host}", "WEFT_ROUTER_METRICS_PORT": "{router_metrics_port}"},
         health=Health("http", "router_http_port", "/health"),
         depends_on=("scheduler",),
         published=("router_http_port", "router_grpc_port"),
@@ -117,6 +124,9 @@ COMPOSE_MODEL_DIR = "${WEFT_MODEL_DIR:-/opt/weft/models/tiny}"
 COMPOSE_KEYS_FILE = "${WEFT_KEYS_FILE:-}"
 COMPOSE_LOG_LEVEL = "${WEFT_LOG_LEVEL:-info}"
 COMPOSE_CACHESTORE_DIR = "/var/lib/weft/cachestore"  # the cachestore-data volume
+# Internal calls inside a compose mesh always carry a secret. The fallback only keeps
+# `docker compose up` working out of the box: set WEFT_MESH_SECRET for anything shared.
+COMPOSE_MESH_SECRET = "${WEFT_MESH_SECRET:-weft-dev-mesh-secret-change-me}"
 
 
 @dataclass(frozen=True)
@@ -131,13 +141,14 @@ class Context:
     log_level: str = "info"
     executor_name: str = ""
     cachestore_dir: str = ""
+    mesh_secret: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def mapping(self) -> dict[str, str]:
         values: dict[str, str] = {k: str(v) for k, v in self.ports.items()}
         values.update(bind_host=self.bind_host, model_dir=self.model_dir, keys_file=self.keys_file,
                       log_level=self.log_level, executor_name=self.executor_name,
-                      cachestore_dir=self.cachestore_dir,
+                      cachestore_dir=self.cachestore_dir, mesh_secret=self.mesh_secret,
                       nats_url=f"nats://{self.hosts['nats']}:{self.ports['nats_port']}")
         for spec in SERVICES:
             grpc_key = next((k for k in spec.ports if k == f"{spec.name}_port" or k.endswith("grpc_port")), None)
@@ -152,4 +163,5 @@ def compose_context() -> Context:
     ports = {k: v for spec in SERVICES for k, v in spec.ports.items()}
     return Context(bind_host="0.0.0.0", model_dir=COMPOSE_MODEL_DIR, ports=ports,
                    hosts={s.name: s.name for s in SERVICES}, keys_file=COMPOSE_KEYS_FILE,
-                   log_level=COMPOSE_LOG_LEVEL, executor_name="", cachestore_dir=COMPOSE_CACHESTORE_DIR)
+                   log_level=COMPOSE_LOG_LEVEL, executor_name="", cachestore_dir=COMPOSE_CACHESTORE_DIR,
+                   mesh_secret=COMPOSE_MESH_SECRET)

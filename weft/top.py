@@ -53,8 +53,6 @@ def parse_metrics(text: str) -> Samples:
 
 
 def _metrics_url(inst) -> str | None:
-    if inst.service == "router":
-        return f"http://127.0.0.1:{inst.ports['router_http_port']}/metrics"
     port = inst.ports.get(f"{inst.service}_metrics_port")
     return f"http://127.0.0.1:{port}/metrics" if port else None
 

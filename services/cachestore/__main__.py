@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import asyncio
 
-from services.cachestore.app import main
+from services.mesh.onednn_caches import bound_onednn_caches
+
+bound_onednn_caches()  # before torch loads (the embedder): bounded per-shape kernel caches
+
+from services.cachestore.app import main  # noqa: E402
 
 if __name__ == "__main__":
     asyncio.run(main())

@@ -41,6 +41,10 @@ class CacheStoreConfig:
     grace_s: float = option("On SIGTERM, seconds in-flight calls get to finish.", default=10.0)
     max_message_bytes: int = option("Largest gRPC message sent or received.", default=8 << 20)
     metrics_port: int = option("Port of the Prometheus /metrics endpoint; 0 disables it.", default=0)
+    mesh_secret_file: str = option(
+        "File holding the mesh shared secret (Docker secrets style, e.g. /run/secrets/weft_mesh); stripped; "
+        "unreadable or empty is an error; empty: WEFT_MESH_SECRET, or no peer authentication.",
+        default="", shared=True)
     log_level: str = option("Log level.", default="info", choices=LOG_LEVELS, shared=True)
     log_format: str = option("Log format (auto: JSON unless stderr is a terminal).", default="auto",
                              choices=LOG_FORMATS, shared=True)

@@ -8,6 +8,10 @@ import os
 # event loops of co-located processes (and this one's gRPC loop) on small machines.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from services.mesh.onednn_caches import bound_onednn_caches  # noqa: E402
+
+bound_onednn_caches()  # per-shape kernel caches would otherwise grow RSS for hours (onednn_caches.py)
+
 from services.executor.app import main  # noqa: E402
 
 if __name__ == "__main__":

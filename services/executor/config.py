@@ -77,6 +77,10 @@ class ExecutorConfig:
     promote_before_prefill: bool = option(
         "Load a prompt's prefix blocks from the cachestore before its prefill when cheaper than recompute.",
         default=True)
+    mesh_secret_file: str = option(
+        "File holding the mesh shared secret (Docker secrets style, e.g. /run/secrets/weft_mesh); stripped; "
+        "unreadable or empty is an error; empty: WEFT_MESH_SECRET, or no peer authentication.",
+        default="", shared=True)
     log_level: str = option("Log level.", default="info", choices=LOG_LEVELS, shared=True)
     log_format: str = option("Log format (auto: JSON unless stderr is a terminal).", default="auto",
                              choices=LOG_FORMATS, shared=True)

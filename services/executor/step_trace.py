@@ -6,6 +6,10 @@ spans with ``add_executor_spans``. Records are plain objects touched by one thre
 time: the engine thread writes while the request runs, and the servicer reads only
 after the request's last output, which is delivered after the step that produced it.
 
+Records are bounded (``max_records``, oldest dropped): a cancelled request's record is
+popped when its stream ends, but a step already running on the engine thread may touch
+the request once more before the abort lands and so create a record nobody pops.
+
 NOTE: why a request waited. A waiting request accrues each step's duration either as
 *KV-blocked* (the pool's free blocks could not hold its next chunk) or as plain
 queueing (a slot or the token budget was the limit). That split is what lets the p99
@@ -20,6 +24,7 @@ from services.mesh import metric_catalogue as catalogue
 from services.mesh.timeline import Trace
 
 MAX_CHUNKS = 16  # prefill chunks kept per request (later ones are merged into the last)
+MAX_RECORDS = 4096  # far above any batch plus queue; beyond it the oldest (orphans) go
 
 
 @dataclass
@@ -32,9 +37,12 @@ class RequestSteps:
 
 
 class StepTrace:
-    def __init__(self, executor: str, update_gauges_every: int = 1) -> None:
+    def __init__(self, executor: str, update_gauges_every: int = 1, max_records: int = MAX_RECORDS) -> None:
+        if max_records < 1:
+            raise ValueError(f"max_records must be >= 1, got {max_records}")
         self.executor = executor
         self.update_gauges_every = max(1, update_gauges_every)
+        self.max_records = max_records
         self._records: dict[str, RequestSteps] = {}
         self._lock = threading.Lock()
         self._num_steps = 0
@@ -44,7 +52,12 @@ class StepTrace:
         if rec is None:
             with self._lock:
                 rec = self._records.setdefault(request_id, RequestSteps())
+                while len(self._records) > self.max_records:  # dicts keep insertion order
+                    del self._records[next(iter(self._records))]
         return rec
+
+    def __len__(self) -> int:
+        return len(self._records)
 
     def on_step(self, engine, plan, start_ns: int, end_ns: int) -> None:
         """Record one step (engine thread). ``plan`` is the step's ``StepPlan``."""

@@ -125,11 +125,21 @@ def resolve(cls: type[T], service: str, flags: Mapping[str, Any], environ: Mappi
 
 def load_config(cls: type[T], service: str, description: str, argv: Sequence[str] | None = None,
                 environ: Mapping[str, str] | None = None) -> T:
-    """Parse ``argv`` and the environment into a validated ``cls``; exits 2 on bad input."""
+    """Parse ``argv`` and the environment into a validated ``cls``; exits 2 on bad input.
+
+    A config with a ``mesh_secret_file`` field (every service's) also fixes the process's
+    mesh security here (``mesh_auth.configure``), so a bad secret file or a secret given
+    twice is the same usage error, naming the option, in every service."""
     parser = build_parser(cls, service, description)
     ns = parser.parse_args(argv)
+    env = os.environ if environ is None else environ
     try:
-        return resolve(cls, service, vars(ns), os.environ if environ is None else environ)
+        config = resolve(cls, service, vars(ns), env)
+        if hasattr(config, "mesh_secret_file"):
+            from services.mesh import mesh_auth
+
+            mesh_auth.configure(config.mesh_secret_file, env)
+        return config
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

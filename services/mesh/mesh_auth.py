@@ -7,15 +7,22 @@ refuse any call without ``x-weft-mesh-secret: <secret>`` metadata with UNAUTHENT
 (compared in constant time), except gRPC health checks, which orchestrators probe without
 credentials. Clients built with ``mesh_channel`` attach the secret to every call.
 
+The secret may also come from a file (Docker secrets: ``/run/secrets/<name>``):
+``--mesh-secret-file`` on every service, or ``WEFT_MESH_SECRET_FILE``; surrounding
+whitespace is stripped. An unreadable or empty file is a start-up error naming the
+option; setting both the file and ``WEFT_MESH_SECRET`` is an error too (which one wins
+would be a guess).
+
 TLS: ``WEFT_MESH_TLS_CERT`` + ``WEFT_MESH_TLS_KEY`` (PEM files) make servers listen with
 TLS; ``WEFT_MESH_TLS_CA`` (PEM) makes clients verify peers with it (TLS on the client side
 is on whenever a CA or a certificate is configured).
 
-The environment is read here only (``MeshSecurity.from_environ``), once per process.
+The environment is read here only (``MeshSecurity.from_environ``), once per process;
+``configure`` (called by each service's ``__main__`` with its ``--mesh-secret-file``)
+fixes the process's settings before any server or channel is built.
 """
 from __future__ import annotations
 
-import functools
 import hmac
 import os
 from collections.abc import Mapping, Sequence
@@ -25,6 +32,9 @@ from pathlib import Path
 import grpc
 
 SECRET_KEY = "x-weft-mesh-secret"
+SECRET_ENV = "WEFT_MESH_SECRET"
+SECRET_FILE_ENV = "WEFT_MESH_SECRET_FILE"
+SECRET_FILE_OPTION = f"--mesh-secret-file ({SECRET_FILE_ENV})"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
@@ -40,9 +50,18 @@ class MeshSecurity:
             raise ValueError("WEFT_MESH_TLS_CERT and WEFT_MESH_TLS_KEY must be given together")
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> MeshSecurity:
+    def from_environ(cls, environ: Mapping[str, str] | None = None, secret_file: str = "") -> MeshSecurity:
+        """Settings from ``WEFT_MESH_*``; ``secret_file`` (the ``--mesh-secret-file`` flag)
+        wins over ``WEFT_MESH_SECRET_FILE``. Raises ValueError naming the option when the
+        file is unreadable or empty, or when a secret is given both ways."""
         env = os.environ if environ is None else environ
-        return cls(secret=env.get("WEFT_MESH_SECRET", ""), tls_cert_path=env.get("WEFT_MESH_TLS_CERT", ""),
+        secret = env.get(SECRET_ENV, "")
+        secret_file = secret_file or env.get(SECRET_FILE_ENV, "")
+        if secret_file:
+            if secret:
+                raise ValueError(f"set either {SECRET_ENV} or {SECRET_FILE_OPTION}, not both")
+            secret = read_secret_file(secret_file)
+        return cls(secret=secret, tls_cert_path=env.get("WEFT_MESH_TLS_CERT", ""),
                    tls_key_path=env.get("WEFT_MESH_TLS_KEY", ""), tls_ca_path=env.get("WEFT_MESH_TLS_CA", ""))
 
     @property
@@ -62,10 +81,34 @@ class MeshSecurity:
         return grpc.ssl_channel_credentials(root_certificates=ca)
 
 
-@functools.lru_cache(maxsize=1)
+def read_secret_file(path: str) -> str:
+    """The secret in ``path``, stripped; ValueError naming the option when the file cannot
+    be read or holds nothing."""
+    try:
+        secret = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"{SECRET_FILE_OPTION}: cannot read {path}: {reason}") from None
+    if not secret:
+        raise ValueError(f"{SECRET_FILE_OPTION}: {path} is empty")
+    return secret
+
+
+_current: MeshSecurity | None = None
+
+
+def configure(secret_file: str = "", environ: Mapping[str, str] | None = None) -> MeshSecurity:
+    """Fix this process's mesh security (environment plus ``--mesh-secret-file``); call
+    once at start-up, before any server or channel exists. Raises ValueError."""
+    global _current
+    _current = MeshSecurity.from_environ(environ, secret_file)
+    return _current
+
+
 def current() -> MeshSecurity:
-    """This process's mesh security settings (from the environment, read once)."""
-    return MeshSecurity.from_environ()
+    """This process's mesh security settings (``configure``d, else from the environment,
+    read once)."""
+    return _current if _current is not None else configure()
 
 
 class SharedSecretInterceptor(grpc.aio.ServerInterceptor):

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from services.mesh import metric_catalogue as catalogue
 from services.mesh.grpc_server import GrpcServer
+from services.mesh.metrics import MetricsServer
 from services.router.auth import KeyStore
 from services.router.config import RouterConfig
 from services.router.generation import Generator, model_limits
@@ -38,8 +39,11 @@ class RouterApp:
         self.generator = Generator(tokenizer, limits, downstream, config.request_timeout_s)
         keys = KeyStore.from_file(config.keys_file)
         self.http = HttpApi(self.generator, keys, config.model_name, self.scheduler.list_executors)
+        # One request cap for both public doors: the gRPC message limit is the HTTP body cap.
         self.grpc = GrpcServer("weft.v1.Router", config.host, config.grpc_port, rules=ROUTER_ERROR_RULES,
-                               grace_s=config.drain_timeout_s, peer_auth=False)
+                               max_message_bytes=config.max_body_bytes, grace_s=config.drain_timeout_s,
+                               peer_auth=False)
+        self.metrics_server = MetricsServer(config.metrics_host, config.metrics_port)
         servicer = RouterServicer(self.generator, keys, config.model_name, self.scheduler.list_executors)
         router_pb2_grpc.add_RouterServicer_to_server(servicer, self.grpc.server)
         self._runner: web.AppRunner | None = None
@@ -56,6 +60,7 @@ class RouterApp:
         await site.start()
         self.http_port = self._runner.addresses[0][1]
         await self.grpc.start()
+        await self.metrics_server.start()
         log.info("router_ready", http_port=self.http_port, grpc_port=self.grpc.port,
                  scheduler=self.config.scheduler_address, model=self.config.model_name)
 
@@ -68,6 +73,7 @@ class RouterApp:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.metrics_server.stop()
         await self.scheduler.close()
 
     async def run(self) -> None:

@@ -18,10 +18,20 @@ class RouterConfig:
     served_model_name: str = option("model id clients send; empty = the checkpoint directory's name", default="")
     keys_file: str = option("API keys file (JSON {key: tenant} or 'key tenant' lines); empty = no auth", default="")
     max_model_len: int | None = option("context length override; none = the checkpoint's max_position_embeddings", default=None)
-    max_body_bytes: int = option("largest accepted HTTP request body", default=16 * 1024 * 1024)
+    max_body_bytes: int = option(
+        "largest accepted request on either public API: the HTTP body (larger: 413) and the gRPC message "
+        "(larger: RESOURCE_EXHAUSTED); one cap so both doors take the same prompts", default=16 * 1024 * 1024)
     request_timeout_s: float = option("deadline of one generation, propagated downstream", default=600.0)
     cachestore_address: str = option(
         "host:port of the cachestore for the opt-in semantic response cache; empty disables it", default="")
+    metrics_host: str = option(
+        "address the Prometheus /metrics listener binds: loopback by default, since metrics carry per-tenant "
+        "labels (the public HTTP port does not serve /metrics)", default="127.0.0.1")
+    metrics_port: int = option("port of the Prometheus /metrics listener; 0 disables it", default=0)
+    mesh_secret_file: str = option(
+        "file holding the mesh shared secret sent on calls to the scheduler and cachestore (Docker secrets "
+        "style); stripped; unreadable or empty is an error; empty: WEFT_MESH_SECRET, or none", default="",
+        shared=True)
     drain_timeout_s: float = option("on SIGTERM, how long in-flight streams may finish", default=10.0)
     log_level: str = option("log level", default="info", choices=LOG_LEVELS, shared=True)
     log_format: str = option("log format", default="auto", choices=LOG_FORMATS, shared=True)
@@ -31,7 +41,7 @@ class RouterConfig:
             raise ValueError("model_dir is required (--model-dir or WEFT_ROUTER_MODEL_DIR)")
         if not (Path(self.model_dir) / "tokenizer.json").is_file():
             raise ValueError(f"model_dir: no tokenizer.json in {self.model_dir}")
-        for name in ("grpc_port", "http_port"):
+        for name in ("grpc_port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
         if ":" not in self.scheduler_address:

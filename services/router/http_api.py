@@ -4,9 +4,12 @@
     POST /v1/completions        text or token-id prompts; ``return_token_ids`` extension
     GET  /v1/models             the served model
     GET  /health                200 while serving, 503 while draining
-    GET  /metrics               Prometheus
     GET  /v1/weft/verdict       the rolling p99 attribution (``attribution.py``)
     GET  /v1/weft/requests/{id}/timeline   a recent request's spans across the mesh
+
+Prometheus ``/metrics`` is not served here: its series carry per-tenant labels, so it
+has its own listener (``--metrics-port``, loopback by default; ``services/mesh/metrics.py``)
+like every other service's. Every method above but ``/health`` takes the API key.
 
 Every generation response carries ``x-weft-executor`` (the executor serving it) and
 ``x-request-id``. Streaming responses send headers only once the first chunk arrived,
@@ -23,10 +26,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.mesh.logging import request_context
-from services.mesh.metrics import REGISTRY
 from services.mesh.timeline import STORE, timeline_json
 from services.router import metrics as m
 from services.router.attribution import ATTRIBUTION
@@ -100,7 +101,6 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/weft/verdict", self.verdict)
         app.router.add_get("/v1/weft/requests/{request_id}/timeline", self.timeline)
         return app
@@ -146,9 +146,6 @@ class HttpApi:
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
         return web.json_response({"status": "ok"})
-
-    async def metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def verdict(self, request: web.Request) -> web.Response:
         """The p99 verdict; ``?window_s=N`` narrows it to requests finished in the last N s."""

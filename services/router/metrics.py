@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (served on the HTTP API's ``/metrics``)."""
+"""The router's Prometheus metrics (served on ``--metrics-port``, not the public HTTP port)."""
 from __future__ import annotations
 
 from services.mesh import metrics

@@ -36,7 +36,7 @@ log = structlog.get_logger(__name__)
 async def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(SchedulerConfig, "scheduler", DESCRIPTION, sys.argv[1:] if argv is None else argv)
     configure_logging("scheduler", config.log_level, config.log_format)
-    view = MeshView(Membership(config.missed_heartbeats), KvIndex())
+    view = MeshView(Membership(config.missed_heartbeats), KvIndex(config.kv_index_max_store_blocks))
     channels = ChannelPool(config.max_message_bytes)
     admission = Admission(config.max_in_flight, config.max_queue, config.retry_after_ms)
     servicer = SchedulerServicer(

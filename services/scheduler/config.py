@@ -81,9 +81,17 @@ class SchedulerConfig:
     intent_shift_threshold: float = option("Distance (0..1) of a new turn from its session's context above "
                                            "which kept KV is released early.", default=0.9)
     max_sessions: int = option("Sessions (and programs) remembered, least recently used dropped.", default=10000)
+    kv_index_max_store_blocks: int = option(
+        "Most cachestore-tier block hashes the placement index mirrors (~0.4 KB each); beyond it the longest "
+        "unseen are forgotten (a placement hint only: the cachestore still serves them); 0: unbounded.",
+        default=262144)
     grace_s: float = option("On SIGTERM, seconds in-flight streams get to finish.", default=10.0)
     max_message_bytes: int = option("Largest gRPC message sent or received.", default=64 * 1024 * 1024)
     metrics_port: int = option("Port of the Prometheus /metrics endpoint; 0 disables it.", default=0)
+    mesh_secret_file: str = option(
+        "File holding the mesh shared secret (Docker secrets style, e.g. /run/secrets/weft_mesh); stripped; "
+        "unreadable or empty is an error; empty: WEFT_MESH_SECRET, or no peer authentication.",
+        default="", shared=True)
     log_level: str = option("Log level.", default="info", choices=LOG_LEVELS, shared=True)
     log_format: str = option("Log format (auto: JSON unless stderr is a terminal).", default="auto",
                              choices=LOG_FORMATS, shared=True)
@@ -102,6 +110,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
         self.ladder_config  # validates the rung list and thresholds
+        if self.kv_index_max_store_blocks < 0:
+            raise ValueError(f"kv_index_max_store_blocks must be >= 0, got {self.kv_index_max_store_blocks}")
         self.pause_costs  # validates the cost model
         from services.scheduler.contracts import parse_tenant_quotas
 

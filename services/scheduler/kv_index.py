@@ -12,20 +12,32 @@ Blocks in a cachestore tier (sleeping = host RAM, archived = disk) are kept apar
 make no executor a prefix holder, but any executor can load them, so placement counts
 them as cheaper-than-compute work for every candidate (``num_store_blocks``).
 
-    hash -> {(cachestore, tier), ...}
+    hash -> {(cachestore, tier), ...}      least recently stored first
+
+Memory: the executor side mirrors the executors' prefix caches, so it is bounded by
+their pools (removals arrive as kv.removed events; a gap or expiry drops the source).
+The cachestore side mirrors a disk tier that may hold millions of blocks, so it keeps
+at most ``max_store_blocks`` hashes (~0.4 KB each) and forgets the least recently stored
+beyond that: a forgotten block only stops counting as cheap in placement.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 
 class KvIndex:
     """Block hash → executors holding it. Not thread-safe (event loop only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_store_blocks: int = 0) -> None:
+        """``max_store_blocks``: most cachestore-tier hashes kept (0: unbounded)."""
+        if max_store_blocks < 0:
+            raise ValueError(f"max_store_blocks must be >= 0, got {max_store_blocks}")
+        self.max_store_blocks = max_store_blocks
+        self.num_store_forgotten = 0  # store hashes dropped by the bound
         self._holders: dict[int, set[str]] = {}
         self._by_source: dict[str, set[int]] = {}
-        self._in_store: dict[int, set[tuple[str, str]]] = {}
+        self._in_store: OrderedDict[int, set[tuple[str, str]]] = OrderedDict()
         self._store_by_source: dict[str, set[tuple[int, str]]] = {}
 
     def stored(self, source: str, block_hashes: Iterable[int]) -> None:
@@ -82,8 +94,18 @@ class KvIndex:
     def store_stored(self, source: str, tier: str, block_hashes: Iterable[int]) -> None:
         owned = self._store_by_source.setdefault(source, set())
         for h in block_hashes:
-            self._in_store.setdefault(h, set()).add((source, tier))
+            holders = self._in_store.get(h)
+            if holders is None:
+                holders = self._in_store[h] = set()
+            else:
+                self._in_store.move_to_end(h)
+            holders.add((source, tier))
             owned.add((h, tier))
+        while self.max_store_blocks and len(self._in_store) > self.max_store_blocks:
+            h, holders = self._in_store.popitem(last=False)
+            for holder, held_tier in holders:
+                self._store_by_source.get(holder, set()).discard((h, held_tier))
+            self.num_store_forgotten += 1
 
     def store_removed(self, source: str, tier: str, block_hashes: Iterable[int]) -> None:
         owned = self._store_by_source.get(source)
@@ -119,3 +141,7 @@ class KvIndex:
 
     def store_tiers(self, block_hash: int) -> frozenset[str]:
         return frozenset(tier for _, tier in self._in_store.get(block_hash, ()))
+
+    def num_hashes(self) -> tuple[int, int]:
+        """(executor-held hashes, cachestore-held hashes) indexed; does not modify."""
+        return len(self._holders), len(self._in_store)

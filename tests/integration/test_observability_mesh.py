@@ -50,8 +50,6 @@ class Mesh:
 
     def metrics_url(self, name: str) -> str:
         inst = self.state.instance(name)
-        if inst.service == "router":
-            return f"{self.http}/metrics"
         return f"http://127.0.0.1:{inst.ports[inst.service + '_metrics_port']}/metrics"
 
     def scrape(self, name: str) -> tuple[str, list]:

@@ -38,9 +38,16 @@ def test_prometheus_scrapes_every_service_with_metrics_at_its_compose_port():
         metrics_key = f"{spec.name}_metrics_port"
         if metrics_key in spec.ports:
             expected[spec.name] = [f"{spec.name}:{ctx[metrics_key]}"]
-        elif spec.name == "router":  # its HTTP API serves /metrics
-            expected[spec.name] = [f"router:{ctx['router_http_port']}"]
     assert _scrape_targets() == expected
+
+
+def test_every_python_service_has_a_metrics_port_that_compose_does_not_publish():
+    compose = _compose()["services"]
+    for spec in SERVICES:
+        if spec.python:
+            key = f"{spec.name}_metrics_port"
+            assert key in spec.ports and key not in spec.published, spec.name
+            assert all(str(spec.ports[key]) not in str(p) for p in compose[spec.name].get("ports", ())), spec.name
 
 
 def test_scaled_executors_are_found_through_dns_not_a_fixed_target():

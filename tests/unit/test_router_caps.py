@@ -1,5 +1,5 @@
-"""Input caps and authentication of every public HTTP method (health and metrics stay
-open for probes and scrapers)."""
+"""Input caps and authentication of every public HTTP method (health stays open for
+probes; metrics are not on the public port at all: test_router_metrics_port.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +24,7 @@ async def _client(model_dir, max_body_bytes=1 << 20):  # noqa: F811
     return client
 
 
-def test_every_public_method_needs_a_key_but_health_and_metrics_stay_open(model_dir):  # noqa: F811
+def test_every_public_method_needs_a_key_but_health_stays_open_and_metrics_are_not_served(model_dir):  # noqa: F811
     async def go():
         client = await _client(model_dir)
         try:
@@ -33,8 +33,9 @@ def test_every_public_method_needs_a_key_but_health_and_metrics_stay_open(model_
                                  ("GET", "/v1/weft/requests/x/timeline")):
                 resp = await client.request(method, path, json={})
                 assert resp.status == 401, (path, resp.status)
-            for path in ("/health", "/metrics"):
-                assert (await client.get(path)).status == 200
+            assert (await client.get("/health")).status == 200
+            for headers in ({}, KEY):  # per-tenant series never leave through the public port
+                assert (await client.get("/metrics", headers=headers)).status == 404
         finally:
             await client.close()
     asyncio.run(go())

@@ -1,0 +1,89 @@
+"""Containers that grow per request or per block hash stay bounded after many requests
+(soak memory creep, reliability issue 7): each has a removal path or a cap."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from services.executor.step_trace import StepTrace
+from services.mesh.timeline import Trace, TimelineStore
+from services.scheduler.kv_index import KvIndex
+
+NUM_REQUESTS = 20_000
+
+
+# -- scheduler: the KV index ------------------------------------------------------------
+def test_executor_entries_leave_the_index_when_their_blocks_are_removed():
+    index = KvIndex()
+    for i in range(NUM_REQUESTS):  # every request a distinct prompt: 3 fresh block hashes
+        hashes = [i * 3 + j for j in range(3)]
+        index.stored("executor-0", hashes)
+        if i >= 100:  # the executor's pool evicts the blocks of request i - 100
+            index.removed("executor-0", [(i - 100) * 3 + j for j in range(3)])
+    assert index.num_hashes() == (300, 0)
+    assert index.num_blocks("executor-0") == 300
+    assert index.drop_source("executor-0") == 300 and index.num_hashes() == (0, 0)
+
+
+def test_cachestore_entries_are_capped_and_the_least_recently_stored_forgotten_first():
+    index = KvIndex(max_store_blocks=1000)
+    for i in range(NUM_REQUESTS):
+        index.store_stored("cachestore", "archived", [i * 2, i * 2 + 1])
+        index.store_stored("cachestore", "sleeping", [0])  # re-stored all along: stays
+    assert index.num_hashes() == (0, 1000)
+    assert index.num_store_forgotten == NUM_REQUESTS * 2 - 1000  # distinct hashes beyond the cap
+    last = 2 * NUM_REQUESTS - 1
+    assert index.num_store_blocks([last - 1, last]) == 2 and index.num_store_blocks([2, 3]) == 0
+    assert index.store_tiers(0) == {"archived", "sleeping"}
+    assert index.drop_store("cachestore") == 1001  # the per-source set shrank with the cap (hash 0 in two tiers)
+    assert index.num_hashes() == (0, 0)
+
+
+def test_cachestore_entries_are_unbounded_only_when_asked():
+    index = KvIndex(max_store_blocks=0)
+    index.store_stored("cachestore", "archived", range(5000))
+    assert index.num_hashes() == (0, 5000) and index.num_store_forgotten == 0
+    with pytest.raises(ValueError):
+        KvIndex(max_store_blocks=-1)
+
+
+# -- executor: per-request step records -------------------------------------------------
+def _engine(waiting):
+    pool = SimpleNamespace(num_free_blocks=100, block_size=16, usage=lambda: [])
+    return SimpleNamespace(pool=pool, num_blocks=100, scheduler=SimpleNamespace(waiting=waiting),
+                           config=SimpleNamespace(max_prefill_chunk=0))
+
+
+def _item(rid: str):
+    return SimpleNamespace(seq=SimpleNamespace(request_id=rid, num_tokens=8, num_computed_tokens=0),
+                           num_new_tokens=8)
+
+
+def test_step_records_of_finished_requests_are_popped():
+    trace = StepTrace("executor-0", update_gauges_every=1_000_000)
+    engine = _engine([])
+    for i in range(NUM_REQUESTS):
+        trace.on_step(engine, SimpleNamespace(decodes=[], prefills=[_item(f"r{i}")], preempted=[]), 0, 1)
+        assert trace.pop(f"r{i}").chunks == [[0, 1, 8]]
+    assert len(trace) == 0
+
+
+def test_records_a_step_recreates_after_a_cancelled_stream_popped_them_are_capped():
+    trace = StepTrace("executor-0", update_gauges_every=1_000_000, max_records=64)
+    for i in range(NUM_REQUESTS):
+        rid = f"r{i}"
+        trace.pop(rid)  # the cancelled stream forgets its record ...
+        seq = _item(rid).seq  # ... while a step in flight still sees the request waiting
+        trace.on_step(_engine([seq]), SimpleNamespace(decodes=[], prefills=[], preempted=[]), 0, 1)
+    assert len(trace) == 64
+    assert trace.pop(f"r{NUM_REQUESTS - 1}").queued_ns == 1  # the newest survive
+
+
+# -- router: timelines --------------------------------------------------------------------
+def test_the_timeline_store_keeps_only_its_capacity_of_requests():
+    store = TimelineStore(capacity=128)
+    for i in range(NUM_REQUESTS // 4):
+        Trace(f"r{i}", "router").finish(store)
+    assert len(store) == 128
+    assert store.get("r0") is None and store.get(f"r{NUM_REQUESTS // 4 - 1}") is not None
