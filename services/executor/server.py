@@ -200,6 +200,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 self._streams.pop(rid, None)
                 self._steps(rid)  # forget the step record of a cancelled / failed request
                 self._tier_ns.pop(rid, None)
+                if self.tiers is not None:  # a cancelled / failed request never reaches observe's finish
+                    self.tiers.forget(rid)
                 pump.cancel()
                 # Covers a cancel that lands while the add is still in flight; a no-op
                 # when the request already finished or was aborted.

@@ -51,7 +51,7 @@ class TierOps:
     async def before_submit(self, request) -> None:
         """``request``: an ExecuteRequest. Never raises for a cachestore problem."""
         prompt = list(request.prompt_token_ids)
-        while len(self._tracked) >= self.max_tracked:  # a cancelled request never finishes
+        while len(self._tracked) >= self.max_tracked:  # backstop: the stream forgets its request at its end
             self._tracked.pop(next(iter(self._tracked)))
         session = request.session if request.HasField("session") else None
         self._tracked[request.request_id] = _Tracked(
@@ -86,6 +86,7 @@ class TierOps:
                 task.add_done_callback(self._background.discard)
 
     def forget(self, request_id: str) -> None:
+        """Drop a request that ended without a finished output (cancelled, failed)."""
         self._tracked.pop(request_id, None)
 
     async def _demote_quietly(self, t: _Tracked) -> None:

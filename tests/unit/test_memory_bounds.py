@@ -2,6 +2,7 @@
 (soak memory creep, reliability issue 7): each has a removal path or a cap."""
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -87,3 +88,52 @@ def test_the_timeline_store_keeps_only_its_capacity_of_requests():
         Trace(f"r{i}", "router").finish(store)
     assert len(store) == 128
     assert store.get("r0") is None and store.get(f"r{NUM_REQUESTS // 4 - 1}") is not None
+
+
+# -- executor: requests tracked for demote-on-finish ------------------------------------
+class _HangingEngine:
+    """An AsyncEngine stand-in whose requests never produce output."""
+
+    engine = SimpleNamespace(step_trace=None)
+
+    async def generate(self, request_id, *args, **kwargs):
+        await asyncio.Event().wait()
+        yield  # pragma: no cover
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+class _Context:
+    def invocation_metadata(self):
+        return ()
+
+    def time_remaining(self):
+        return None
+
+
+def test_cancelled_streams_leave_nothing_tracked_for_demotion():
+    from services.executor.demoter import DemoteOnFinish
+    from services.executor.server import ExecutorServicer
+    from services.executor.tier_ops import TierOps
+    from weft.v1 import executor_pb2
+
+    async def go():
+        servicer = ExecutorServicer(_HangingEngine(), "executor-0", "tiny", 16)
+        servicer.tiers = TierOps(None, None, DemoteOnFinish.ALL, promote_before_prefill=False)
+        for i in range(200):
+            stream = servicer.Generate(executor_pb2.ExecuteRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3]),
+                                       _Context())
+            first = asyncio.ensure_future(anext(stream))
+            for _ in range(100):  # until the pump registered the request (no sleeps as sync)
+                if f"r{i}" in servicer.tiers._tracked:
+                    break
+                await asyncio.sleep(0)
+            assert f"r{i}" in servicer.tiers._tracked
+            first.cancel()  # the client goes away
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            await stream.aclose()
+        assert servicer.tiers._tracked == {} and servicer._streams == {}
+
+    asyncio.run(go())
