@@ -30,8 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import structlog
+
+log = structlog.get_logger(__name__)
 
 SECRET_KEY = "x-weft-mesh-secret"
+# compose.yaml's fallback when WEFT_MESH_SECRET is unset: public, so a service using it warns.
+DEV_FALLBACK_SECRET = "weft-dev-mesh-secret-change-me"
 SECRET_ENV = "WEFT_MESH_SECRET"
 SECRET_FILE_ENV = "WEFT_MESH_SECRET_FILE"
 SECRET_FILE_OPTION = f"--mesh-secret-file ({SECRET_FILE_ENV})"
@@ -194,6 +199,8 @@ class _StreamStream(_SecretMetadata, grpc.aio.StreamStreamClientInterceptor):
 
 def server_interceptors(security: MeshSecurity | None = None) -> list[grpc.aio.ServerInterceptor]:
     security = security or current()
+    if security.secret == DEV_FALLBACK_SECRET:  # logged here: logging is configured by now
+        log.warning("mesh_secret_is_the_public_fallback", detail="set WEFT_MESH_SECRET (or a secret file)")
     return [SharedSecretInterceptor(security.secret)] if security.secret else []
 
 
