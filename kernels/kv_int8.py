@@ -194,5 +194,7 @@ def paged_decode_attention_int8(
     assert kv_scales.shape == (2, num_blocks, num_kv_heads) and kv_scales.dtype == torch.float32, \
         f"kv_scales must be [2, {num_blocks}, {num_kv_heads}] fp32, got {kv_scales.dtype} {tuple(kv_scales.shape)}"
     assert kv_scales.device == q.device
-    return launch_decode(q, kv_cache_int8[0], kv_cache_int8[1], kv_scales[0], kv_scales[1],
+    block_size = kv_cache_int8.shape[2]
+    k_scales, v_scales = (kv_scales[i][:, None, :].expand(-1, block_size, -1) for i in range(2))
+    return launch_decode(q, kv_cache_int8[0], kv_cache_int8[1], k_scales, v_scales,
                          block_tables, seq_lens, scale, num_splits, out)

@@ -63,8 +63,8 @@ def _decode_split_kernel(
     q_ptr,  # [B, H, D] fp16/bf16/fp32
     k_cache_ptr,  # [NB, BS, KVH, D] q's dtype, or int8 when KV_INT8
     v_cache_ptr,  # [NB, BS, KVH, D] q's dtype, or int8 when KV_INT8
-    k_scales_ptr,  # [NB, KVH] fp32, read only when KV_INT8
-    v_scales_ptr,  # [NB, KVH] fp32, read only when KV_INT8
+    k_scales_ptr,  # [NB, BS, KVH] fp32 (per-block scales: offset stride 0), read only when KV_INT8
+    v_scales_ptr,  # [NB, BS, KVH] fp32 (per-block scales: offset stride 0), read only when KV_INT8
     block_tables_ptr,  # [B, MAXB] int32
     seq_lens_ptr,  # [B] int32
     out_ptr,  # [B, H, D] q's dtype, written only when WRITE_OUT
@@ -82,8 +82,10 @@ def _decode_split_kernel(
     stride_vo,
     stride_vh,
     stride_ksb,
+    stride_kso,
     stride_ksh,
     stride_vsb,
+    stride_vso,
     stride_vsh,
     stride_btb,
     stride_ob,
@@ -141,7 +143,8 @@ def _decode_split_kernel(
 
         if KV_INT8:
             # int8 values are exact in fp16/bf16/fp32, so the tiles are cast as they are and
-            # the per-(block, head) scales are folded into the scores and the probabilities.
+            # the per-(token, head) scales are folded into the scores and the probabilities
+            # (per-block scales are per-token scales with offset stride 0).
             # (Straight to fp32 for an fp32 dot: the interpreter's int8 -> bf16 cast is wrong.)
             if DOT_FP32:
                 k = k.to(tl.float32)
@@ -149,10 +152,10 @@ def _decode_split_kernel(
             else:
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
-            k_scale = tl.load(k_scales_ptr + block * stride_ksb + kv_head * stride_ksh,
-                              mask=kv_mask, other=0.0)  # [TILE_N]
-            v_scale = tl.load(v_scales_ptr + block * stride_vsb + kv_head * stride_vsh,
-                              mask=kv_mask, other=0.0)  # [TILE_N]
+            k_scale = tl.load(k_scales_ptr + block * stride_ksb + offset * stride_kso
+                              + kv_head * stride_ksh, mask=kv_mask, other=0.0)  # [TILE_N]
+            v_scale = tl.load(v_scales_ptr + block * stride_vsb + offset * stride_vso
+                              + kv_head * stride_vsh, mask=kv_mask, other=0.0)  # [TILE_N]
             x = tile_dot(q, k, DOT_FP32) * (k_scale[None, :] * qk_scale)
         else:
             x = tile_dot(q, k, DOT_FP32) * qk_scale  # [GROUP_PAD, TILE_N]
@@ -297,7 +300,8 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Shared launcher of the fp and int8 decode kernels; inputs already checked.
 
     k_cache / v_cache: [NB, BS, KVH, D] views (kv_cache[0], kv_cache[1]); k_scales /
-    v_scales: [NB, KVH] fp32 when the caches are int8, else None.
+    v_scales: [NB, BS, KVH] fp32 views when the caches are int8 (a per-block scale is
+    expanded over the block's offsets with stride 0), else None.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -314,6 +318,7 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = num_heads // num_kv_heads
     if kv_int8:
         assert k_scales is not None and v_scales is not None
+        assert k_scales.shape == v_scales.shape == k_cache.shape[:3]
         k_scales_arg, v_scales_arg = k_scales, v_scales
     else:
         k_scales_arg = v_scales_arg = seq_lens  # never read: any valid pointer
@@ -333,14 +338,15 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_scales_arg.stride(0) if kv_int8 else 0, k_scales_arg.stride(1) if kv_int8 else 0,
-        v_scales_arg.stride(0) if kv_int8 else 0, v_scales_arg.stride(1) if kv_int8 else 0,
+        *(k_scales_arg.stride() if kv_int8 else (0, 0, 0)),
+        *(v_scales_arg.stride() if kv_int8 else (0, 0, 0)),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=decode_tile_n(head_dim, q.dtype),
         KV_INT8=kv_int8, DOT_FP32=dot_fp32, WRITE_OUT=write_out,
-        num_warps=4, num_stages=2,
+        # int8 tiles upcast for an fp32 dot spill registers when pipelined (sm_90: 255 + stack)
+        num_warps=4, num_stages=1 if kv_int8 and dot_fp32 else 2,
     )
     if not write_out:
         _decode_reduce_kernel[(batch, num_heads)](

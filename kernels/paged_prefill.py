@@ -17,6 +17,11 @@ from  query_start_loc[i] // BLOCK_Q + i  on, which leaves room for its
 cdiv(query_len, BLOCK_Q) blocks; a program finds its sequence by binary search over that
 bound, and programs past the end of their sequence's queries exit at once. The grid is
 T // BLOCK_Q + P programs long, an upper bound of sum_i cdiv(query_len_i, BLOCK_Q).
+
+With KV_INT8 the cache is int8 with one fp32 scale per (token, KV head), as in the
+decode kernel: tiles are cast exactly to the dot dtype, the key scales multiply the
+scores and the value scales the probabilities, which equals attending over the
+dequantised cache without materialising it.
 """
 from __future__ import annotations
 
@@ -45,8 +50,10 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs"])  # one prefill must not compile a variant
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
-    k_cache_ptr,  # [NB, BS, KVH, D]
-    v_cache_ptr,  # [NB, BS, KVH, D]
+    k_cache_ptr,  # [NB, BS, KVH, D] q's dtype, or int8 when KV_INT8
+    v_cache_ptr,  # [NB, BS, KVH, D] q's dtype, or int8 when KV_INT8
+    k_scales_ptr,  # [NB, BS, KVH] fp32, read only when KV_INT8
+    v_scales_ptr,  # [NB, BS, KVH] fp32, read only when KV_INT8
     block_tables_ptr,  # [P, MAXB] int32
     query_start_loc_ptr,  # [P + 1] int32
     context_lens_ptr,  # [P] int32
@@ -62,6 +69,12 @@ def _prefill_kernel(
     stride_vb,
     stride_vo,
     stride_vh,
+    stride_ksb,
+    stride_kso,
+    stride_ksh,
+    stride_vsb,
+    stride_vso,
+    stride_vsh,
     stride_btb,
     stride_ot,
     stride_oh,
@@ -71,6 +84,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,  # rows of a tile: BLOCK_Q tokens x GROUP heads, padded
     BLOCK_Q: tl.constexpr,  # query tokens per program
     TILE_N: tl.constexpr,  # keys per loop iteration
+    KV_INT8: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     tl.static_assert(BLOCK_Q * GROUP <= BLOCK_M)
@@ -121,7 +135,22 @@ def _prefill_kernel(
                     + kv_head * stride_vh + offs_d[None, :],
                     mask=kv_mask[:, None], other=0.0)  # [TILE_N, D]
 
-        x = tile_dot(q, k, DOT_FP32) * qk_scale  # [BLOCK_M, TILE_N]
+        if KV_INT8:
+            # Exact casts (straight to fp32 for an fp32 dot: the interpreter's int8 -> bf16
+            # cast is wrong); the per-token scales are folded in below.
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            else:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            k_scale = tl.load(k_scales_ptr + block * stride_ksb + offset * stride_kso
+                              + kv_head * stride_ksh, mask=kv_mask, other=0.0)  # [TILE_N]
+            v_scale = tl.load(v_scales_ptr + block * stride_vsb + offset * stride_vso
+                              + kv_head * stride_vsh, mask=kv_mask, other=0.0)  # [TILE_N]
+            x = tile_dot(q, k, DOT_FP32) * (k_scale[None, :] * qk_scale)
+        else:
+            x = tile_dot(q, k, DOT_FP32) * qk_scale  # [BLOCK_M, TILE_N]
         allowed = kv_mask[None, :] & (pos[None, :] <= query_pos[:, None])
         x = tl.where(allowed, x, float("-inf"))
 
@@ -131,6 +160,8 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(x - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_INT8:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_FP32)
         m_i = m_new
 
@@ -148,6 +179,83 @@ def prefill_tiles(group: int, dtype: torch.dtype) -> tuple[int, int]:
     return max(64 if group <= 4 else 128, next_pow2(group)), 64
 
 
+def check_prefill_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                         seq_lens: torch.Tensor) -> None:
+    """Assert the shapes, dtypes and strides the prefill kernel relies on (not the cache dtype)."""
+    assert q.dim() == 3, f"q must be [T, H, D], got {tuple(q.shape)}"
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, \
+        f"kv_cache must be [2, NB, BS, KVH, D], got {tuple(kv_cache.shape)}"
+    _, num_heads, head_dim = q.shape
+    _, _, _, num_kv_heads, cache_head_dim = kv_cache.shape
+    num_seqs = block_tables.shape[0]
+    assert cache_head_dim == head_dim, f"head_dim mismatch: q {head_dim}, cache {cache_head_dim}"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, \
+        f"head_dim must be a power of two >= 16, got {head_dim}"
+    assert num_heads % num_kv_heads == 0, f"H ({num_heads}) not a multiple of KVH ({num_kv_heads})"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q dtype {q.dtype}"
+    assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1, "head_dim must be the unit-stride dim"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 \
+        and block_tables.stride(1) == 1, "block_tables must be [P, MAXB] int32, unit inner stride"
+    for name, t, n in (("query_start_loc", query_start_loc, num_seqs + 1),
+                       ("context_lens", context_lens, num_seqs), ("seq_lens", seq_lens, num_seqs)):
+        assert t.dtype == torch.int32 and t.shape == (n,) and t.is_contiguous(), \
+            f"{name} must be [{n}] int32 contiguous, got {t.dtype} {tuple(t.shape)}"
+    for t in (kv_cache, block_tables, query_start_loc, context_lens, seq_lens):
+        assert t.device == q.device, f"all inputs must be on {q.device}, got {t.device}"
+
+
+def launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   k_scales: torch.Tensor | None, v_scales: torch.Tensor | None,
+                   block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                   context_lens: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                   out: torch.Tensor | None) -> torch.Tensor:
+    """Shared launcher of the fp and int8 prefill kernels; inputs already checked.
+
+    k_cache / v_cache: [NB, BS, KVH, D] views; k_scales / v_scales: [NB, BS, KVH] fp32 when
+    the caches are int8, else None.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = block_tables.shape[0]
+    kv_int8 = k_cache.dtype == torch.int8
+    if kv_int8:
+        assert k_scales is not None and v_scales is not None
+        assert k_scales.shape == v_scales.shape == k_cache.shape[:3]
+        k_scales_arg, v_scales_arg = k_scales, v_scales
+    else:
+        k_scales_arg = v_scales_arg = seq_lens  # never read: any valid pointer
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    block_m, tile_n = prefill_tiles(group, q.dtype)
+    block_q = block_m // group
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    dot_fp32 = q.dtype == torch.float32 or is_interpreted()
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, k_scales_arg, v_scales_arg, block_tables, query_start_loc,
+        context_lens, seq_lens, out,
+        scale * LOG2E, num_seqs,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *(k_scales_arg.stride() if kv_int8 else (0, 0, 0)),
+        *(v_scales_arg.stride() if kv_int8 else (0, 0, 0)),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, KV_INT8=kv_int8,
+        DOT_FP32=dot_fp32,
+        # int8 tiles upcast for an fp32 dot spill registers when pipelined (sm_90: 255 + stack)
+        num_warps=4 if block_m <= 64 else 8, num_stages=1 if kv_int8 and dot_fp32 else 2,
+    )
+    return out
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [T, H, D]
     kv_cache: torch.Tensor,  # [2, NB, BS, KVH, D], q's dtype; the chunks' K/V already in it
@@ -162,49 +270,7 @@ def paged_prefill_attention(
 
     Reads ``kv_cache``; mutates nothing but ``out``. Never syncs with the host.
     """
-    assert q.dim() == 3, f"q must be [T, H, D], got {tuple(q.shape)}"
-    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, \
-        f"kv_cache must be [2, NB, BS, KVH, D], got {tuple(kv_cache.shape)}"
-    num_tokens, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    num_seqs = block_tables.shape[0]
-    assert cache_head_dim == head_dim, f"head_dim mismatch: q {head_dim}, cache {cache_head_dim}"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, \
-        f"head_dim must be a power of two >= 16, got {head_dim}"
-    assert num_heads % num_kv_heads == 0, f"H ({num_heads}) not a multiple of KVH ({num_kv_heads})"
-    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q dtype {q.dtype}"
+    check_prefill_inputs(q, kv_cache, block_tables, query_start_loc, context_lens, seq_lens)
     assert kv_cache.dtype == q.dtype, f"kv_cache dtype {kv_cache.dtype} != q dtype {q.dtype}"
-    assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1, "head_dim must be the unit-stride dim"
-    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 \
-        and block_tables.stride(1) == 1, "block_tables must be [P, MAXB] int32, unit inner stride"
-    for name, t, n in (("query_start_loc", query_start_loc, num_seqs + 1),
-                       ("context_lens", context_lens, num_seqs), ("seq_lens", seq_lens, num_seqs)):
-        assert t.dtype == torch.int32 and t.shape == (n,) and t.is_contiguous(), \
-            f"{name} must be [{n}] int32 contiguous, got {t.dtype} {tuple(t.shape)}"
-    for t in (kv_cache, block_tables, query_start_loc, context_lens, seq_lens):
-        assert t.device == q.device, f"all inputs must be on {q.device}, got {t.device}"
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-
-    group = num_heads // num_kv_heads
-    block_m, tile_n = prefill_tiles(group, q.dtype)
-    block_q = block_m // group
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, seq_lens, out,
-        scale * LOG2E, num_seqs,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        DOT_FP32=q.dtype == torch.float32 or is_interpreted(),
-        num_warps=4 if block_m <= 64 else 8, num_stages=2,
-    )
-    return out
+    return launch_prefill(q, kv_cache[0], kv_cache[1], None, None, block_tables, query_start_loc,
+                          context_lens, seq_lens, scale, out)

@@ -8,6 +8,7 @@ Cache layout (see services/executor/attention/base.py)::
     kv_cache        [2, num_blocks, block_size, num_kv_heads, head_dim]   # [0] keys, [1] values
     kv_cache_int8   same shape, int8
     kv_scales       [2, num_blocks, num_kv_heads] fp32: one scale per (K/V, block, KV head)
+    kv_token_scales [2, num_blocks, block_size, num_kv_heads] fp32: one per (K/V, slot, KV head)
     slot = block_id * block_size + offset_in_block
 """
 from __future__ import annotations
@@ -144,3 +145,59 @@ def ref_paged_decode_attention_int8(
     kv_cache = kv_cache_int8.float() * kv_scales[:, :, None, :, None]  # [2, NB, BS, KVH, D]
     return ref_paged_decode_attention(q.float(), kv_cache, block_tables, seq_lens,
                                       scale).to(q.dtype)
+
+
+def ref_write_kv_cache_int8(
+    k: torch.Tensor,  # [T, KVH, D] fp16/bf16/fp32
+    v: torch.Tensor,  # [T, KVH, D]
+    kv_data: torch.Tensor,  # [2, NB, BS, KVH, D] int8, mutated
+    kv_scales: torch.Tensor,  # [2, NB, BS, KVH] fp32, mutated
+    slot_mapping: torch.Tensor,  # [T] int64; slot < 0: skip the token
+) -> None:
+    """Symmetric int8 per (token, KV head): scale = absmax / 127, q = round_half_even(x / scale)."""
+    block_size = kv_data.shape[2]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        for kv, x in enumerate((k[t].float(), v[t].float())):  # [KVH, D]
+            absmax = x.abs().amax(dim=1)
+            scale = absmax / torch.full_like(absmax, INT8_MAX)  # IEEE division on every device
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            quant = torch.round(x / safe[:, None]).clamp(-INT8_MAX, INT8_MAX)  # ties to even
+            kv_data[kv, slot // block_size, slot % block_size] = quant.to(torch.int8)
+            kv_scales[kv, slot // block_size, slot % block_size] = scale
+
+
+def ref_dequantize_kv_tokens(kv_data: torch.Tensor, kv_scales: torch.Tensor) -> torch.Tensor:
+    """[2, NB, BS, KVH, D] fp32: the per-token int8 cache times its scales."""
+    return kv_data.float() * kv_scales[..., None]
+
+
+def ref_paged_decode_attention_int8_token(
+    q: torch.Tensor,  # [B, H, D]
+    kv_data: torch.Tensor,  # [2, NB, BS, KVH, D] int8
+    kv_scales: torch.Tensor,  # [2, NB, BS, KVH] fp32
+    block_tables: torch.Tensor,  # [B, MAXB] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    num_splits: int | None = None,  # accepted for signature parity; no effect
+) -> torch.Tensor:  # [B, H, D]
+    """Decode attention over the fp32 dequantisation of the per-token int8 cache."""
+    return ref_paged_decode_attention(q.float(), ref_dequantize_kv_tokens(kv_data, kv_scales),
+                                      block_tables, seq_lens, scale).to(q.dtype)
+
+
+def ref_paged_prefill_attention_int8_token(
+    q: torch.Tensor,  # [T, H, D]
+    kv_data: torch.Tensor,  # [2, NB, BS, KVH, D] int8
+    kv_scales: torch.Tensor,  # [2, NB, BS, KVH] fp32
+    block_tables: torch.Tensor,  # [P, MAXB] int32
+    query_start_loc: torch.Tensor,  # [P + 1] int32
+    context_lens: torch.Tensor,  # [P] int32
+    seq_lens: torch.Tensor,  # [P] int32
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Prefill attention over the fp32 dequantisation of the per-token int8 cache."""
+    return ref_paged_prefill_attention(q.float(), ref_dequantize_kv_tokens(kv_data, kv_scales),
+                                       block_tables, query_start_loc, context_lens, seq_lens,
+                                       scale).to(q.dtype)

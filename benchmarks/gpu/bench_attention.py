@@ -7,6 +7,11 @@ sequence at that context length) over a paged bf16 cache with shuffled block ids
   triton 1 split  the same kernel without split-K (shows what splitting buys)
   torch ref       kernels.reference.ref_paged_decode_attention (the baseline)
 
+A second, short table compares the int8 KV cache the executor runs with
+kv_cache_dtype=int8 (one fp32 scale per token and KV head, kernels.kv_int8_token) with the
+bf16 cache on the same data, at --int8-batches x --int8-contexts (default 64 x 4k, 16k):
+both times and both achieved bandwidths (int8 bytes: K/V data plus their scales).
+
 Bandwidth counts the bytes a decode step must read or write once (K and V of every
 context token, q, out, block tables) over the measured time, and is compared with the
 device's peak memory bandwidth (table below, or --peak-tbps). Times are medians of
@@ -67,11 +72,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="random seed for the cache, queries and block order")
     p.add_argument("--out", type=Path, default=None,
                    help="also write the Markdown section to this file (it is always printed)")
+    p.add_argument("--int8-batches", default="64",
+                   help="batch sizes of the int8 vs bf16 table; default 64 ('' skips the table)")
+    p.add_argument("--int8-contexts", default="4096,16384",
+                   help="context lengths of the int8 vs bf16 table; default 4096,16384")
     p.add_argument("--smoke", action="store_true",
                    help="one tiny fp32 size on CPU under the Triton interpreter: checks the script runs")
     args = p.parse_args(argv)
     if args.smoke:
         args.batches, args.contexts, args.dtype = "2", "600", "float32"  # 600: split-K kicks in
+        args.int8_batches, args.int8_contexts = "2", "600"
         args.head_dim, args.num_heads, args.num_kv_heads = 32, 4, 2
     return args
 
@@ -106,10 +116,9 @@ def make_timer(device, warmup_ms: int, rep_ms: int):
     return time_cpu
 
 
-def bench_size(args, torch, device, dtype, batch: int, context: int, timer) -> dict:
-    from kernels.paged_decode import choose_num_splits, num_sms, paged_decode_attention
-    from kernels.reference import ref_paged_decode_attention
-
+def decode_inputs(args, torch, device, dtype, batch: int, context: int):
+    """(kv_cache, block_tables, seq_lens, q): every sequence at ``context`` tokens,
+    shuffled block ids."""
     gen = torch.Generator(device=device).manual_seed(args.seed)
     blocks_per_seq = -(-context // args.block_size)
     num_blocks = batch * blocks_per_seq
@@ -119,6 +128,15 @@ def bench_size(args, torch, device, dtype, batch: int, context: int, timer) -> d
     block_tables = block_tables.reshape(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, args.num_heads, args.head_dim, generator=gen, device=device, dtype=dtype)
+    return kv_cache, block_tables, seq_lens, q
+
+
+def bench_size(args, torch, device, dtype, batch: int, context: int, timer) -> dict:
+    from kernels.paged_decode import choose_num_splits, num_sms, paged_decode_attention
+    from kernels.reference import ref_paged_decode_attention
+
+    kv_cache, block_tables, seq_lens, q = decode_inputs(args, torch, device, dtype, batch, context)
+    blocks_per_seq = block_tables.shape[1]
     out = torch.empty_like(q)
     scale = args.head_dim ** -0.5
 
@@ -138,8 +156,59 @@ def bench_size(args, torch, device, dtype, batch: int, context: int, timer) -> d
     got = paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
-    del kv_cache
     return row
+
+
+def bench_int8_size(args, torch, device, dtype, batch: int, context: int, timer) -> dict:
+    """The same decode step over the model-dtype cache and over its per-token int8 copy."""
+    from kernels.kv_int8_token import paged_decode_attention_int8_token
+    from kernels.paged_decode import paged_decode_attention
+    from kernels.reference import ref_paged_decode_attention_int8_token
+    from services.executor.attention.base import quantize_int8
+
+    kv_cache, block_tables, seq_lens, q = decode_inputs(args, torch, device, dtype, batch, context)
+    kv_data, kv_scales = quantize_int8(kv_cache)  # [2, NB, BS, KVH, D] int8, [2, NB, BS, KVH] fp32
+    out = torch.empty_like(q)
+    scale = args.head_dim ** -0.5
+    tokens = 2 * batch * context * args.num_kv_heads  # K and V rows read
+    other_bytes = 2 * q.numel() * q.element_size() + block_tables.numel() * 4 + seq_lens.numel() * 4
+    row = {"batch": batch, "context": context,
+           "fp_bytes": tokens * args.head_dim * kv_cache.element_size() + other_bytes,
+           "int8_bytes": tokens * (args.head_dim + kv_scales.element_size()) + other_bytes}
+    row["fp_s"] = timer(lambda: paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, out=out))
+    row["int8_s"] = timer(lambda: paged_decode_attention_int8_token(
+        q, kv_data, kv_scales, block_tables, seq_lens, scale, out=out))
+    expected = ref_paged_decode_attention_int8_token(q, kv_data, kv_scales, block_tables, seq_lens, scale)
+    got = paged_decode_attention_int8_token(q, kv_data, kv_scales, block_tables, seq_lens, scale)
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    return row
+
+
+def render_int8(rows: list[dict], args, peak: float | None) -> str:
+    from benchmarks.report import write_markdown
+
+    table = []
+    for r in rows:
+        fp_gbps, int8_gbps = r["fp_bytes"] / r["fp_s"] / 1e9, r["int8_bytes"] / r["int8_s"] / 1e9
+        table.append([
+            r["batch"], f"{r['context']:,}", f"{r['fp_s'] * 1e6:,.1f}", f"{fp_gbps:,.0f}",
+            f"{r['int8_s'] * 1e6:,.1f}", f"{int8_gbps:,.0f}",
+            "n/a" if peak is None else f"{100 * int8_gbps / (peak * 1e3):.0f} %",
+            f"{r['fp_s'] / r['int8_s']:.2f}×",
+        ])
+    headers = ["batch", "context", f"{args.dtype} µs", f"{args.dtype} GB/s", "int8 µs", "int8 GB/s",
+               "int8 % of peak", "int8 speed-up"]
+    return "\n".join([
+        "## Paged decode attention, int8 KV cache (per-token scales)",
+        "",
+        f"The executor's kv_cache_dtype=int8 cache (int8 K/V, one fp32 scale per token and KV "
+        f"head; kernels/kv_int8_token.py) against the {args.dtype} cache it quantises, split-K "
+        "heuristic on both. int8 GB/s counts int8 K/V + scales + q + out + block tables.",
+        "",
+        write_markdown(headers, table),
+        "",
+    ])
 
 
 def render(rows: list[dict], args, device_name: str, peak: float | None) -> str:
@@ -197,6 +266,15 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     text = render(rows, args, device_name, peak)
+    int8_sizes = [(int(b), int(c)) for b in args.int8_batches.split(",") if b
+                  for c in args.int8_contexts.split(",") if c]
+    if int8_sizes:
+        int8_rows = []
+        for batch, context in tqdm(int8_sizes, desc="int8 decode attention", unit="size"):
+            int8_rows.append(bench_int8_size(args, torch, device, dtype, batch, context, timer))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        text += "\n" + render_int8(int8_rows, args, peak)
     print(text)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ class EngineConfig:
 
     device: str = "cpu"
     dtype: str = "float32"
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere (and for an int8 KV cache)
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
@@ -48,10 +48,6 @@ class EngineConfig:
             raise ValueError("max_prefill_chunk must not exceed max_num_batched_tokens")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "int8" and self.attention_backend == "triton":
-            # The kernels read one scale per block; the int8 cache has one per token and KV head.
-            raise ValueError("kv_cache_dtype 'int8' needs attention_backend 'torch' (or 'auto'): the Triton "
-                             "kernels do not read the int8 cache's per-token scales")
         if self.kv_compress_budget_blocks < 0:
             raise ValueError(f"kv_compress_budget_blocks must be >= 0, got {self.kv_compress_budget_blocks}")
         if self.kv_compress_budget_blocks and (
@@ -76,4 +72,4 @@ class EngineConfig:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if self.device.startswith("cuda") and self.kv_cache_dtype != "int8" else "torch"
+        return "triton" if self.device.startswith("cuda") else "torch"

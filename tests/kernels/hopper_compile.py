@@ -78,6 +78,11 @@ def install_compile_only() -> list[str]:
 def compile_all() -> None:
     from kernels.kv_cache_write import write_kv_cache
     from kernels.kv_int8 import dequantize_kv_blocks, paged_decode_attention_int8, quantize_kv_blocks
+    from kernels.kv_int8_token import (
+        paged_decode_attention_int8_token,
+        paged_prefill_attention_int8_token,
+        write_kv_cache_int8,
+    )
     from kernels.paged_decode import is_interpreted, paged_decode_attention
     from kernels.paged_prefill import paged_prefill_attention
 
@@ -109,6 +114,14 @@ def compile_all() -> None:
             quantize_kv_blocks(kv_cache, lens, cache_int8, scales)
             dequantize_kv_blocks(cache_int8, scales, lens, kv_cache)
             paged_decode_attention_int8(q, cache_int8, scales, block_tables, lens, 0.1, num_splits=4)
+        if num_heads == 32 and num_kv_heads == 8:  # the per-token int8 cache (QuantizedKVCache)
+            data = torch.zeros(kv_cache.shape, dtype=torch.int8)
+            token_scales = torch.zeros(kv_cache.shape[:4])
+            write_kv_cache_int8(kv, kv, data, token_scales, torch.zeros(batch, dtype=torch.int64))
+            for num_splits in (1, 4):
+                paged_decode_attention_int8_token(q, data, token_scales, block_tables, lens, 0.1,
+                                                  num_splits=num_splits)
+            paged_prefill_attention_int8_token(q, data, token_scales, block_tables, starts, lens, lens, 0.1)
 
 
 def main() -> int:

@@ -11,14 +11,22 @@ import torch
 
 from kernels.kv_cache_write import write_kv_cache
 from kernels.kv_int8 import paged_decode_attention_int8, quantize_kv_blocks
+from kernels.kv_int8_token import (
+    paged_decode_attention_int8_token,
+    paged_prefill_attention_int8_token,
+    write_kv_cache_int8,
+)
 from kernels.paged_decode import paged_decode_attention
 from kernels.paged_prefill import paged_prefill_attention
 from kernels.reference import (
     ref_paged_decode_attention,
     ref_paged_decode_attention_int8,
+    ref_paged_decode_attention_int8_token,
+    ref_paged_prefill_attention_int8_token,
     ref_paged_prefill_attention,
     ref_quantize_kv_blocks,
 )
+from services.executor.attention.base import quantize_int8
 from tests.kernels.paged_inputs import DEVICE, ON_GPU, assert_close, int32, query_start_loc
 
 pytestmark = pytest.mark.skipif(
@@ -119,3 +127,32 @@ def test_int8_quantize_and_decode_past_int32(big_case):
     expected = ref_paged_decode_attention_int8(q, compact_int8, compact_scales, tables, lens, 0.125)
     assert_close(out, expected, DTYPE)
     del cache_int8
+
+
+def test_int8_per_token_write_decode_and_prefill_past_int32(big_case):
+    _, block_tables, slots, k, v = big_case
+    data = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.int8, device=DEVICE)
+    scales = torch.zeros(data.shape[:4], device=DEVICE)
+    assert data[0].numel() > 2 ** 31
+    write_kv_cache_int8(k, v, data, scales, slots)
+    blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    for i, x in enumerate((k, v)):
+        expected_q, expected_scale = quantize_int8(x)
+        assert torch.equal(data[i, blocks, offsets], expected_q)
+        assert torch.equal(scales[i, blocks, offsets], expected_scale)
+
+    compact_data, tables, _ = _compact(data, block_tables)
+    compact_scales = _compact(scales, block_tables)[0]
+    lens = int32(SEQ_LENS)
+    q = torch.randn(len(SEQ_LENS), NUM_HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
+    out = paged_decode_attention_int8_token(q, data, scales, block_tables, lens, 0.125)
+    assert_close(out, ref_paged_decode_attention_int8_token(q, compact_data, compact_scales, tables,
+                                                            lens, 0.125), DTYPE)
+    query_lens = [1, 5, 37, 64]
+    context_lens = [n - c for n, c in zip(SEQ_LENS, query_lens)]
+    q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
+    args = (query_start_loc(query_lens), int32(context_lens), lens)
+    out = paged_prefill_attention_int8_token(q, data, scales, block_tables, *args, 0.125)
+    assert_close(out, ref_paged_prefill_attention_int8_token(q, compact_data, compact_scales, tables,
+                                                             *args, 0.125), DTYPE)
+    del data, scales

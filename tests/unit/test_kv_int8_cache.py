@@ -168,12 +168,13 @@ def test_int8_engine_blocks_do_not_transfer_to_the_cachestore(checkpoint):
 
 
 # -- config ---------------------------------------------------------------------------
-def test_triton_backend_with_an_int8_cache_is_a_config_error_naming_kv_cache_dtype():
-    with pytest.raises(ValueError, match="kv_cache_dtype") as err:
-        EngineConfig(attention_backend="triton", kv_cache_dtype="int8")
-    assert "scale" in str(err.value)
+def test_triton_backend_accepts_an_int8_cache():
+    config = EngineConfig(attention_backend="triton", kv_cache_dtype="int8",
+                          device="cuda" if torch.cuda.is_available() else "cpu")
+    assert config.resolved_attention_backend == "triton"
 
 
-def test_auto_backend_picks_torch_for_an_int8_cache_on_cuda():
-    assert EngineConfig(device="cuda", kv_cache_dtype="int8").resolved_attention_backend == "torch"
+def test_auto_backend_picks_triton_on_cuda_and_torch_on_cpu_for_an_int8_cache():
+    assert EngineConfig(device="cuda", kv_cache_dtype="int8").resolved_attention_backend == "triton"
     assert EngineConfig(device="cuda").resolved_attention_backend == "triton"
+    assert EngineConfig(device="cpu", kv_cache_dtype="int8").resolved_attention_backend == "torch"

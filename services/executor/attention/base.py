@@ -26,7 +26,8 @@ data of the same shape plus one float32 scale per (slot, KV head)::
     x[slot, h, :] ~= data[slot, h, :] * scales[slot, h]
 
 Per-token scales let a block fill one token at a time without ever requantising it.
-The Triton kernels read per-block scales, so a quantised cache runs on the torch back end.
+Both back ends read it: the torch one dequantises gathered blocks, the Triton one
+(kernels/kv_int8_token.py) quantises on write and reads int8 tiles in its kernels.
 """
 from __future__ import annotations
 
@@ -82,9 +83,13 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 over the last dim: ``(q, scale)`` with ``x ~= q * scale[..., None]``
     and ``|x - q * scale| <= scale / 2``; ``scale = amax(|x|) / 127`` (0 -> q = 0)."""
     x32 = x.float()
-    scale = x32.abs().amax(dim=-1) / 127.0  # [..., ] float32
+    amax = x32.abs().amax(dim=-1)  # [...] float32
+    # A tensor divisor keeps the division IEEE-rounded on CUDA too (a Python-scalar divisor
+    # becomes a multiplication by its reciprocal there), so the Triton write kernel
+    # (kernels.kv_int8_token) matches this bit for bit on every device.
+    scale = amax / torch.full_like(amax, 127.0)
     ratio = torch.where(scale[..., None] > 0, x32 / scale[..., None], 0.0)
-    return ratio.round_().clamp_(-127, 127).to(torch.int8), scale
+    return ratio.round_().clamp_(-127, 127).to(torch.int8), scale  # round: ties to even
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
