@@ -101,6 +101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="triton", choices=("triton", "torch", "auto"),
                    help="weft attention back end; default triton")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size; default 16")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"),
+                   help="weft KV cache storage (int8: the kv_int8 rung's cache); default auto (= --dtype)")
+    p.add_argument("--kv-compress-budget-blocks", type=int, default=0,
+                   help="weft KV compression budget per sequence in blocks (the kv_compress rung); "
+                        "default 0 (off)")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096,
                    help="engine token budget per step; default 4096")
     p.add_argument("--peak-tbps", type=float, default=None,
@@ -186,6 +191,8 @@ def engine_options(args, torch, device: str, max_batch: int) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory_bytes": int(tokens * bytes_per_token * 1.25),
         "max_prefill_chunk": min(512, args.max_num_batched_tokens),
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_compress_budget_blocks": args.kv_compress_budget_blocks,
     }
     try:  # pass only what this engine version knows
         from dataclasses import fields
@@ -278,7 +285,9 @@ def render(rows: list[dict], args, device_name: str, peak: float | None) -> str:
         f"Device: {device_name}. Random-weight Llama, {s.num_parameters() / 1e9:.2f} B parameters "
         f"(hidden {s.hidden_size}, {s.num_hidden_layers} layers, {s.num_attention_heads}/"
         f"{s.num_key_value_heads} heads, intermediate {s.intermediate_size}, vocab {s.vocab_size}), "
-        f"{args.dtype}, attention back end `{args.attention_backend}`, block {args.block_size}; "
+        f"{args.dtype}, KV cache `{args.kv_cache_dtype}`"
+        f"{f', compress budget {args.kv_compress_budget_blocks} blocks' if args.kv_compress_budget_blocks else ''}, "
+        f"attention back end `{args.attention_backend}`, block {args.block_size}; "
         f"{args.prompt_len}-token prompts, {args.max_tokens} new tokens, greedy, EOS ignored. "
         "Weight GB/s = weight bytes / decode step time (KV reads not counted).",
         "",
