@@ -24,6 +24,11 @@ from services.mesh import mesh_auth
 log = structlog.get_logger(__name__)
 
 RETRY_AFTER_KEY = "retry-after-ms"
+# Trailing metadata on every status this interceptor answers: the server *chose* the
+# error (value: the domain error's class name). A failed call without it broke in
+# transport (peer died, connection reset, server shut down): the router continues such
+# streams (services/router/continuation.py) and ends chosen ones.
+ERROR_ORIGIN_KEY = "weft-error"
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -103,8 +108,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             log.error("rpc_failed", method=method, exc_info=exc)
         else:
             log.info("rpc_error", method=method, code=code.name, details=details)
+        metadata = [(ERROR_ORIGIN_KEY, type(exc).__name__)]
         if retry_after_ms is not None:
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry_after_ms)),))
+            metadata.append((RETRY_AFTER_KEY, str(retry_after_ms)))
+        context.set_trailing_metadata(tuple(metadata))
         await context.abort(code, details)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -169,6 +176,15 @@ def _retry_after_ms(metadata) -> int | None:
 def retry_after_ms_of(error: grpc.aio.AioRpcError) -> int | None:
     """The server's ``retry-after-ms`` hint on a failed call, if any."""
     return _retry_after_ms(error.trailing_metadata())
+
+
+def error_origin_of(error: grpc.aio.AioRpcError) -> str | None:
+    """The domain error a Weft server answered ``error`` with; None: no Weft server chose
+    this status (the peer died or the call broke in transport)."""
+    for key, value in error.trailing_metadata() or ():
+        if key == ERROR_ORIGIN_KEY:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return None
 
 
 # -- server -----------------------------------------------------------------------------

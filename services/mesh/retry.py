@@ -10,8 +10,11 @@ raises the wait to at least that long (still capped by ``max_wait_s``).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_random_exponential
+from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, stop_after_delay,
+                      wait_random_exponential)
 
 from services.mesh.grpc_server import retry_after_ms_of
 
@@ -47,5 +50,20 @@ def rpc_retrying(max_attempts: int = 3, initial_s: float = 0.05, max_wait_s: flo
         stop=stop_after_attempt(max_attempts),
         wait=_WaitWithHint(initial_s, max_wait_s),
         retry=retry_if_exception(is_retryable),
+        reraise=True,
+    )
+
+
+def outage_retrying(within_s: float, retry: Callable[[BaseException], bool], initial_s: float = 0.1,
+                    max_wait_s: float = 1.0) -> AsyncRetrying:
+    """A tenacity policy that rides out a peer's outage: retries while ``retry(exc)``,
+    jittered exponential waits capped at ``max_wait_s``, no new try after ``within_s``
+    seconds; reraises the last error then."""
+    if within_s < 0:
+        raise ValueError("within_s must be >= 0")
+    return AsyncRetrying(
+        stop=stop_after_delay(within_s),
+        wait=wait_random_exponential(multiplier=initial_s, max=max_wait_s),
+        retry=retry_if_exception(retry),
         reraise=True,
     )

@@ -13,6 +13,7 @@ from services.mesh.grpc_server import GrpcServer
 from services.mesh.metrics import MetricsServer
 from services.router.auth import KeyStore
 from services.router.config import RouterConfig
+from services.router.continuation import ContinuationPolicy, ContinuingStreamer
 from services.router.generation import Generator, model_limits
 from services.router.http_api import HttpApi
 from services.router.scheduler_client import SchedulerClient
@@ -30,12 +31,16 @@ class RouterApp:
         tokenizer = Tokenizer.from_dir(config.model_dir)
         limits = model_limits(config.model_dir, tokenizer, [config.model_name], config.max_model_len)
         self.scheduler = SchedulerClient(config.scheduler_address)
-        downstream = self.scheduler
+        # A stream survives its scheduler's death, restart or stall (continuation.py).
+        downstream = ContinuingStreamer(self.scheduler, ContinuationPolicy(
+            max_attempts=config.continuation_attempts, reconnect_wait_s=config.continuation_wait_s,
+            min_stall_s=config.continuation_min_stall_s, probe_timeout_s=config.continuation_probe_timeout_s,
+        ), probe=self.scheduler.probe)
         if config.cachestore_address:  # opt-in semantic response cache in front of the scheduler
             from services.router.cachestore_client import CacheStoreClient
             from services.router.semantic_cache import SemanticCachingStreamer
 
-            downstream = SemanticCachingStreamer(self.scheduler, CacheStoreClient(config.cachestore_address), tokenizer)
+            downstream = SemanticCachingStreamer(downstream, CacheStoreClient(config.cachestore_address), tokenizer)
         self.generator = Generator(tokenizer, limits, downstream, config.request_timeout_s)
         keys = KeyStore.from_file(config.keys_file)
         self.http = HttpApi(self.generator, keys, config.model_name, self.scheduler.list_executors)

@@ -33,6 +33,17 @@ class RouterConfig:
         "style); stripped; unreadable or empty is an error; empty: WEFT_MESH_SECRET, or none", default="",
         shared=True)
     drain_timeout_s: float = option("on SIGTERM, how long in-flight streams may finish", default=10.0)
+    continuation_attempts: int = option(
+        "times one stream is re-issued to the scheduler from prompt + tokens so far when the scheduler dies, "
+        "restarts or stalls mid-stream (the client sees one stream); 0: such streams end UNAVAILABLE", default=3)
+    continuation_wait_s: float = option(
+        "how long one continuation waits for the scheduler to come back (jittered retries) before the stream "
+        "ends UNAVAILABLE naming the tokens sent", default=10.0)
+    continuation_min_stall_s: float = option(
+        "no chunk for max(this, 20 x the stream's mean gap) and no answer to a scheduler health probe within "
+        "--continuation-probe-timeout-s: the scheduler is stalled and the stream is continued", default=2.0)
+    continuation_probe_timeout_s: float = option(
+        "how long a health probe of a silent scheduler may take before it counts as stalled", default=1.0)
     log_level: str = option("log level", default="info", choices=LOG_LEVELS, shared=True)
     log_format: str = option("log format", default="auto", choices=LOG_FORMATS, shared=True)
 
@@ -50,7 +61,12 @@ class RouterConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.keys_file and not Path(self.keys_file).is_file():
             raise ValueError(f"keys_file: {self.keys_file} does not exist")
-        for name in ("max_body_bytes", "request_timeout_s", "drain_timeout_s"):
+        if self.continuation_attempts < 0:
+            raise ValueError(f"continuation_attempts must be >= 0, got {self.continuation_attempts}")
+        if self.continuation_wait_s < 0:
+            raise ValueError(f"continuation_wait_s must be >= 0, got {self.continuation_wait_s}")
+        for name in ("max_body_bytes", "request_timeout_s", "drain_timeout_s", "continuation_min_stall_s",
+                     "continuation_probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -45,8 +45,21 @@ class OverloadedError(RouterError):
 
 
 class UpstreamUnavailable(RouterError):
-    """The scheduler (or every executor behind it) is unreachable or draining."""
+    """The scheduler (or every executor behind it) is unreachable or draining.
+
+    ``lost``: the call broke without the scheduler choosing to end it (its process died
+    or restarted, the connection reset, it shut down mid-stream, or it stopped answering):
+    a stream that already relayed tokens is continued (``continuation.py``)."""
+
+    def __init__(self, message: str, lost: bool = False) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 class UpstreamError(RouterError):
-    """The scheduler failed the request for a reason that is not the caller's fault."""
+    """The scheduler failed the request for a reason that is not the caller's fault;
+    ``lost`` as for ``UpstreamUnavailable`` (INTERNAL / UNKNOWN / CANCELLED in transport)."""
+
+    def __init__(self, message: str, lost: bool = False) -> None:
+        super().__init__(message)
+        self.lost = lost

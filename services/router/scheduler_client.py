@@ -4,17 +4,20 @@ Like ``server.py`` on the inbound side, this is the only other router module tha
 touches generated protobuf types; it converts ``TokenRequest`` / ``TokenChunk``
 dataclasses and maps gRPC status codes to the router's domain errors. A call that
 fails UNAVAILABLE or RESOURCE_EXHAUSTED before its first chunk is retried (tenacity: bounded, jittered): nothing was
-generated yet, so a retry is invisible to the client.
+generated yet, so a retry is invisible to the client. A call that broke in transport
+(no ``weft-error`` origin: the scheduler died or restarted) raises a ``lost`` error, which
+``continuation.py`` continues when chunks were already relayed.
 """
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import AsyncIterator
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.mesh.grpc_server import error_origin_of
 from services.mesh.mesh_auth import mesh_channel
 from services.mesh.retry import rpc_retrying
 from services.mesh.timeline import CURRENT_TRACE, TRACEPARENT_KEY, downstream_spans
@@ -28,6 +31,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 30_000),
+    # A restarted scheduler is reached within ~1 s, not after gRPC's default backoff (up to
+    # 120 s): streams continued across its restart wait on this reconnect.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -50,6 +57,8 @@ _FALLBACKS = {
 }
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.*)$", re.S)
 MAX_ATTEMPTS = 3
+LOST_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+                        grpc.StatusCode.UNKNOWN})
 
 
 def to_proto(req: TokenRequest) -> scheduler_pb2.ScheduleRequest:
@@ -118,9 +127,13 @@ def domain_error(err: grpc.aio.AioRpcError) -> Exception:
             if key in ("retry-after-ms", "weft-retry-after-ms"):
                 retry_ms = int(value) if str(value).isdigit() else retry_ms
         return OverloadedError(details or "overloaded", retry_ms)
+    # Lost: no Weft server chose this status (the scheduler died, reset, shut down mid-call),
+    # or it is a bug's INTERNAL / UNKNOWN; the request's own deadline is never "lost".
+    lost = code in LOST_CODES and (error_origin_of(err) is None or code in (grpc.StatusCode.INTERNAL,
+                                                                            grpc.StatusCode.UNKNOWN))
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return UpstreamUnavailable(f"scheduler: {code.name}: {details}")
-    return UpstreamError(f"scheduler: {code.name}: {details}")
+        return UpstreamUnavailable(f"scheduler: {code.name}: {details}", lost=lost)
+    return UpstreamError(f"scheduler: {code.name}: {details}", lost=lost)
 
 
 class SchedulerClient:
@@ -130,6 +143,7 @@ class SchedulerClient:
         self.address = address
         self._channel = mesh_channel(address, options=CHANNEL_OPTIONS)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def generate(self, request: TokenRequest, timeout_s: float) -> AsyncIterator[TokenChunk]:
         """Stream the request's chunks. Closing this generator cancels the call."""
@@ -169,6 +183,15 @@ class SchedulerClient:
                     call.cancel()
                     raise
         raise AssertionError("unreachable: rpc_retrying reraises")  # pragma: no cover
+
+    async def probe(self, timeout_s: float) -> bool:
+        """Does the scheduler answer at all (health: SERVING or NOT_SERVING, i.e. draining)?
+        False when it is down or stopped (no answer within ``timeout_s``)."""
+        try:
+            await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            return True
+        except grpc.aio.AioRpcError as err:
+            return err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
     async def list_executors(self, timeout_s: float = 2.0) -> list[dict]:
         resp = await self._stub.ListExecutors(scheduler_pb2.ListExecutorsRequest(), timeout=timeout_s)

@@ -1,0 +1,254 @@
+"""Scheduler continuation: a stream survives the death, restart or stall of its scheduler.
+
+NOTE: this is the scheduler's executor migration (``services/scheduler/migration.py``)
+one level up. When the scheduler stream breaks after chunks were relayed, the router
+re-issues the request with prompt = original prompt + every token already relayed and
+``max_tokens`` / ``min_tokens`` reduced by that many, and keeps relaying:
+
+    attempt 0:   prompt p0..pn            → t0 t1 t2 ✗ (scheduler killed)
+    attempt 1:   prompt p0..pn t0 t1 t2   → t3 t4 …  (id "<id>.c1", max_tokens - 3)
+    client sees: t0 t1 t2 t3 t4 …         usage: the first attempt's prompt and cached
+                                          tokens, output counted across attempts
+
+``Generator.stream`` sees one chunk stream, so its incremental detokenizer and
+stop-string holdback just keep running over the relayed tokens.
+
+Continued: a call that broke without the scheduler choosing to end it (``lost``: the
+process died or restarted, the connection reset, it shut down mid-stream; UNAVAILABLE /
+CANCELLED / INTERNAL / UNKNOWN without a Weft error origin), or a stall: no chunk for
+max(``min_stall_s``, ``stall_factor`` × the stream's mean gap) (``first_chunk_probe_s``
+before an attempt's first chunk) *and* no answer to a health probe within
+``probe_timeout_s``. A scheduler that answers (busy migrating the request between
+executors, prefilling, draining) is waited on; the request's deadline still bounds it.
+Not continued: anything before the first chunk of the first attempt (nothing was
+generated: ``scheduler_client`` retries that itself), a status the scheduler chose (its
+own migration gave up, a bad request, the deadline).
+
+Bounded: at most ``max_attempts`` continuations. Each waits for the scheduler at most
+``reconnect_wait_s``, retrying with jittered backoff (tenacity) while it is down, refuses
+(UNAVAILABLE / RESOURCE_EXHAUSTED) or does not answer; then UNAVAILABLE naming how many
+tokens were sent. A fresh request id per continuation: a stalled scheduler that wakes up
+may still hold the old one.
+
+Sessions: the continuation keeps the hop's session fields, so whichever scheduler
+finishes it records the hop exactly once. A stateful hop stays stateful (prompt = the
+hop's new tokens + the tokens relayed; the scheduler prepends the session context once).
+A scheduler that lost the session (restarted) or already closed the hop refuses it
+(INVALID_ARGUMENT on ``session.*``): the stream then ends UNAVAILABLE, telling the
+client to resend the hop with its full prompt; it never runs on a partial context.
+
+Seeded sampling follows migration.py: the continuation is seeded with
+``continuation_seed(seed, num_sent)``, reproducible per failure point only.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+
+import structlog
+
+from services.mesh.retry import outage_retrying
+from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
+from services.router.schema import TokenChunk, TokenRequest
+from services.scheduler.migration import MigrationPolicy, StallWatch, continuation_seed
+
+log = structlog.get_logger(__name__)
+
+Probe = Callable[[float], Awaitable[bool]]  # probe(timeout_s): does the scheduler answer?
+
+
+@dataclass(frozen=True)
+class ContinuationPolicy:
+    """How hard the router tries to keep a stream alive across scheduler failures."""
+
+    max_attempts: int = 3  # continuations per stream; 0: a lost scheduler ends the stream
+    reconnect_wait_s: float = 10.0  # how long one continuation waits for the scheduler
+    stall_factor: float = 20.0  # no chunk for stall_factor × mean gap → probe the scheduler
+    min_stall_s: float = 2.0  # floor of that wait
+    first_chunk_probe_s: float = 5.0  # before an attempt's first chunk: probe this often
+    probe_timeout_s: float = 1.0  # a health probe unanswered this long: the scheduler is stalled
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 0:
+            raise ValueError("max_attempts must be >= 0")
+        for name in ("stall_factor", "min_stall_s", "first_chunk_probe_s", "probe_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.reconnect_wait_s < 0:
+            raise ValueError("reconnect_wait_s must be >= 0")
+
+    def stall_watch(self) -> StallWatch:
+        return StallWatch(MigrationPolicy(stall_factor=self.stall_factor, min_stall_s=self.min_stall_s,
+                                          first_token_timeout_s=self.first_chunk_probe_s))
+
+
+def is_lost(exc: BaseException) -> bool:
+    return isinstance(exc, (UpstreamUnavailable, UpstreamError)) and exc.lost
+
+
+@dataclass
+class _Progress:
+    """What the client has been sent; mutated by ``relay``."""
+
+    request: TokenRequest
+    sent_token_ids: list[int] = field(default_factory=list)
+    num_chunks: int = 0
+    num_continuations: int = 0
+    num_prompt_tokens: int = 0  # as the first attempt reported them
+    num_cached_tokens: int = 0
+
+    @property
+    def budget_spent(self) -> bool:
+        """Every requested token was sent: only the finish marker was lost."""
+        max_tokens = self.request.sampling.max_tokens
+        return bool(max_tokens) and len(self.sent_token_ids) >= max_tokens
+
+    def continuation(self) -> TokenRequest:
+        r, n = self.request, len(self.sent_token_ids)
+        s = r.sampling
+        seed = continuation_seed(s.seed, n) if s.seed is not None and n else s.seed
+        sampling = replace(s, max_tokens=s.max_tokens - n if s.max_tokens else s.max_tokens,
+                           min_tokens=max(0, s.min_tokens - n), seed=seed)
+        return replace(r, request_id=f"{r.request_id}.c{self.num_continuations}",
+                       prompt_token_ids=r.prompt_token_ids + tuple(self.sent_token_ids), sampling=sampling)
+
+    def relay(self, chunk: TokenChunk) -> TokenChunk:
+        """Record a chunk; after a continuation, rewrite it as part of the first stream."""
+        self.num_chunks += 1
+        self.sent_token_ids.extend(chunk.token_ids)
+        if not self.num_continuations:
+            self.num_prompt_tokens, self.num_cached_tokens = chunk.num_prompt_tokens, chunk.num_cached_tokens
+            return chunk
+        finished = chunk.finish_reason is not None
+        return replace(chunk, num_prompt_tokens=self.num_prompt_tokens or len(self.request.prompt_token_ids),
+                       num_cached_tokens=self.num_cached_tokens, num_output_tokens=len(self.sent_token_ids),
+                       degradation_rung="",  # named once, on the stream's first chunk
+                       num_migrations=chunk.num_migrations + self.num_continuations if finished else 0,
+                       notes=chunk.notes if finished else None)
+
+    def length_finish(self) -> TokenChunk:
+        n = len(self.sent_token_ids)
+        return TokenChunk((), (), "length", self.num_prompt_tokens or len(self.request.prompt_token_ids),
+                          self.num_cached_tokens, n, "", num_migrations=self.num_continuations)
+
+
+class _WatchedStream:
+    """A chunk stream whose silences are checked: past the stall ceiling the scheduler is
+    probed; no answer raises a lost ``UpstreamUnavailable``, an answer keeps waiting."""
+
+    def __init__(self, chunks: AsyncIterator[TokenChunk], policy: ContinuationPolicy, probe: Probe | None) -> None:
+        self.chunks = chunks
+        self.policy = policy
+        self.probe = probe
+        self.watch = policy.stall_watch()
+
+    async def next(self) -> TokenChunk | None:
+        """The next chunk; None at the end of the stream."""
+        task = asyncio.ensure_future(anext(self.chunks))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.watch.timeout_s())
+                if done:
+                    break
+                silent_s = self.watch.timeout_s()
+                if self.probe is not None and await self.probe(self.policy.probe_timeout_s):
+                    log.info("scheduler_slow_but_alive", silent_s=round(silent_s, 2))
+                    continue
+                raise UpstreamUnavailable(
+                    f"scheduler: no chunk for {silent_s:.1f}s and no answer to a health probe", lost=True)
+            try:
+                chunk = task.result()
+            except StopAsyncIteration:
+                return None
+            self.watch.observe()
+            return chunk
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})  # the generator must be idle before it is closed
+
+    async def aclose(self) -> None:
+        await self.chunks.aclose()
+
+
+class ContinuingStreamer:
+    """A ``TokenStreamer`` that continues streams across scheduler failures."""
+
+    def __init__(self, downstream, policy: ContinuationPolicy | None = None, probe: Probe | None = None) -> None:
+        self.downstream = downstream  # TokenStreamer: the scheduler client
+        self.policy = policy or ContinuationPolicy()
+        self.probe = probe
+
+    async def generate(self, request: TokenRequest, timeout_s: float) -> AsyncIterator[TokenChunk]:
+        """Stream the request's chunks as one stream. Closing this generator cancels the call."""
+        deadline = time.monotonic() + timeout_s
+        progress = _Progress(request)
+        stream = self._watched(request, timeout_s)
+        try:
+            while True:
+                try:
+                    chunk = await stream.next()
+                except (UpstreamUnavailable, UpstreamError) as exc:
+                    if not (exc.lost and progress.num_chunks):
+                        raise
+                    await stream.aclose()
+                    if progress.budget_spent:
+                        yield progress.length_finish()
+                        return
+                    stream, chunk = await self._continue(progress, exc, deadline)
+                if chunk is None:
+                    return  # ended without a finish reason: Generator.stream reports it
+                yield progress.relay(chunk)
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            await stream.aclose()
+
+    def _watched(self, request: TokenRequest, timeout_s: float) -> _WatchedStream:
+        return _WatchedStream(self.downstream.generate(request, timeout_s), self.policy, self.probe)
+
+    async def _continue(self, progress: _Progress, error: Exception,
+                        deadline: float) -> tuple[_WatchedStream, TokenChunk | None]:
+        """Re-issue the request from the tokens sent; (stream, its first chunk)."""
+        num_sent = len(progress.sent_token_ids)
+        log.warning("scheduler_lost_mid_stream", num_sent_tokens=num_sent, attempt=progress.num_continuations,
+                    reason=str(error))
+        if progress.num_continuations >= self.policy.max_attempts:
+            raise UpstreamUnavailable(
+                f"stream lost with the scheduler after {num_sent} tokens were sent "
+                f"({progress.num_continuations} continuation(s) tried): {error}") from error
+        progress.num_continuations += 1
+        request = progress.continuation()
+        log.info("stream_continuing", attempt=progress.num_continuations, num_replayed_tokens=num_sent,
+                 continuation_id=request.request_id)
+        try:
+            return await self._open(request, deadline)
+        except (UpstreamUnavailable, UpstreamError, OverloadedError, InvalidRequestError) as exc:
+            hint = ""
+            if isinstance(exc, InvalidRequestError) and exc.field.startswith("session"):
+                hint = (f"; the scheduler no longer holds session {request.session.session_id!r} at this hop "
+                        "(restarted?): resend the hop with its full prompt")
+            raise UpstreamUnavailable(
+                f"stream lost with the scheduler after {num_sent} tokens were sent; continuation "
+                f"{progress.num_continuations} of {self.policy.max_attempts} failed: {exc}{hint}") from exc
+
+    async def _open(self, request: TokenRequest, deadline: float) -> tuple[_WatchedStream, TokenChunk | None]:
+        """Start the continuation and wait for its first chunk, riding out the scheduler's
+        outage (down, refusing, or silent) for at most ``reconnect_wait_s``."""
+
+        def scheduler_down(exc: BaseException) -> bool:
+            if time.monotonic() >= deadline:
+                return False
+            return is_lost(exc) or isinstance(exc, (UpstreamUnavailable, OverloadedError))
+
+        async for attempt in outage_retrying(self.policy.reconnect_wait_s, scheduler_down):
+            with attempt:
+                stream = self._watched(request, max(0.001, deadline - time.monotonic()))
+                try:
+                    return stream, await stream.next()
+                except BaseException:
+                    await stream.aclose()
+                    raise
+        raise AssertionError("unreachable: outage_retrying reraises")  # pragma: no cover
