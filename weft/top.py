@@ -133,6 +133,18 @@ def _n(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+RUNG_LABELS = ("none", "kv_int8", "kv_compress", "smaller_model", "shed")  # degradation.Rung order
+
+
+def _ladder(samples) -> str:
+    """Each request class's degradation rung, from the scheduler's weft_degradation_rung."""
+    rungs = {lab.get("request_class", "?"): int(v) for n, lab, v in samples if n == "weft_degradation_rung"}
+    if not rungs:
+        return "(no class observed yet)"
+    return "   ".join(f"{cls} {RUNG_LABELS[r] if 0 <= r < len(RUNG_LABELS) else r}"
+                      for cls, r in sorted(rungs.items()))
+
+
 def render(snap: Snapshot, width: int = 100) -> str:
     lines: list[str] = []
     router = next((s for s in snap.services if s.service == "router"), None)
@@ -169,6 +181,8 @@ def render(snap: Snapshot, width: int = 100) -> str:
             reserved = _value(s.samples, "weft_kv_blocks", partition=p, state="reserved")
             borrowed = _value(s.samples, "weft_kv_blocks", partition=p, state="borrowed")
             lines.append(f"{'':<12}{s.name:<14}{p:<14}{_n(used):>7}{_n(reserved):>10}{_n(borrowed):>10}  {pool}")
+    lines.append("")
+    lines.append("LADDER      " + _ladder(sched.samples if sched else []))
     lines.append("")
     tiers = []
     hit = sum(_value(s.samples, "weft_kv_lookup_tokens_total", tier="active", result="hit") or 0 for s in executors)

@@ -74,3 +74,15 @@ def test_a_frame_shows_services_kv_partitions_tiers_latency_and_the_verdict():
 def test_an_empty_window_says_so():
     screen = render(Snapshot(0.0, [], None))
     assert "(no finished requests in the window)" in screen
+
+
+def test_the_ladder_line_names_each_class_rung_from_the_scheduler_gauge():
+    scheduler = """
+# TYPE weft_degradation_rung gauge
+weft_degradation_rung{request_class="interactive"} 0
+weft_degradation_rung{request_class="batch"} 1
+weft_degradation_rung{request_class="agentic"} 4
+"""
+    frame = render(Snapshot(0.0, [ServiceView("scheduler", "scheduler", 13, True, parse_metrics(scheduler))], None))
+    assert "LADDER      agentic shed   batch kv_int8   interactive none" in frame
+    assert "(no class observed yet)" in render(Snapshot(0.0, [ServiceView("scheduler", "scheduler", 13, True)], None))
