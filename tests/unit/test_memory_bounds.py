@@ -137,3 +137,30 @@ def test_cancelled_streams_leave_nothing_tracked_for_demotion():
         assert servicer.tiers._tracked == {} and servicer._streams == {}
 
     asyncio.run(go())
+
+
+# -- executor: the prefix cache's metadata ----------------------------------------------
+def test_prefix_cache_metadata_stops_growing_once_the_pool_is_full():
+    """Distinct prompts register fresh hashes until every block holds one; from then on
+    each new hash evicts an old one, so the pool's maps plateau at the pool size (the
+    soak's residual executor creep: ~330 bytes per hash, 32k hashes in the default pool)."""
+    from services.executor.block_pool import BlockPool
+    from services.executor.kv_manager import KVCacheManager
+    from services.executor.sampling_params import SamplingParams
+    from services.executor.sequence import Sequence
+
+    pool = BlockPool(num_blocks=256, block_size=4)
+    kv = KVCacheManager(pool)
+    num_cached = []
+    for i in range(NUM_REQUESTS // 4):
+        seq = Sequence(f"r{i}", [i, i + 1, i + 2, 7, 7, 7, 7, 7, 7, 9, 9, 9, 9], SamplingParams())
+        assert kv.allocate_slots(seq, seq.num_tokens, kv.match_prefix(seq))
+        seq.num_computed_tokens = seq.num_tokens
+        kv.cache_computed_blocks(seq)  # 3 full blocks (+ a partial one), each a new hash
+        kv.free(seq)
+        pool.take_events()  # the executor publishes them every step
+        num_cached.append(len(pool.cached_hashes()))
+    assert num_cached[10] == 33  # filling: 3 hashes per request
+    assert num_cached[200] == max(num_cached) == num_cached[-1] <= 256  # full by then: a plateau
+    assert len(pool._cached) + len(pool._free_cached) + len(pool._free_uncached) <= 3 * 256
+    assert pool.num_free_blocks == 256 and kv._num_registered == {}
