@@ -21,6 +21,9 @@ Rungs (one executor profile each, see docs/architecture.md):
   kv_int8        same model, int8 KV (one scale per token and KV head)
   kv_compress    same model, at most --compress-budget blocks per sequence (sinks +
                  heavy hitters + recent window)
+  kv_compress_oldest  the same budget, policy "oldest" (StreamingLLM: sinks + a sliding
+                 window, no attention scores): the ablation that shows what the
+                 heavy-hitter scores are worth
   smaller_model  a smaller model trained on the same text with the same tokenizer
 
 The models are small Llamas trained here for a few hundred steps (benchmarks/
@@ -129,6 +132,9 @@ def measure(args) -> tuple[list[RungResult], dict]:
         ("kv_int8", main_dir, {"kv_cache_dtype": "int8"}),
         ("kv_compress", main_dir, {"kv_compress_budget_blocks": args.compress_budget,
                                    "kv_compress_recent_blocks": args.compress_recent}),
+        ("kv_compress_oldest", main_dir, {"kv_compress_budget_blocks": args.compress_budget,
+                                          "kv_compress_recent_blocks": args.compress_recent,
+                                          "kv_compress_policy": "oldest"}),
         ("smaller_model", small_dir, {}),
     ]
     results: list[RungResult] = []
@@ -138,7 +144,7 @@ def measure(args) -> tuple[list[RungResult], dict]:
         bpt = kv_bytes_per_token(engine)
         base_bpt = base_bpt or bpt
         capacity, note = base_bpt / bpt, ""
-        if name == "kv_compress":
+        if name.startswith("kv_compress"):
             capacity = seq_blocks / args.compress_budget
             note = f"{engine.num_compressed_blocks} blocks dropped"
         elif name == "kv_int8":

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.executor.engine_config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig
+from services.executor.kv_compress import KV_COMPRESS_POLICIES
 from services.mesh.env_config import option
 from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
 from services.mesh.nats_bus import subject
@@ -58,6 +59,10 @@ class ExecutorConfig:
         "--kv-compress-recent-blocks are always kept). Such an executor serves the kv_compress rung.",
         default=0)
     kv_compress_recent_blocks: int = option("Newest blocks a compressed sequence always keeps.", default=4)
+    kv_compress_policy: str = option(
+        "Which middle block a compressed sequence drops first: attention (the least attended; heavy "
+        "hitters stay) or oldest (StreamingLLM: sinks + a sliding window).", default="attention",
+        choices=KV_COMPRESS_POLICIES)
     kv_compress_sink_blocks: int = option("First blocks (attention sinks) a compressed sequence always keeps.",
                                           default=1)
     serves_rung: str = option(
@@ -115,7 +120,7 @@ class ExecutorConfig:
             model_id=self.model_id, num_threads=self.num_threads, preemption_policy=self.preemption_policy,
             kv_cache_dtype=self.kv_cache_dtype, kv_compress_budget_blocks=self.kv_compress_budget_blocks,
             kv_compress_recent_blocks=self.kv_compress_recent_blocks,
-            kv_compress_sink_blocks=self.kv_compress_sink_blocks,
+            kv_compress_sink_blocks=self.kv_compress_sink_blocks, kv_compress_policy=self.kv_compress_policy,
         )
 
     @property

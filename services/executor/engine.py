@@ -19,7 +19,7 @@ from services.executor.block_pool import DEFAULT_PARTITION, BlockPool, KVEvent, 
 from services.executor.checkpoint import load_state_dict
 from services.executor.engine_config import EngineConfig
 from services.executor.errors import InvalidRequestError
-from services.executor.kv_compress import choose_victims
+from services.executor.kv_compress import CompressPolicy, choose_victims
 from services.executor.kv_manager import KVCacheManager
 from services.executor.model.llama import LlamaModel
 from services.executor.model_config import ModelConfig
@@ -88,7 +88,9 @@ class LLMEngine:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_compressed_blocks = 0  # KV blocks dropped by compression (kv_compress.py)
-        self.runner.track_block_scores = config.kv_compress_budget_blocks > 0
+        # scores only feed the attention policy; "oldest" needs none (all-equal scores)
+        self.runner.track_block_scores = (config.kv_compress_budget_blocks > 0
+                                          and config.kv_compress_policy == CompressPolicy.ATTENTION.value)
         self.step_trace = None  # optional StepTrace (step_trace.py): per-request step timings, KV gauges
         log.info(
             "engine_ready", model=str(self.model_dir), num_kv_blocks=self.num_blocks,

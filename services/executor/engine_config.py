@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.executor.kv_compress import KV_COMPRESS_POLICIES
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -33,6 +35,7 @@ class EngineConfig:
     kv_compress_budget_blocks: int = 0  # 0: off; else most KV blocks a sequence keeps (heavy hitters + recent)
     kv_compress_recent_blocks: int = 4  # the newest blocks a compressed sequence always keeps
     kv_compress_sink_blocks: int = 1  # the first blocks (attention sinks) it always keeps
+    kv_compress_policy: str = "attention"  # attention: least-attended middle block first; oldest: StreamingLLM
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -48,6 +51,8 @@ class EngineConfig:
             raise ValueError("max_prefill_chunk must not exceed max_num_batched_tokens")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_compress_policy not in KV_COMPRESS_POLICIES:
+            raise ValueError(f"kv_compress_policy must be one of {KV_COMPRESS_POLICIES}, got {self.kv_compress_policy!r}")
         if self.kv_compress_budget_blocks < 0:
             raise ValueError(f"kv_compress_budget_blocks must be >= 0, got {self.kv_compress_budget_blocks}")
         if self.kv_compress_budget_blocks and (

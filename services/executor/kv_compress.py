@@ -16,7 +16,19 @@ the blocks, shifts positions); nothing here touches sequence or pool state.
 """
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
+
+
+class CompressPolicy(enum.Enum):
+    """Which middle block goes first: the least attended (heavy hitters stay), or the
+    oldest (StreamingLLM: sinks + a sliding window; the ablation of the scores)."""
+
+    ATTENTION = "attention"
+    OLDEST = "oldest"
+
+
+KV_COMPRESS_POLICIES = tuple(p.value for p in CompressPolicy)
 
 
 def choose_victims(scores: Sequence[float], budget: int, num_sink: int, num_recent: int) -> list[int]:

@@ -161,3 +161,27 @@ def test_compression_runs_over_an_int8_cache(checkpoint):
     outs = llm.generate([_prompt(37), _prompt(3, start=5)], _greedy(40), use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [40, 40]
     assert llm.engine.stats()["num_compressed_blocks"] > 0
+
+
+@pytest.mark.parametrize("policy", ["oldest", "attention"])
+def test_the_policy_flag_picks_which_middle_blocks_go(checkpoint, policy):
+    """oldest (StreamingLLM) always drops the first middle block (sinks + a sliding window
+    of the newest stay) and collects no scores; attention collects scores and, on this
+    prompt, drops some later, less attended block instead at least once."""
+    engine = _engine(checkpoint, kv_compress_policy=policy, **BUDGET)
+    assert engine.runner.track_block_scores is (policy == "attention")
+    dropped: list[int] = []  # table index of every block compression dropped
+    drop = engine.kv.drop_blocks
+
+    def recording_drop(seq, indices):
+        dropped.extend(indices)
+        return drop(seq, indices)
+    engine.kv.drop_blocks = recording_drop
+    engine.add_request("r", _prompt(9), _greedy(40))
+    _run(engine)
+    assert dropped, "the budget was never exceeded"
+    first_middle = BUDGET["kv_compress_sink_blocks"]
+    if policy == "oldest":
+        assert set(dropped) == {first_middle}
+    else:
+        assert set(dropped) != {first_middle}
