@@ -134,6 +134,13 @@ class LoadSignal:
     def load(self) -> float:
         return max(self.admission_fraction, self.kv_used_fraction)
 
+    def load_for(self, rung: Rung) -> float:
+        """The load that moves a class onto (or off) ``rung``. KV pressure drives the
+        quality rungs, which buy KV capacity; only admission occupancy drives ``shed``: a
+        full KV pool is normal operation (the engine queues and preempts), and refusing
+        work for it alone would shed a mesh that has no degraded pool to offer."""
+        return self.admission_fraction if rung is Rung.SHED else self.load
+
 
 @dataclass(frozen=True)
 class DegradationContract:
@@ -169,11 +176,12 @@ class ClassLadder:
 
     def observe(self, signal: LoadSignal) -> Rung:
         """Move at most one rung for this observation; returns the rung after it."""
-        rungs, load, now = self.config.rungs, signal.load, self.clock()
-        if self._index + 1 < len(rungs) and load >= self.config.thresholds[rungs[self._index + 1]].enter:
+        rungs, now = self.config.rungs, self.clock()
+        up = rungs[self._index + 1] if self._index + 1 < len(rungs) else None
+        if up is not None and signal.load_for(up) >= self.config.thresholds[up].enter:
             self._index += 1
             self._since_s = now
-        elif (self._index > 0 and load < self.config.thresholds[rungs[self._index]].exit
+        elif (self._index > 0 and signal.load_for(self.rung) < self.config.thresholds[self.rung].exit
               and now - self._since_s >= self.config.min_dwell_s):
             self._index -= 1
             self._since_s = now

@@ -124,3 +124,17 @@ def test_config_is_validated():
 
 def test_load_signal_is_the_worse_of_admission_and_kv():
     assert LoadSignal(admission_fraction=0.2, kv_used_fraction=0.9).load == 0.9
+
+
+def test_kv_pressure_drives_the_quality_rungs_but_only_admission_sheds():
+    clock = Clock()
+    ladder = ClassLadder(LadderConfig(enabled=ALL, min_dwell_s=0), clock)
+    full_kv = LoadSignal(admission_fraction=0.1, kv_used_fraction=1.0)
+    seen = [ladder.observe(full_kv) for _ in range(5)]
+    assert seen == [Rung.KV_INT8, Rung.KV_COMPRESS, Rung.SMALLER_MODEL, Rung.SMALLER_MODEL, Rung.SMALLER_MODEL]
+    assert ladder.observe(LoadSignal(admission_fraction=0.99, kv_used_fraction=1.0)) is Rung.SHED
+    # off shed as soon as admission falls below shed's exit, even with the KV pool still full
+    assert ladder.observe(full_kv) is Rung.SMALLER_MODEL
+    # a mesh with no degraded pool: a full KV pool alone never refuses work
+    only_shed = ClassLadder(LadderConfig(), clock)
+    assert {only_shed.observe(full_kv) for _ in range(5)} == {Rung.NONE}
