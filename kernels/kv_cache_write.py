@@ -59,6 +59,27 @@ def _write_kv_kernel(
              + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
 
 
+def check_write_inputs(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """What every KV write launcher needs of its inputs: k / v [T, KVH, D] of one dtype
+    matching the cache's [2, NB, BS, KVH, D] heads (any cache dtype: the int8 writer shares
+    it), a power-of-two unit-stride head_dim, slot_mapping [T] int64 contiguous, one device."""
+    assert k.dim() == 3 and v.shape == k.shape, \
+        f"k and v must both be [T, KVH, D], got {tuple(k.shape)} and {tuple(v.shape)}"
+    num_tokens, num_kv_heads, head_dim = k.shape
+    cache_kv_heads, cache_head_dim = cache.shape[3], cache.shape[4]
+    assert (cache_kv_heads, cache_head_dim) == (num_kv_heads, head_dim), \
+        f"k is [T, {num_kv_heads}, {head_dim}] but the cache holds [.., {cache_kv_heads}, {cache_head_dim}]"
+    assert head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two, got {head_dim}"
+    assert k.dtype == v.dtype, f"dtypes differ: k {k.dtype}, v {v.dtype}"
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and cache.stride(-1) == 1, \
+        "head_dim must be the unit-stride dim"
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (num_tokens,) \
+        and slot_mapping.is_contiguous(), \
+        f"slot_mapping must be [{num_tokens}] int64 contiguous, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+    for t in (v, cache, slot_mapping):
+        assert t.device == k.device, f"all inputs must be on {k.device}, got {t.device}"
+
+
 def write_kv_cache(
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
@@ -66,24 +87,12 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [T] int64; slot < 0: skip the token
 ) -> None:
     """Store k[t] / v[t] at cache slot slot_mapping[t]; mutates only those slots."""
-    assert k.dim() == 3 and v.shape == k.shape, \
-        f"k and v must both be [T, KVH, D], got {tuple(k.shape)} and {tuple(v.shape)}"
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, \
         f"kv_cache must be [2, NB, BS, KVH, D], got {tuple(kv_cache.shape)}"
+    assert k.dtype == kv_cache.dtype, f"dtypes differ: k {k.dtype}, cache {kv_cache.dtype}"
+    check_write_inputs(k, v, kv_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
-    _, _, block_size, cache_kv_heads, cache_head_dim = kv_cache.shape
-    assert (cache_kv_heads, cache_head_dim) == (num_kv_heads, head_dim), \
-        f"k is [T, {num_kv_heads}, {head_dim}] but the cache holds [.., {cache_kv_heads}, {cache_head_dim}]"
-    assert head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two, got {head_dim}"
-    assert k.dtype == v.dtype == kv_cache.dtype, \
-        f"dtypes differ: k {k.dtype}, v {v.dtype}, cache {kv_cache.dtype}"
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.stride(-1) == 1, \
-        "head_dim must be the unit-stride dim"
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (num_tokens,) \
-        and slot_mapping.is_contiguous(), \
-        f"slot_mapping must be [{num_tokens}] int64 contiguous, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-    for t in (v, kv_cache, slot_mapping):
-        assert t.device == k.device, f"all inputs must be on {k.device}, got {t.device}"
+    block_size = kv_cache.shape[2]
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]

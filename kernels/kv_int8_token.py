@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_cache_write import check_write_inputs
 from kernels.paged_decode import check_decode_inputs, launch_decode, next_pow2
 from kernels.paged_prefill import check_prefill_inputs, launch_prefill
 
@@ -124,21 +125,10 @@ def write_kv_cache_int8(
     Mutates only those slots; bit-equal to ``QuantizedKVCache.write``.
     """
     _check_int8_cache(kv_data, kv_scales)
-    assert k.dim() == 3 and v.shape == k.shape, \
-        f"k and v must both be [T, KVH, D], got {tuple(k.shape)} and {tuple(v.shape)}"
+    assert k.dtype in (torch.float16, torch.bfloat16, torch.float32), f"k / v dtype {k.dtype}"
+    check_write_inputs(k, v, kv_data, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
-    _, _, block_size, cache_kv_heads, cache_head_dim = kv_data.shape
-    assert (cache_kv_heads, cache_head_dim) == (num_kv_heads, head_dim), \
-        f"k is [T, {num_kv_heads}, {head_dim}] but the cache holds [.., {cache_kv_heads}, {cache_head_dim}]"
-    assert head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two, got {head_dim}"
-    assert k.dtype == v.dtype and k.dtype in (torch.float16, torch.bfloat16, torch.float32), \
-        f"k / v dtypes {k.dtype} / {v.dtype}"
-    assert k.stride(-1) == 1 and v.stride(-1) == 1, "head_dim must be the unit-stride dim"
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (num_tokens,) \
-        and slot_mapping.is_contiguous(), \
-        f"slot_mapping must be [{num_tokens}] int64 contiguous, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-    for t in (v, kv_data, slot_mapping):
-        assert t.device == k.device, f"all inputs must be on {k.device}, got {t.device}"
+    block_size = kv_data.shape[2]
     if num_tokens == 0:
         return
     k_data, v_data, k_scales, v_scales = kv_data[0], kv_data[1], kv_scales[0], kv_scales[1]
