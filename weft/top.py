@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.scheduler.degradation import Rung
+
 Samples = list[tuple[str, dict[str, str], float]]  # (sample name, labels, value)
 
 
@@ -133,7 +135,7 @@ def _n(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-RUNG_LABELS = ("none", "kv_int8", "kv_compress", "smaller_model", "shed")  # degradation.Rung order
+RUNG_LABELS = tuple(r.label for r in Rung)  # the gauge's value is the rung's number
 
 
 def _ladder(samples) -> str:
