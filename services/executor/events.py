@@ -29,6 +29,7 @@ class ExecutorState(enum.Enum):
     JOINING = "joining"
     SERVING = "serving"
     DRAINING = "draining"
+    FAILED = "failed"  # engine dead or wedged: no new work; the process exits for a restart
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,7 @@ _STATES = {
     ExecutorState.JOINING: events_pb2.EXECUTOR_STATE_JOINING,
     ExecutorState.SERVING: events_pb2.EXECUTOR_STATE_SERVING,
     ExecutorState.DRAINING: events_pb2.EXECUTOR_STATE_DRAINING,
+    ExecutorState.FAILED: events_pb2.EXECUTOR_STATE_FAILED,
 }
 
 

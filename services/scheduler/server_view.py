@@ -25,6 +25,7 @@ _STATES = {
     events_pb2.EXECUTOR_STATE_JOINING: ExecutorState.JOINING,
     events_pb2.EXECUTOR_STATE_SERVING: ExecutorState.SERVING,
     events_pb2.EXECUTOR_STATE_DRAINING: ExecutorState.DRAINING,
+    events_pb2.EXECUTOR_STATE_FAILED: ExecutorState.FAILED,
 }
 _STATES_BACK = {v: k for k, v in _STATES.items()}
 

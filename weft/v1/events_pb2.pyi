@@ -28,6 +28,7 @@ class ExecutorState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EXECUTOR_STATE_JOINING: _ClassVar[ExecutorState]
     EXECUTOR_STATE_SERVING: _ClassVar[ExecutorState]
     EXECUTOR_STATE_DRAINING: _ClassVar[ExecutorState]
+    EXECUTOR_STATE_FAILED: _ClassVar[ExecutorState]
 TIER_UNSPECIFIED: Tier
 TIER_ACTIVE: Tier
 TIER_SLEEPING: Tier
@@ -40,6 +41,7 @@ EXECUTOR_STATE_UNSPECIFIED: ExecutorState
 EXECUTOR_STATE_JOINING: ExecutorState
 EXECUTOR_STATE_SERVING: ExecutorState
 EXECUTOR_STATE_DRAINING: ExecutorState
+EXECUTOR_STATE_FAILED: ExecutorState
 
 class EventHeader(_message.Message):
     __slots__ = ("event_id", "source", "sequence", "timestamp_ms", "epoch")
@@ -90,7 +92,7 @@ class LoadReport(_message.Message):
     def __init__(self, header: _Optional[_Union[EventHeader, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ExecutorHeartbeat(_message.Message):
-    __slots__ = ("header", "name", "address", "model_id", "block_size", "state", "max_num_seqs", "num_blocks", "interval_ms", "max_model_len", "serves_rung", "kv_cache_dtype")
+    __slots__ = ("header", "name", "address", "model_id", "block_size", "state", "max_num_seqs", "num_blocks", "interval_ms", "max_model_len", "serves_rung", "kv_cache_dtype", "signature")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +105,7 @@ class ExecutorHeartbeat(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     SERVES_RUNG_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     header: EventHeader
     name: str
     address: str
@@ -115,4 +118,5 @@ class ExecutorHeartbeat(_message.Message):
     max_model_len: int
     serves_rung: _common_pb2.DegradationRung
     kv_cache_dtype: str
-    def __init__(self, header: _Optional[_Union[EventHeader, _Mapping]] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., state: _Optional[_Union[ExecutorState, str]] = ..., max_num_seqs: _Optional[int] = ..., num_blocks: _Optional[int] = ..., interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., serves_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, header: _Optional[_Union[EventHeader, _Mapping]] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., state: _Optional[_Union[ExecutorState, str]] = ..., max_num_seqs: _Optional[int] = ..., num_blocks: _Optional[int] = ..., interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., serves_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., kv_cache_dtype: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
