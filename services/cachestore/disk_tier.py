@@ -9,8 +9,9 @@ File layout (little-endian)::
 
 Writes go to a temp file in the same directory, are flushed (fsync optional) and then
 renamed over the final name, so a reader sees a whole block or none. Reads verify the
-payload's length and checksum: a corrupt or truncated block is a miss and its file is
-deleted. On start the index is rebuilt from the directory (oldest mtime = least recent),
+header's every field and type (``disk_header.py``), the payload's length and checksum: a
+corrupt or truncated block, or one whose header is wrong in any way, is a miss and its
+file is deleted (counted in ``num_corrupt``, logged ``disk_block_corrupt``). On start the index is rebuilt from the directory (oldest mtime = least recent),
 reading headers only; leftover temp files are removed.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import structlog
 
-from services.cachestore.blocks import Block, BlockMeta, checksum
+from services.cachestore.blocks import Block, checksum
+from services.cachestore.disk_header import CorruptBlockError, meta_from_record
 
 log = structlog.get_logger(__name__)
 
@@ -125,7 +127,7 @@ class DiskTier:
         try:
             data = path.read_bytes()
             block = self._decode(block_hash, data)
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        except (OSError, CorruptBlockError) as exc:
             self.num_corrupt += 1
             self.num_misses += 1
             log.warning("disk_block_corrupt", block_hash=block_hash, error=str(exc))
@@ -138,25 +140,25 @@ class DiskTier:
     @staticmethod
     def _decode(block_hash: int, data: bytes) -> Block:
         if len(data) < _PREFIX.size:
-            raise ValueError("truncated header")
+            raise CorruptBlockError("truncated header")
         magic, meta_len = _PREFIX.unpack_from(data)
         if magic != MAGIC:
-            raise ValueError("bad magic")
+            raise CorruptBlockError("bad magic")
         start = _PREFIX.size + meta_len
-        raw = json.loads(data[_PREFIX.size:start])
-        meta = BlockMeta(
-            block_hash=int(raw["block_hash"]), dtype=raw["dtype"], shape=tuple(raw["shape"]),
-            size_bytes=int(raw["size_bytes"]), checksum=int(raw["checksum"]),
-            model_id=raw.get("model_id", ""), block_size=int(raw.get("block_size", 0)),
-            priority=float(raw.get("priority", 0.0)), expected_pause_ms=int(raw.get("expected_pause_ms", 0)),
-        )
+        if start > len(data):
+            raise CorruptBlockError(f"header says {meta_len} header bytes, the file is {len(data)} bytes")
+        try:
+            raw = json.loads(data[_PREFIX.size:start])
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise CorruptBlockError(f"header is not JSON: {exc}") from None
+        meta = meta_from_record(raw)
         payload = data[start:]
         if meta.block_hash != block_hash:
-            raise ValueError("block hash mismatch")
+            raise CorruptBlockError("block hash mismatch")
         if len(payload) != meta.size_bytes:
-            raise ValueError(f"payload is {len(payload)} bytes, header says {meta.size_bytes}")
+            raise CorruptBlockError(f"payload is {len(payload)} bytes, header says {meta.size_bytes}")
         if checksum(payload) != meta.checksum:
-            raise ValueError("checksum mismatch")
+            raise CorruptBlockError("checksum mismatch")
         return Block(meta, payload)
 
     def contains(self, block_hash: int) -> bool:
