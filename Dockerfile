@@ -20,6 +20,12 @@ RUN pip install .
 # The default model: the same tiny random checkpoint `weft up` generates.
 RUN python -m weft model make-tiny /opt/weft/models/tiny
 
+# Everything the image ships must be readable by the user it runs as (uid 10001): the
+# safetensors writer leaves model.safetensors 0600 root (the executor crash-looped with
+# "No such file"), and COPY keeps the build host's modes (a umask-077 checkout).
+# tests/integration/test_compose.py runs these steps and checks the modes.
+RUN chmod -R a+rX /opt/weft
+
 RUN useradd --system --uid 10001 weft \
  && mkdir -p /var/lib/weft/cachestore && chown weft /var/lib/weft/cachestore
 USER weft
