@@ -46,6 +46,15 @@ class ServiceSpec:
     scalable: bool = False  # several instances (executors); no fixed name or host port
     published: tuple[str, ...] = ()  # port keys exposed to clients (host ports in compose)
     python: bool = True  # command runs under the Python interpreter (nats-server does not)
+    # Readiness, where it differs from liveness (``health``): the router is alive before any
+    # executor joined, ready (``GET /health/ready`` 200) once one serves. Compose's
+    # healthcheck uses it; ``weft up`` waits on it before printing "Weft mesh is up".
+    ready: Health | None = None
+
+    @property
+    def healthcheck(self) -> Health:
+        """What a container healthcheck probes: readiness where defined, else liveness."""
+        return self.ready or self.health
 
     def render(self, ctx: Mapping[str, str]) -> dict[str, str]:
         """The environment of one instance under ``ctx``."""
@@ -112,6 +121,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
                   "WEFT_ROUTER_CACHESTORE_ADDRESS": "{cachestore_addr}",
                   "WEFT_ROUTER_METRICS_HOST": "{bind_host}", "WEFT_ROUTER_METRICS_PORT": "{router_metrics_port}"},
         health=Health("http", "router_http_port", "/health"),
+        ready=Health("http", "router_http_port", "/health/ready"),
         depends_on=("scheduler",),
         published=("router_http_port", "router_grpc_port"),
     ),
@@ -127,6 +137,9 @@ COMPOSE_CACHESTORE_DIR = "/var/lib/weft/cachestore"  # the cachestore-data volum
 # Internal calls inside a compose mesh always carry a secret. The fallback only keeps
 # `docker compose up` working out of the box: set WEFT_MESH_SECRET for anything shared.
 COMPOSE_MESH_SECRET = "${WEFT_MESH_SECRET:-weft-dev-mesh-secret-change-me}"
+# Compose restarts a container whose process exits, as ``weft up``'s supervisor restarts a
+# process (weft/supervisor.py); not one an operator stopped.
+COMPOSE_RESTART = "unless-stopped"
 
 
 @dataclass(frozen=True)
