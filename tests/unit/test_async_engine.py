@@ -5,6 +5,7 @@ Every wait is on a condition with a deadline (``asyncio.wait_for`` / a polling l
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 
@@ -185,3 +186,117 @@ def test_call_after_shutdown_raises_engine_dead_instead_of_hanging(make_async_en
 
     with pytest.raises(EngineDeadError):
         asyncio.run(main())
+
+
+# -- the engine thread survives whatever its callers and callbacks do (issue 12) --------
+async def _hold_engine_thread(ae: AsyncEngine) -> threading.Event:
+    """Park the engine thread inside a call until the returned event is set, so commands
+    queued meanwhile are applied only afterwards (a deterministic 'add still in flight')."""
+    parked, release = threading.Event(), threading.Event()
+
+    def park(engine):
+        parked.set()
+        release.wait(DEADLINE_S)
+
+    asyncio.ensure_future(ae.call(park))
+    assert await asyncio.to_thread(parked.wait, DEADLINE_S), "the engine thread never ran the parking call"
+    return release
+
+
+async def _assert_serving_and_clean(ae: AsyncEngine) -> None:
+    assert ae.is_alive, "the engine thread died"
+    tokens = await asyncio.wait_for(_collect(ae, f"after-{time.monotonic_ns()}", PROMPTS[1], GREEDY), DEADLINE_S)
+    assert len(tokens) == GREEDY.max_tokens
+    assert await _wait_until_all_blocks_free(ae) == NUM_KV_BLOCKS
+    assert not await ae.call(lambda e: e.has_unfinished_requests)
+    assert ae.num_active == 0
+
+
+def test_a_caller_cancelled_while_its_add_is_in_flight_leaves_the_engine_serving(make_async_engine):
+    ae = make_async_engine()
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        for i in range(5):
+            release = await _hold_engine_thread(ae)
+            stream = asyncio.ensure_future(_collect(ae, f"gone-{i}", PROMPTS[0], long))
+            await asyncio.sleep(0)  # one yield: the add is in the inbox, awaiting acceptance
+            stream.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await stream
+            release.set()  # now the thread applies the add whose caller is gone
+            await _assert_serving_and_clean(ae)
+
+    asyncio.run(main())
+
+
+def test_many_callers_cancelled_at_random_points_leave_no_request_behind(make_async_engine):
+    ae = make_async_engine()
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    rng = random.Random(12)
+
+    async def main():
+        streams = []
+        for i in range(200):
+            streams.append(asyncio.ensure_future(_collect(ae, f"storm-{i}", PROMPTS[i % 2], long)))
+            for _ in range(rng.randrange(4)):
+                await asyncio.sleep(0)  # cancel some before, some during, some after acceptance
+            streams[rng.randrange(len(streams))].cancel()
+        for s in streams:
+            s.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        await _assert_serving_and_clean(ae)
+
+    asyncio.run(main())
+
+
+def test_a_failing_abort_does_not_kill_the_engine_thread(make_async_engine):
+    ae = make_async_engine()
+    real_abort = ae.engine.abort_request
+    calls = []
+
+    def abort_once_broken(rid):
+        calls.append(rid)
+        if len(calls) == 1:
+            raise RuntimeError("injected abort failure")
+        return real_abort(rid)
+
+    ae.engine.abort_request = abort_once_broken
+
+    async def main():
+        ae.abort("nobody")
+        await _assert_serving_and_clean(ae)
+
+    asyncio.run(main())
+    assert calls and calls[0] == "nobody"
+
+
+def test_a_failing_kv_event_callback_does_not_kill_the_engine_thread(make_async_engine):
+    def broken(events):
+        raise RuntimeError("injected kv callback failure")
+
+    ae = make_async_engine(on_kv_events=broken)
+
+    async def main():
+        tokens = await asyncio.wait_for(_collect(ae, "r", PROMPTS[0], GREEDY), DEADLINE_S)
+        assert len(tokens) == GREEDY.max_tokens
+        await _assert_serving_and_clean(ae)
+
+    asyncio.run(main())
+
+
+def test_outputs_for_a_closed_event_loop_abort_the_request_instead_of_killing_the_thread(make_async_engine):
+    ae = make_async_engine()
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    gone = asyncio.new_event_loop()
+    stream = ae.generate("orphan", PROMPTS[0], long)
+    try:
+        gone.run_until_complete(asyncio.wait_for(stream.__anext__(), DEADLINE_S))
+    finally:
+        gone.close()  # the caller's loop is gone while its request still produces tokens
+
+    async def main():
+        await _assert_serving_and_clean(ae)
+
+    asyncio.run(main())
+    asyncio.run(stream.aclose())  # finish the orphaned generator (its finally only queues an abort)
