@@ -8,6 +8,11 @@ they cross into the event loop with ``call_soon_threadsafe`` and are published i
 order by one task, so the engine step never waits on the network. Publishing never
 raises: with NATS down events are dropped (and counted) and the engine keeps serving;
 consumers see the sequence gap when it returns and resync.
+
+Heartbeats are signed with the mesh secret when one is set (heartbeat_signing.py), so a
+scheduler believes no one else about where this executor is. The signature covers the
+header the bus stamps (source, epoch, sequence), so it is applied by the bus right
+before sending (``EventBus`` sealers; on by default), not here.
 """
 from __future__ import annotations
 

@@ -9,6 +9,13 @@ NATS is for hints, never for correctness: ``publish`` never raises into the call
 While disconnected, events are dropped and counted (no replay of stale news); the bus
 reconnects forever in the background, including when NATS is down at start.
 
+Security (nats_auth.py, heartbeat_signing.py): the bus logs in with its role's
+credentials (``WEFT_NATS_USER`` / ``WEFT_NATS_PASSWORD``, or ones in the URL; logs print
+the URL redacted), trusts the mesh CA when the server requires TLS, applies *sealers*
+to a stamped event before sending it (by default: heartbeats are signed when the process
+has a mesh secret), and drops a received event whose header names a source other than
+its subject's, so a subject permission bounds whom a publisher can speak for.
+
 NOTE (ordering): NATS core delivers one publisher's messages to one subscriber in
 order, so per stream a sequence <= the last one seen is a duplicate, one more is in
 order, anything larger is a gap; a new ``epoch`` means the source restarted.
@@ -20,16 +27,17 @@ import enum
 import inspect
 import os
 import re
+import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import structlog
 from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client as NatsClient
 
-from services.mesh import metrics
+from services.mesh import mesh_auth, metrics, nats_auth
 
 log = structlog.get_logger(__name__)
 
@@ -40,6 +48,10 @@ EVENTS_DROPPED = metrics.counter("weft_bus_events_dropped_total", "Events droppe
 EVENTS_RECEIVED = metrics.counter("weft_bus_events_received_total", "Events delivered to handlers.", ["kind"])
 EVENTS_DUPLICATE = metrics.counter("weft_bus_events_duplicate_total", "Duplicate events ignored.", ["kind"])
 EVENT_GAPS = metrics.counter("weft_bus_event_gaps_total", "Sequence gaps detected.", ["kind"])
+EVENTS_MISADDRESSED = metrics.counter("weft_bus_events_misaddressed_total",
+                                      "Events dropped: header source is not the subject's.", ["kind"])
+
+Sealer = Callable[[Message], None]  # completes a stamped event before it is sent (signs it)
 
 
 def subject(kind: str, source: str) -> str:
@@ -100,14 +112,29 @@ class _Subscription:
     source: str  # "*" for every source
     message_cls: type[Message]
     handler: Handler
+    accept: Callable[[Message], bool] | None = None  # checked before sequence tracking
 
 
 class EventBus:
     """Publisher and subscriber for one process (``source`` names it on the bus)."""
 
-    def __init__(self, url: str, source: str, reconnect_wait_s: float = 0.5) -> None:
+    def __init__(self, url: str, source: str, reconnect_wait_s: float = 0.5,
+                 auth: nats_auth.ClientAuth | None = None, sealers: Mapping[str, Sealer] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """``auth``: credentials (default: ``WEFT_NATS_USER`` / ``WEFT_NATS_PASSWORD``);
+        ``sealers``: kind -> function applied to each stamped event of that kind (default:
+        ``heartbeat_signing.default_sealers()``); ``tls``: context for a server that
+        requires TLS (default: trusts the mesh CA when one is configured)."""
         subject("x", source)  # validates the name
         self.url = url
+        self.log_url = nats_auth.redact_url(url)
+        self.auth = auth if auth is not None else nats_auth.ClientAuth.from_environ()
+        self.tls = tls if tls is not None else _mesh_tls_context()
+        if sealers is None:
+            from services.mesh.heartbeat_signing import default_sealers
+
+            sealers = default_sealers()
+        self._sealers = dict(sealers)
         self.source = source
         self.epoch = uuid.uuid4().hex
         self.reconnect_wait_s = reconnect_wait_s
@@ -120,6 +147,7 @@ class EventBus:
         self._connected = asyncio.Event()
         self._closed = False
         self._warned_unreachable = False
+        self._warned_violations: set[str] = set()
         self.num_published = 0
         self.num_dropped = 0
 
@@ -163,17 +191,18 @@ class EventBus:
         attempt = 0
         while not self._closed:
             nc = NatsClient()
+            login = {"user": self.auth.user, "password": self.auth.password} if self.auth.user else {}
             try:
                 await nc.connect(
                     servers=[self.url], name=self.source, connect_timeout=1,
                     allow_reconnect=True, max_reconnect_attempts=-1,
                     reconnect_time_wait=self.reconnect_wait_s,
                     error_cb=self._on_error, disconnected_cb=self._on_disconnected,
-                    reconnected_cb=self._on_reconnected,
+                    reconnected_cb=self._on_reconnected, tls=self.tls, **login,
                 )
             except Exception as exc:
                 if attempt == 0:
-                    log.warning("nats_unreachable", url=self.url, error=str(exc))
+                    self._log_connect_failure(exc)
                 attempt += 1
                 await asyncio.sleep(min(self.reconnect_wait_s * (1 + attempt / 4), 2.0))
                 continue
@@ -181,29 +210,46 @@ class EventBus:
             self._warned_unreachable = False
             for sub in self._subs:
                 await self._subscribe_on(nc, sub)
-            log.info("nats_connected", url=self.url, source=self.source)
+            log.info("nats_connected", url=self.log_url, source=self.source, user=self.auth.user or None)
             self._connected.set()
             await self._fire_on_connect()
             return
 
+    def _error_text(self, exc: BaseException) -> str:
+        return nats_auth.redact(str(exc) or type(exc).__name__, self.auth.password)
+
+    def _log_connect_failure(self, exc: BaseException) -> None:
+        error = self._error_text(exc)
+        if "authorization" in error.lower():
+            log.error("nats_authorization_failed", url=self.log_url, user=self.auth.user or None, error=error,
+                      detail=f"set {nats_auth.USER_ENV} and {nats_auth.PASSWORD_ENV} to this service's NATS role")
+        else:
+            log.warning("nats_unreachable", url=self.log_url, error=error)
+
     async def _on_error(self, exc: Exception) -> None:
         # nats-py retries connecting internally and reports each failure here: warn
-        # once per outage, the rest at debug.
-        if not self.connected and not self._warned_unreachable:
+        # once per outage, the rest at debug. A permission violation leaves the
+        # connection up: warn once per message (it names the subject).
+        error = self._error_text(exc)
+        if "permissions violation" in error.lower():
+            if error not in self._warned_violations:
+                self._warned_violations.add(error)
+                log.warning("nats_permission_violation", user=self.auth.user or None, error=error)
+        elif not self.connected and not self._warned_unreachable:
             self._warned_unreachable = True
-            log.warning("nats_unreachable", url=self.url, error=str(exc))
+            self._log_connect_failure(exc)
         else:
-            log.debug("nats_error", error=str(exc))
+            log.debug("nats_error", error=error)
 
     async def _on_disconnected(self) -> None:
         self._connected.clear()
         if not self._closed:
-            log.warning("nats_disconnected", url=self.url)
+            log.warning("nats_disconnected", url=self.log_url)
 
     async def _on_reconnected(self) -> None:
         self._connected.set()
         self._warned_unreachable = False
-        log.info("nats_reconnected", url=self.url)
+        log.info("nats_reconnected", url=self.log_url)
         await self._fire_on_connect()
 
     async def _fire_on_connect(self) -> None:
@@ -229,6 +275,9 @@ class EventBus:
     async def publish(self, kind: str, message: Message) -> bool:
         """Stamp ``message.header`` and send it. Never raises; False when dropped."""
         self.next_header(kind, message.header)
+        seal = self._sealers.get(kind)
+        if seal is not None:
+            seal(message)
         nc = self._nc
         if nc is None or not nc.is_connected:
             return self._drop(kind)
@@ -247,26 +296,39 @@ class EventBus:
         return False
 
     # -- subscribing ----------------------------------------------------------------
-    async def subscribe(self, kind: str, message_cls: type[Message], handler: Handler, source: str = "*") -> None:
+    async def subscribe(self, kind: str, message_cls: type[Message], handler: Handler, source: str = "*",
+                        accept: Callable[[Message], bool] | None = None) -> None:
         """Deliver events of ``kind`` (from ``source`` or all) to ``handler(msg, delivery)``,
-        duplicates removed. Survives reconnects; may be called before NATS is up."""
-        sub = _Subscription(kind, source, message_cls, handler)
+        duplicates removed. ``accept`` (e.g. a signature check) filters events before
+        their sequence is tracked, so a refused event cannot mark a stream restarted or
+        make the real events look like duplicates. Survives reconnects; may be called
+        before NATS is up."""
+        sub = _Subscription(kind, source, message_cls, handler, accept)
         self._subs.append(sub)
         if self.connected:
             await self._subscribe_on(self._nc, sub)
 
     async def _subscribe_on(self, nc: NatsClient, sub: _Subscription) -> None:
-        subj = f"weft.{sub.kind}.{sub.source}"
-
         async def on_message(msg) -> None:
-            try:
-                event = sub.message_cls.FromString(msg.data)
-            except DecodeError:
-                log.warning("event_malformed", subject=msg.subject)
-                return
-            await self.deliver(sub.kind, event, sub.handler)
+            await self._receive(sub, msg.subject, msg.data)
 
-        await nc.subscribe(subj, cb=on_message)
+        await nc.subscribe(f"weft.{sub.kind}.{sub.source}", cb=on_message)
+
+    async def _receive(self, sub: _Subscription, subj: str, data: bytes) -> Delivery | None:
+        """Decode, check the claimed source against the subject, ``accept``, deliver;
+        None when dropped before delivery."""
+        try:
+            event = sub.message_cls.FromString(data)
+        except DecodeError:
+            log.warning("event_malformed", subject=subj)
+            return None
+        if not _addressed_from(subj, sub.kind, event.header.source):
+            EVENTS_MISADDRESSED.labels(sub.kind).inc()
+            log.warning("event_misaddressed", subject=subj, source=event.header.source[:64])
+            return None
+        if sub.accept is not None and not sub.accept(event):
+            return None
+        return await self.deliver(sub.kind, event, sub.handler)
 
     async def deliver(self, kind: str, event: Message, handler: Handler) -> Delivery:
         """Classify ``event`` and hand it to ``handler`` unless it is a duplicate."""
@@ -286,6 +348,20 @@ class EventBus:
         except Exception:
             log.exception("event_handler_failed", kind=kind, source=h.source)
         return delivery
+
+
+def _addressed_from(subj: str, kind: str, source: str) -> bool:
+    """Whether an event on ``subj`` may claim ``source``: only on its own subject."""
+    return bool(_NAME_RE.match(source)) and subj == f"weft.{kind}.{source}"
+
+
+def _mesh_tls_context() -> ssl.SSLContext | None:
+    """Trust the mesh CA (``WEFT_MESH_TLS_CA``, else its certificate) for a NATS server
+    that requires TLS; None: nats-py's default (system CAs), used only if it does."""
+    security = mesh_auth.current()
+    if not security.client_tls:
+        return None
+    return ssl.create_default_context(cafile=security.tls_ca_path or security.tls_cert_path)
 
 
 def default_source(prefix: str) -> str:

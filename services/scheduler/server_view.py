@@ -1,16 +1,27 @@
 """The scheduler's view of the mesh, fed by NATS events: executor membership, load and
 the kv index, plus the pool of executor channels. Part of the server layer (it reads
-event protos); the decisions live in membership.py, kv_index.py and placement.py."""
+event protos); the decisions live in membership.py, kv_index.py and placement.py.
+
+Heartbeats decide where prompts and the mesh secret go, so with a mesh secret only signed
+ones count (services/mesh/heartbeat_signing.py): an unsigned or badly signed heartbeat is
+dropped before its sequence is tracked, logged ``heartbeat_rejected`` (at most once per
+``REJECT_LOG_INTERVAL_S`` per reason, with the number held back) and counted. Every
+executor the scheduler knows then came from a verified heartbeat, and so does every
+address it calls with the secret. Without a secret (development) heartbeats are taken
+unverified and ``heartbeats_unverified`` is logged once."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import grpc
 import structlog
 
-from services.mesh import metrics
+from services.mesh import mesh_auth, metrics
 from services.mesh.grpc_server import channel_options
-from services.mesh.mesh_auth import mesh_channel
+from services.mesh.heartbeat_signing import Verdict, signer_for
+from services.mesh.mesh_auth import MeshSecurity, mesh_channel
 from services.mesh.nats_bus import Delivery, EventBus
 from services.scheduler.degradation import Rung
 from services.scheduler.kv_index import KvIndex
@@ -20,6 +31,10 @@ from weft.v1 import common_pb2, events_pb2, executor_pb2_grpc
 log = structlog.get_logger(__name__)
 
 EXECUTORS = metrics.gauge("weft_scheduler_executors", "Known executors.")
+HEARTBEATS_REJECTED = metrics.counter("weft_scheduler_heartbeats_rejected_total",
+                                      "Executor heartbeats dropped: unsigned, badly signed or unverified.",
+                                      ["reason"])
+REJECT_LOG_INTERVAL_S = 10.0
 
 _STATES = {
     events_pb2.EXECUTOR_STATE_JOINING: ExecutorState.JOINING,
@@ -66,29 +81,82 @@ class ChannelPool:
         self._stubs.clear()
 
 
+class RateLimitedLog:
+    """Logs an event at most once per ``interval_s`` per reason, with how many it held
+    back: a flood of forged heartbeats must not flood the log. Bounded: one slot per reason."""
+
+    def __init__(self, event: str, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.event = event
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last: dict[str, tuple[float, int]] = {}  # reason -> (last logged at, held back since)
+
+    def __call__(self, reason: str, **fields) -> bool:
+        """Log (True) or count as held back (False)."""
+        now = self.clock()
+        last = self._last.get(reason)
+        if last is not None and now - last[0] < self.interval_s:
+            self._last[reason] = (last[0], last[1] + 1)
+            return False
+        log.warning(self.event, reason=reason, num_suppressed=last[1] if last else 0, **fields)
+        self._last[reason] = (now, 0)
+        return True
+
+
 class MeshView:
     """Membership + kv index fed by NATS events (heartbeat, load, kv)."""
 
-    def __init__(self, membership: Membership, kv_index: KvIndex) -> None:
+    def __init__(self, membership: Membership, kv_index: KvIndex, security: MeshSecurity | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``security``: whose mesh secret heartbeats must be signed with (default: this
+        process's, ``mesh_auth.current()``; no secret: unverified development mode)."""
         self.membership = membership
         self.kv_index = kv_index
+        self._signer = signer_for(security if security is not None else mesh_auth.current())
+        self._log_rejection = RateLimitedLog("heartbeat_rejected", REJECT_LOG_INTERVAL_S, clock)
+        self._warned_unverified = False
         membership.on_removed(self._forget)
 
     async def subscribe(self, bus: EventBus) -> None:
-        await bus.subscribe("heartbeat", events_pb2.ExecutorHeartbeat, self.on_heartbeat)
+        await bus.subscribe("heartbeat", events_pb2.ExecutorHeartbeat, self.on_heartbeat,
+                            accept=self.accept_heartbeat)
         await bus.subscribe("load", events_pb2.LoadReport, self.on_load)
         await bus.subscribe("kv", events_pb2.KvEvent, self.on_kv)
 
+    def accept_heartbeat(self, msg: events_pb2.ExecutorHeartbeat) -> bool:
+        """Whether ``msg`` may count: with a secret, only with a valid signature (else
+        logged, rate-limited, and counted). Does not modify the view."""
+        if self._signer is None:
+            if not self._warned_unverified:
+                self._warned_unverified = True
+                log.warning("heartbeats_unverified", detail="no mesh secret: any NATS client that may publish "
+                            "heartbeats can announce any executor; set WEFT_MESH_SECRET")
+            return True
+        verdict = self._signer.verify(msg)
+        if verdict is not Verdict.VALID:
+            self._reject(msg, verdict.value)
+        return verdict.ok
+
+    def _reject(self, msg: events_pb2.ExecutorHeartbeat, reason: str) -> None:
+        HEARTBEATS_REJECTED.labels(reason).inc()
+        self._log_rejection(reason, executor=msg.name[:64], address=msg.address[:128], source=msg.header.source[:64])
+
     def on_heartbeat(self, msg: events_pb2.ExecutorHeartbeat, delivery: Delivery) -> None:
-        if delivery is Delivery.RESTARTED:
-            self.kv_index.drop_source(msg.name)
+        if not self.accept_heartbeat(msg):  # the bus filters already; direct callers too
+            return
         rec = ExecutorRecord(
             name=msg.name, address=msg.address, model_id=msg.model_id, block_size=msg.block_size,
             state=_STATES.get(msg.state, ExecutorState.JOINING), max_num_seqs=msg.max_num_seqs,
             num_blocks=msg.num_blocks, max_model_len=msg.max_model_len,
             interval_s=(msg.interval_ms or 1000) / 1000.0, heartbeat_sequence=msg.header.sequence,
             serves_rung=rung_from_pb(msg.serves_rung), kv_cache_dtype=msg.kv_cache_dtype or "auto",
+            verified=self._signer is not None,
         )
+        if not self.membership.admits(rec):
+            self._reject(msg, "unverified_change")
+            return
+        if delivery is Delivery.RESTARTED:
+            self.kv_index.drop_source(msg.name)
         prev = self.membership.get(rec.name)
         if self.membership.heartbeat(rec):
             log.info("executor_joined", executor=rec.name, address=rec.address, model_id=rec.model_id,
