@@ -3,6 +3,16 @@ between ``router_pb2`` messages and domain types (``scheduler_client.py`` is its
 outbound twin). Sampling fields are validated by the same code as the HTTP API, so both
 reject the same inputs naming the same fields.
 
+Validation is shared with the HTTP API, so both doors reject the same inputs naming the
+same fields: sampling (``validation.parse_sampling``), session and contract
+(``validation.parse_session``: an undefined enum number such as ``request_class=99`` is
+INVALID_ARGUMENT), chat messages (``chat_messages.parse_message``: a tool message needs
+``tool_call_id``), the prompt's size (``Generator.encode_async``), and ``request_id``
+(``request_ids.py``: at most 64 characters of ``[A-Za-z0-9._:-]``, scoped by tenant).
+
+Health: ``grpc.health.v1`` on this port is liveness (SERVING until SIGTERM drains the
+router); readiness, "an executor serves", is HTTP ``GET /health/ready`` (``readiness.py``).
+
 Authentication: ``authorization: Bearer <key>`` (or ``x-api-key``) call metadata.
 Cancellation: a client that cancels its call cancels this generator, which closes the
 scheduler stream and frees the request's KV downstream.
@@ -20,9 +30,11 @@ from services.router import metrics as m
 from services.router.auth import KeyStore, bearer_token
 from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, UpstreamError,
                                     UpstreamUnavailable)
-from services.router.generation import Generator, new_request_id
-from services.router.schema import ContractSpec, Delta, Sampling, Session
-from services.router.validation import parse_sampling, parse_stop
+from services.router.chat_messages import parse_message
+from services.router.generation import Generator
+from services.router.request_ids import grpc_request_id, mesh_request_id
+from services.router.schema import Delta, Sampling
+from services.router.validation import parse_sampling, parse_session, parse_stop
 from weft.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -37,9 +49,6 @@ ROUTER_ERROR_RULES = (
 _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
            "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT,
            "error": common_pb2.FINISH_REASON_ERROR}
-_CLASSES = {common_pb2.REQUEST_CLASS_UNSPECIFIED: "", common_pb2.REQUEST_CLASS_INTERACTIVE: "interactive",
-            common_pb2.REQUEST_CLASS_DETERMINISTIC: "deterministic", common_pb2.REQUEST_CLASS_BATCH: "batch",
-            common_pb2.REQUEST_CLASS_AGENTIC: "agentic"}
 
 
 def _api_key(context: grpc.aio.ServicerContext) -> str | None:
@@ -67,7 +76,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         tenant = self.keys.authenticate(_api_key(context))
-        rid = request.request_id or new_request_id("grpc")
+        rid = grpc_request_id(request.request_id, "grpc")  # bounded before anything logs it
         if request.model and request.model not in self.generator.limits.served_models:
             raise InvalidRequestError("model", f"model {request.model!r} does not exist; served: {self.model_name!r}")
         with request_context(rid, tenant=tenant):
@@ -77,18 +86,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             session = _session(request.session)
             form = request.WhichOneof("prompt")
             if form == "text":
-                ids = await self.generator.text_prompt_ids_async(request.text)
+                ids = await self.generator.text_prompt_ids_async(request.text, "text")
             elif form == "token_ids":
                 ids = list(request.token_ids.ids)
             elif form == "chat":
                 if not request.chat.messages:
                     raise InvalidRequestError("chat.messages", "must not be empty")
-                messages = [_message(msg) for msg in request.chat.messages]
-                ids = self.generator.chat_prompt_ids(messages, None, request.chat.add_generation_prompt)
+                messages = [parse_message(_message(msg), f"chat.messages[{i}]")
+                            for i, msg in enumerate(request.chat.messages)]
+                ids = await self.generator.chat_prompt_ids_async(messages, None, request.chat.add_generation_prompt,
+                                                                 "chat.messages")
             else:
                 raise InvalidRequestError("prompt", "one of text, chat or token_ids is required")
             field = "chat.messages" if form == "chat" else form
-            token_req = self.generator.token_request(ids, sampling, tenant, session, field, rid)
+            token_req = self.generator.token_request(ids, sampling, tenant, session, field,
+                                                     mesh_request_id(tenant, rid))
             m.IN_FLIGHT.labels("grpc").inc()
             deltas = self.generator.stream(token_req, stop)
             code = "OK"
@@ -117,9 +129,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 def _message(msg: router_pb2.ChatMessage) -> dict:
-    if msg.role not in ("system", "developer", "user", "assistant", "tool"):
-        raise InvalidRequestError("chat.messages.role", f"unknown role {msg.role!r}")
-    out = {"role": "system" if msg.role == "developer" else msg.role, "content": msg.content}
+    """A proto message as the JSON object HTTP would carry (empty strings read as absent),
+    for ``chat_messages.parse_message``: one validation for both doors."""
+    out = {"role": msg.role, "content": msg.content}
     if msg.name:
         out["name"] = msg.name
     if msg.tool_call_id:
@@ -128,26 +140,33 @@ def _message(msg: router_pb2.ChatMessage) -> dict:
 
 
 def _session(s: common_pb2.SessionInfo):
+    """``SessionInfo`` as the JSON fields HTTP would carry, validated by the same
+    ``parse_session``: an enum number the proto does not define (``request_class=99``)
+    is refused naming the field, as an unknown name is over HTTP."""
     c = s.contract
-    contract = ContractSpec(kv_quota_blocks=c.kv_quota_blocks, ttft_ceiling_ms=c.ttft_ceiling_ms,
-                            tpot_ceiling_ms=c.tpot_ceiling_ms, fallback=_FALLBACK_NAMES.get(c.fallback, ""),
-                            accepted_degrade_steps=_degrade_step_names(c.accepted_degrade_steps))
-    return Session(session_id=s.session_id, program_id=s.program_id, hop_index=s.hop_index,
-                   expected_tool_ms=s.expected_tool_ms, request_class=_CLASSES.get(s.request_class, ""),
-                   stateful=s.stateful, contract=contract)
+    body = {
+        "session_id": s.session_id, "program_id": s.program_id, "hop_index": s.hop_index,
+        "expected_tool_ms": s.expected_tool_ms, "session_stateful": s.stateful,
+        "request_class": _enum_name(common_pb2.RequestClass, s.request_class, "REQUEST_CLASS_"),
+        "contract": {
+            "kv_quota_blocks": c.kv_quota_blocks, "ttft_ceiling_ms": c.ttft_ceiling_ms,
+            "tpot_ceiling_ms": c.tpot_ceiling_ms,
+            "fallback": _enum_name(common_pb2.FallbackPath, c.fallback, "FALLBACK_PATH_"),
+            "accepted_degrade_steps": [_enum_name(common_pb2.DegradeStep, step, "DEGRADE_STEP_") or str(step)
+                                       for step in c.accepted_degrade_steps],
+        },
+    }
+    return parse_session(body, prefix="session.")
 
 
-def _degrade_step_names(steps) -> tuple[str, ...]:
-    names: dict[str, None] = {}
-    for step in steps:
-        if step == common_pb2.DEGRADE_STEP_UNSPECIFIED or step not in common_pb2.DegradeStep.values():
-            raise InvalidRequestError("session.contract.accepted_degrade_steps", f"unknown degradation step {step}")
-        names[common_pb2.DegradeStep.Name(step).removeprefix("DEGRADE_STEP_").lower()] = None
-    return tuple(names)
-
-
-_FALLBACK_NAMES = {common_pb2.FALLBACK_PATH_DEGRADE: "degrade", common_pb2.FALLBACK_PATH_REROUTE: "reroute",
-                   common_pb2.FALLBACK_PATH_FAIL_FAST: "fail_fast"}
+def _enum_name(enum, value: int, prefix: str) -> str:
+    """``REQUEST_CLASS_BATCH`` -> "batch"; 0 (unspecified) -> ""; an undefined number -> its
+    digits, which no validator accepts."""
+    if value == 0:
+        return ""
+    if value not in enum.values():
+        return str(value)
+    return enum.Name(value).removeprefix(prefix).lower()
 
 
 def _response(rid: str, delta: Delta, logprobs: bool) -> router_pb2.GenerateResponse:

@@ -26,6 +26,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
+from services.router.prompt_budget import CharBudget, char_budget
+
 # transformers' named special tokens; the chat template sees each one that is set.
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
@@ -54,6 +56,7 @@ class Tokenizer:
         self._eos_token_ids = tuple(dict.fromkeys(i for i in [*eos_ids, *generation_eos_token_ids] if i is not None))
         bos = self._special_tokens.get("bos_token")
         self._bos_token_id = self.token_to_id(bos) if bos is not None else None
+        self._char_budget = char_budget(json.loads(backend.to_str()), backend.get_vocab(with_added_tokens=True))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -120,6 +123,11 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template_source
 
+    @property
+    def char_budget(self) -> CharBudget:
+        """How many characters can possibly fit a context (``prompt_budget.py``)."""
+        return self._char_budget
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
@@ -128,6 +136,17 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` applies the post-processor
         (e.g. a BOS), exactly as ``AutoTokenizer.encode`` does."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_bounded(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
+        """(number of tokens, ids or None when there are more than ``max_tokens``).
+
+        Runs with the GIL released: ``tokenizers``' ``encode`` holds it for the whole
+        call (a 1 MB text: seconds with every other thread, the event loop included,
+        frozen), ``encode_batch`` releases it. Call it from a worker thread. An
+        over-long result is only counted, never turned into a Python list."""
+        (encoding,) = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        num_tokens = len(encoding)
+        return num_tokens, (encoding.ids if num_tokens <= max_tokens else None)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Ids outside the tokenizer's vocabulary (a model vocab padded

@@ -134,8 +134,8 @@ def parse_sampling(body: Mapping[str, Any], limits: Limits, max_tokens: Any, fie
     if not 0.0 < top_p <= 1.0:
         raise InvalidRequestError("top_p", f"must be in (0, 1], got {top_p}")
     top_k = optional_field(body, "top_k", int, 0)
-    if top_k < -1:
-        raise InvalidRequestError("top_k", f"must be >= 0 (or -1 to disable), got {top_k}")
+    if not -1 <= top_k < 2**31:  # int32 downstream; any k >= the vocabulary keeps every token
+        raise InvalidRequestError("top_k", f"must be in [0, 2^31) (or -1 to disable), got {top_k}")
     n = optional_field(body, "n", int, 1)
     if n != 1:
         raise InvalidRequestError("n", f"only n=1 is supported, got {n}")
@@ -182,47 +182,54 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
 
 
 def _session(body: Mapping[str, Any]) -> Session:
+    return parse_session(body)
+
+
+def parse_session(body: Mapping[str, Any], prefix: str = "") -> Session:
+    """The agent-session fields (``request_class``, ``contract``, ...) of a request body.
+    Shared by HTTP (top-level fields) and gRPC (``SessionInfo`` as a dict, ``prefix``
+    "session."), so both doors accept and refuse the same values naming the same field."""
     request_class = optional_field(body, "request_class", str, "")
     if request_class not in _REQUEST_CLASSES:
-        raise InvalidRequestError("request_class", f"must be one of {list(_REQUEST_CLASSES[1:])}")
+        raise InvalidRequestError(f"{prefix}request_class",
+                                  f"must be one of {list(_REQUEST_CLASSES[1:])}, got {request_class!r}")
     hop_index = optional_field(body, "hop_index", int, 0)
     expected_tool_ms = optional_field(body, "expected_tool_ms", int, 0)
     for name, value in (("hop_index", hop_index), ("expected_tool_ms", expected_tool_ms)):
         if not 0 <= value < 2**32:
-            raise InvalidRequestError(name, f"must be in [0, 2^32), got {value}")
+            raise InvalidRequestError(f"{prefix}{name}", f"must be in [0, 2^32), got {value}")
     session_id = optional_field(body, "session_id", str, "")
     stateful = optional_field(body, "session_stateful", bool, False)
     if stateful and not session_id:
-        raise InvalidRequestError("session_stateful", "needs session_id")
+        raise InvalidRequestError(f"{prefix}session_stateful", "needs session_id")
     return Session(
         session_id=session_id, program_id=optional_field(body, "program_id", str, ""),
         hop_index=hop_index, expected_tool_ms=expected_tool_ms, request_class=request_class,
-        stateful=stateful, contract=_contract(body.get("contract")),
+        stateful=stateful, contract=_contract(body.get("contract"), f"{prefix}contract"),
     )
 
 
-def _contract(value: Any) -> ContractSpec:
+def _contract(value: Any, field: str = "contract") -> ContractSpec:
     """The ``contract`` extension object: kv_quota_blocks, ttft_ceiling_ms, tpot_ceiling_ms, fallback,
     accepted_degrade_steps."""
     if value is None:
         return ContractSpec()
-    obj = json_object(value, "contract")
+    obj = json_object(value, field)
     numbers = {}
     for name in ("kv_quota_blocks", "ttft_ceiling_ms", "tpot_ceiling_ms"):
         v = optional_field(obj, name, int, 0)
         if not 0 <= v < 2**32:
-            raise InvalidRequestError(f"contract.{name}", f"must be in [0, 2^32), got {v}")
+            raise InvalidRequestError(f"{field}.{name}", f"must be in [0, 2^32), got {v}")
         numbers[name] = v
     fallback = optional_field(obj, "fallback", str, "")
     if fallback not in _FALLBACKS:
-        raise InvalidRequestError("contract.fallback", f"must be one of {list(_FALLBACKS[1:])}")
-    return ContractSpec(fallback=fallback, accepted_degrade_steps=_degrade_steps(obj.get("accepted_degrade_steps")),
-                        **numbers)
+        raise InvalidRequestError(f"{field}.fallback", f"must be one of {list(_FALLBACKS[1:])}, got {fallback!r}")
+    steps = _degrade_steps(obj.get("accepted_degrade_steps"), f"{field}.accepted_degrade_steps")
+    return ContractSpec(fallback=fallback, accepted_degrade_steps=steps, **numbers)
 
 
-def _degrade_steps(value: Any) -> tuple[str, ...]:
+def _degrade_steps(value: Any, name: str = "contract.accepted_degrade_steps") -> tuple[str, ...]:
     """``contract.accepted_degrade_steps``: an array of rung names (duplicates dropped)."""
-    name = "contract.accepted_degrade_steps"
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -266,6 +273,8 @@ def _prompts(value: Any, limits: Limits) -> tuple[str | tuple[int, ...], ...]:
 def _token_prompt(ids: list[Any], field: str, limits: Limits) -> tuple[int, ...]:
     if not ids:
         raise InvalidRequestError(field, "must contain at least one token")
+    if len(ids) >= limits.max_model_len:  # cannot fit: refuse before walking every id
+        raise InvalidRequestError(field, f"{len(ids)} tokens exceed the model's context length of {limits.max_model_len}")
     for i, t in enumerate(ids):
         if not _is_token_id(t, limits.vocab_size):
             raise InvalidRequestError(f"{field}[{i}]", f"token id {t!r} is not an integer in [0, {limits.vocab_size})")
