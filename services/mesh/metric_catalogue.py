@@ -160,14 +160,29 @@ def count_admission_rejection(reason: str) -> None:
     metric("weft_admission_rejections_total").labels(reason).inc()
 
 
+_kv_partitions: dict[str, set[str]] = {}  # executor -> partitions its last set_kv_usage exported
+
+
 def set_kv_usage(executor: str, partitions: Iterable, num_blocks: int, num_free_blocks: int) -> None:
     """``partitions``: objects with name / used_blocks / reserved_blocks / borrowed_blocks
-    (``BlockPool.usage()``)."""
+    (``BlockPool.usage()``), the pool's whole truth at this moment.
+
+    A partition exported before but absent now (a tenant's last request ended: the pool
+    lists only partitions with a quota or in use; or its quota was removed) is set to 0:
+    a gauge keeps its last value until set, so without this ``weft top`` showed a
+    tenant's blocks as used long after the pool was empty (issue 12). Its label set stays,
+    at 0, so a scrape sees the drop; names are bounded (tenants from the keys file)."""
     kv = metric("weft_kv_blocks")
+    seen = set()
     for p in partitions:
+        seen.add(p.name)
         kv.labels(executor, p.name, "used").set(p.used_blocks)
         kv.labels(executor, p.name, "reserved").set(p.reserved_blocks)
         kv.labels(executor, p.name, "borrowed").set(p.borrowed_blocks)
+    for name in _kv_partitions.get(executor, set()) - seen:
+        for state in KV_STATES:
+            kv.labels(executor, name, state).set(0)
+    _kv_partitions[executor] = _kv_partitions.get(executor, set()) | seen
     pool = metric("weft_kv_pool_blocks")
     pool.labels(executor, "total").set(num_blocks)
     pool.labels(executor, "free").set(num_free_blocks)
