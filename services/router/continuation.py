@@ -17,9 +17,22 @@ Continued: a call that broke without the scheduler choosing to end it (``lost``:
 process died or restarted, the connection reset, it shut down mid-stream; UNAVAILABLE /
 CANCELLED / INTERNAL / UNKNOWN without a Weft error origin), or a stall: no chunk for
 max(``min_stall_s``, ``stall_factor`` × the stream's mean gap) (``first_chunk_probe_s``
-before an attempt's first chunk) *and* no answer to a health probe within
-``probe_timeout_s``. A scheduler that answers (busy migrating the request between
-executors, prefilling, draining) is waited on; the request's deadline still bounds it.
+before an attempt's first chunk) *and* the scheduler shows no sign of life
+(``SchedulerLiveness``). A scheduler that answers (busy migrating the request between
+executors, prefilling, draining, relaying hundreds of other streams) is waited on; the
+request's deadline still bounds it.
+
+Liveness, shared by every stream of the router (issue 12: 10-15 % of 200 concurrent
+streams got 503 from a healthy scheduler: they all reached the first-chunk ceiling at
+once, each sent its own health probe, and the herd of probes on a scheduler busy relaying
+the other streams took longer than one ``probe_timeout_s`` to answer). The verdict is
+"dead" only when, during this stream's silence, *no* stream got a chunk, no probe was
+answered, and a round of ``probe_attempts`` probes, each unanswered for
+``probe_timeout_s`` × ``probe_backoff``^k, also goes unanswered; a slow answer is an
+answer. One round at a time: every stalled stream waits on the same one. A transport
+that knows the scheduler is unreachable (the gRPC channel in TRANSIENT_FAILURE) is
+"dead" at once. A SIGSTOPped scheduler sends nothing and answers nothing, so it is still
+given up on, after the ceiling plus one round (1 + 2 + 4 = 7 s at the defaults).
 Not continued: anything before the first chunk of the first attempt (nothing was
 generated: ``scheduler_client`` retries that itself), a status the scheduler chose (its
 own migration gave up, a bad request, the deadline).
@@ -57,6 +70,7 @@ from services.scheduler.migration import MigrationPolicy, StallWatch, continuati
 log = structlog.get_logger(__name__)
 
 Probe = Callable[[float], Awaitable[bool]]  # probe(timeout_s): does the scheduler answer?
+Unreachable = Callable[[], bool]  # does the transport already know the scheduler is down?
 
 
 @dataclass(frozen=True)
@@ -68,11 +82,17 @@ class ContinuationPolicy:
     stall_factor: float = 20.0  # no chunk for stall_factor × mean gap → probe the scheduler
     min_stall_s: float = 2.0  # floor of that wait
     first_chunk_probe_s: float = 5.0  # before an attempt's first chunk: probe this often
-    probe_timeout_s: float = 1.0  # a health probe unanswered this long: the scheduler is stalled
+    probe_timeout_s: float = 1.0  # the first probe of a round unanswered this long: probe again
+    probe_attempts: int = 3  # probes per round, all unanswered (and no chunk anywhere): stalled
+    probe_backoff: float = 2.0  # each further probe of a round waits this many times longer
 
     def __post_init__(self) -> None:
         if self.max_attempts < 0:
             raise ValueError("max_attempts must be >= 0")
+        if self.probe_attempts < 1:
+            raise ValueError("probe_attempts must be >= 1")
+        if self.probe_backoff < 1:
+            raise ValueError("probe_backoff must be >= 1")
         for name in ("stall_factor", "min_stall_s", "first_chunk_probe_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -134,15 +154,97 @@ class _Progress:
                           self.num_cached_tokens, n, "", num_migrations=self.num_continuations)
 
 
-class _WatchedStream:
-    """A chunk stream whose silences are checked: past the stall ceiling the scheduler is
-    probed; no answer raises a lost ``UpstreamUnavailable``, an answer keeps waiting."""
+class SchedulerLiveness:
+    """One verdict, shared by every stream of a router, on whether the scheduler is alive.
 
-    def __init__(self, chunks: AsyncIterator[TokenChunk], policy: ContinuationPolicy, probe: Probe | None) -> None:
-        self.chunks = chunks
+    Signs of life: a chunk on any stream (``note_alive``) or an answered health probe.
+    ``alive(after)`` is True when there was one after ``after`` (the start of the asking
+    stream's silence window); otherwise it joins the round of probes in flight or starts
+    one (single flight: N stalled streams cost one probe at a time, not N). Mutates only
+    its own sign-of-life time and round."""
+
+    def __init__(self, policy: ContinuationPolicy, probe: Probe | None, unreachable: Unreachable | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy
         self.probe = probe
+        self.unreachable = unreachable
+        self.clock = clock
+        self.last_sign_s = float("-inf")
+        self._sign = asyncio.Event()  # set by every sign of life; a round clears it per probe
+        self._round: asyncio.Task | None = None
+
+    def note_alive(self, at_s: float) -> None:
+        self.last_sign_s = max(self.last_sign_s, at_s)
+        self._sign.set()
+
+    async def alive(self, after_s: float) -> bool:
+        if self.unreachable is not None and self.unreachable():
+            return False  # the transport already knows: no need to wait out a probe
+        if self.last_sign_s > after_s:
+            return True
+        if self.probe is None:
+            return False
+        if self._round is None:
+            self._round = asyncio.ensure_future(self._probe_round())
+            self._round.add_done_callback(self._round_done)
+        # shield: a stream cancelled while waiting (its client left) must not cancel the
+        # round the other streams wait on.
+        return await asyncio.shield(self._round)
+
+    def _round_done(self, task: asyncio.Task) -> None:
+        if self._round is task:
+            self._round = None
+
+    async def _probe_round(self) -> bool:
+        """Probe until an answer or a chunk anywhere (True), or ``probe_attempts`` probes
+        went unanswered, each given ``probe_backoff`` times longer than the last (False)."""
+        timeout_s = self.policy.probe_timeout_s
+        for attempt in range(1, self.policy.probe_attempts + 1):
+            if self.unreachable is not None and self.unreachable():
+                return False
+            self._sign.clear()
+            if await self._probe_once(timeout_s):
+                return True
+            log.warning("scheduler_probe_unanswered", attempt=attempt, of=self.policy.probe_attempts,
+                        timeout_s=round(timeout_s, 3))
+            timeout_s *= self.policy.probe_backoff
+        return False
+
+    async def _probe_once(self, timeout_s: float) -> bool:
+        """One probe given ``timeout_s``; True as soon as it answers or any stream gets a
+        chunk. A probe refused early still waits out ``timeout_s`` for a chunk."""
+        assert self.probe is not None
+        started_s = self.clock()
+        sign = asyncio.ensure_future(self._sign.wait())
+        probe = asyncio.ensure_future(self.probe(timeout_s))
+        try:
+            done, _ = await asyncio.wait({sign, probe}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if probe in done and probe.exception() is None and probe.result():
+                self.note_alive(self.clock())
+                return True
+            if sign not in done and probe in done:  # refused at once: a chunk may still come
+                done, _ = await asyncio.wait({sign}, timeout=max(0.0, started_s + timeout_s - self.clock()))
+            return sign in done
+        finally:
+            for task in (sign, probe):
+                task.cancel()
+            await asyncio.wait({sign, probe})
+            if not probe.cancelled():
+                probe.exception()  # retrieved: a failed probe is an unanswered one, not an error
+
+
+class _WatchedStream:
+    """A chunk stream whose silences are checked: past the stall ceiling the shared
+    ``SchedulerLiveness`` is asked; no sign of life raises a lost ``UpstreamUnavailable``,
+    any sign of life keeps waiting."""
+
+    def __init__(self, chunks: AsyncIterator[TokenChunk], policy: ContinuationPolicy,
+                 liveness: SchedulerLiveness) -> None:
+        self.chunks = chunks
+        self.policy = policy
+        self.liveness = liveness
         self.watch = policy.stall_watch()
+        self.quiet_since_s = liveness.clock()  # this stream's start or its last chunk
 
     async def next(self) -> TokenChunk | None:
         """The next chunk; None at the end of the stream."""
@@ -153,16 +255,20 @@ class _WatchedStream:
                 if done:
                     break
                 silent_s = self.watch.timeout_s()
-                if self.probe is not None and await self.probe(self.policy.probe_timeout_s):
+                window_start_s = max(self.quiet_since_s, self.liveness.clock() - silent_s)
+                if await self.liveness.alive(window_start_s):
                     log.info("scheduler_slow_but_alive", silent_s=round(silent_s, 2))
                     continue
                 raise UpstreamUnavailable(
-                    f"scheduler: no chunk for {silent_s:.1f}s and no answer to a health probe", lost=True)
+                    f"scheduler: no chunk for {silent_s:.1f}s, none on any other stream, and no answer to "
+                    f"{self.policy.probe_attempts} health probe(s)", lost=True)
             try:
                 chunk = task.result()
             except StopAsyncIteration:
                 return None
             self.watch.observe()
+            self.quiet_since_s = self.liveness.clock()
+            self.liveness.note_alive(self.quiet_since_s)
             return chunk
         finally:
             if not task.done():
@@ -176,10 +282,11 @@ class _WatchedStream:
 class ContinuingStreamer:
     """A ``TokenStreamer`` that continues streams across scheduler failures."""
 
-    def __init__(self, downstream, policy: ContinuationPolicy | None = None, probe: Probe | None = None) -> None:
+    def __init__(self, downstream, policy: ContinuationPolicy | None = None, probe: Probe | None = None,
+                 unreachable: Unreachable | None = None) -> None:
         self.downstream = downstream  # TokenStreamer: the scheduler client
         self.policy = policy or ContinuationPolicy()
-        self.probe = probe
+        self.liveness = SchedulerLiveness(self.policy, probe, unreachable)
 
     async def generate(self, request: TokenRequest, timeout_s: float) -> AsyncIterator[TokenChunk]:
         """Stream the request's chunks as one stream. Closing this generator cancels the call."""
@@ -207,7 +314,7 @@ class ContinuingStreamer:
             await stream.aclose()
 
     def _watched(self, request: TokenRequest, timeout_s: float) -> _WatchedStream:
-        return _WatchedStream(self.downstream.generate(request, timeout_s), self.policy, self.probe)
+        return _WatchedStream(self.downstream.generate(request, timeout_s), self.policy, self.liveness)
 
     async def _continue(self, progress: _Progress, error: Exception,
                         deadline: float) -> tuple[_WatchedStream, TokenChunk | None]:
