@@ -3,10 +3,12 @@
 NAME is an instance as ``weft ps`` lists it (``router``, ``scheduler``, ``executor-1``,
 ``cachestore``, ``nats``). Every action goes through the launcher's loopback control
 endpoint (``POST /chaos``), because the launcher owns the processes: it must know that a
-killed router is deliberate (else it tears the mesh down, as it does when a service
-dies), and only it can respawn a service on the same ports with the same settings.
+kill is deliberate (else its supervisor restarts the service at once, as it does after any
+unplanned death), and only it can respawn a service on the same ports with the same settings.
 
-    kill     SIGKILL; the instance stays down (and recorded as such) until restarted
+    kill     SIGKILL, a planned outage: the supervisor does NOT restart it; it stays down
+             (``weft ps``: stopped) until ``weft chaos restart``. To test the supervisor,
+             ``kill -9`` the pid from ``weft ps`` instead: that death is restarted.
     pause    SIGSTOP: the process hangs with its sockets open (a stalled peer)
     resume   SIGCONT
     restart  SIGKILL if alive, then start it again (singletons on the same ports, an
@@ -61,6 +63,7 @@ async def apply_chaos(launcher: Launcher, action: str, name: str) -> dict:
     if spec.name == "executor":
         await launcher._wait_scheduler_sees({name}, deadline)
     launcher.chaos_down.discard(name)
+    launcher.reset_supervision(name)  # restarted on purpose: a past crash loop is forgiven
     write_state(launcher.state_dir, launcher.state())
     return {"name": name, "action": action, "pid": new.process.pid, "alive": True,
             "recovery_s": round(time.monotonic() - t0, 3)}
@@ -88,7 +91,8 @@ def register_chaos(subparsers) -> None:
     chaos = subparsers.add_parser(
         "chaos", help="kill, pause, resume or restart one service of the running mesh",
         description="Disturb one service of the running mesh, by its name in `weft ps` "
-                    "(router, scheduler, executor-N, cachestore, nats). kill = SIGKILL (stays down); "
+                    "(router, scheduler, executor-N, cachestore, nats). kill = SIGKILL (stays down: "
+                    "the supervisor restarts only unplanned deaths such as a plain kill -9); "
                     "pause = SIGSTOP; resume = SIGCONT; restart = SIGKILL if alive, then start it "
                     "again and wait until it is healthy (prints the seconds it took).")
     chaos.add_argument("action", choices=ACTIONS, help="what to do")

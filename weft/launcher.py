@@ -3,15 +3,20 @@
 NOTE: one table (``weft/mesh_spec.py``) says what runs; this module only renders it
 with free loopback ports and manages processes:
 
+    check: the model dir exists, the fixed ports are free (else one line, exit 1, nothing started)
     nats ──▶ cachestore, scheduler, executor-0..N-1 (+ --extra-executor ones), router   (started together)
          ──▶ wait: every instance healthy AND the scheduler lists every executor
-         ──▶ state file + control endpoint ──▶ wait for Ctrl-C / SIGTERM
+             AND the router's /health/ready says an executor serves
+         ──▶ state file + control endpoint ──▶ supervise until Ctrl-C / SIGTERM
     stop: router first (no new work), then executors / scheduler / cachestore, NATS last;
           SIGTERM (each service drains), SIGKILL after ``stop_timeout_s``.
 
 Children get their own session (a terminal's Ctrl-C reaches only the launcher, which
 stops them in order) and PR_SET_PDEATHSIG, so even a SIGKILLed launcher leaves no
-orphans. ``weft scale`` reaches ``scale()`` through a token-protected loopback HTTP
+orphans. Once up, every instance is supervised: an unplanned death is answered by a
+restart under the same name and ports after a backoff, and a crash loop stops restarting
+that instance only (policy: ``weft/supervisor.py``; the rest of the mesh never stops).
+``weft scale`` reaches ``scale()`` through a token-protected loopback HTTP
 control endpoint recorded in the state file (see docs/architecture.md, "Launcher").
 """
 from __future__ import annotations
@@ -24,7 +29,7 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -35,6 +40,8 @@ from services.mesh.nats_server import free_port, nats_server_binary
 from weft import health
 from weft.mesh_spec import BY_NAME, SERVICES, Context, ServiceSpec
 from weft.mesh_state import Instance, MeshState, remove_state, write_state
+from weft.startup_checks import check_model_dir, check_ports_free, last_log_line, ports_free
+from weft.supervisor import RestartConfig, RestartPolicy, Status
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +54,12 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec: noth
 
 
 class MeshStartError(RuntimeError):
-    """A service failed to start or become healthy; the message carries its log tail."""
+    """The mesh could not start. ``str()`` is one line naming the cause; ``log_path`` (when a
+    service's log explains more) is where to look."""
+
+    def __init__(self, cause: str, log_path: str | Path | None = None) -> None:
+        super().__init__(cause)
+        self.log_path = str(log_path) if log_path else None
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class UpOptions:
     # One more executor per entry, started with these flags appended to its command (they win
     # over the mesh's env): e.g. "--serves-rung kv_int8 --kv-cache-dtype int8", a degraded pool.
     extra_executors: tuple[str, ...] = ()
+    restart: RestartConfig = RestartConfig()  # supervision of unplanned deaths (weft/supervisor.py)
 
     def __post_init__(self) -> None:
         if self.num_executors < 0:
@@ -102,6 +115,16 @@ class _Running:
     process: asyncio.subprocess.Process
 
 
+@dataclass
+class _Supervised:
+    """An instance name's supervision record; it outlives the processes behind the name."""
+
+    policy: RestartPolicy
+    restarts: int = 0
+    last_exit: int | None = None
+    status: Status = Status.RUNNING
+
+
 def _table_order(inst: Instance) -> tuple[int, int]:
     index = [s.name for s in SERVICES].index(inst.service)
     return index, int(inst.name.rsplit("-", 1)[1]) if inst.name != inst.service else 0
@@ -120,6 +143,10 @@ class Launcher:
         self.control_token = secrets.token_hex(16)
         self._scale_lock = asyncio.Lock()
         self.chaos_down: set[str] = set()  # instances `weft chaos` killed on purpose (weft/chaos.py)
+        self._planned: set[str] = set()  # being stopped on purpose (scale down, shutdown)
+        self._supervised: dict[str, _Supervised] = {}
+        self._supervising = asyncio.Event()  # set once the mesh is up: deaths before are startup failures
+        self._tasks: set[asyncio.Task] = set()  # exit watchers and restarts, cancelled by stop()
         self._stopped = False
 
     # -- table rendering ------------------------------------------------------------
@@ -139,8 +166,9 @@ class Launcher:
         return {k: self.ports[k] for k in spec.ports}
 
     # -- processes ------------------------------------------------------------------
-    async def _spawn(self, spec: ServiceSpec, name: str) -> _Running:
-        own_ports = self._instance_ports(spec)
+    async def _spawn(self, spec: ServiceSpec, name: str, ports: dict[str, int] | None = None) -> _Running:
+        """Start one instance (``ports``: its own ports, else fresh / the mesh's) and watch its exit."""
+        own_ports = dict(ports) if ports else self._instance_ports(spec)
         ctx = self._context({**self.ports, **own_ports}, executor_name=name if spec.scalable else "").mapping()
         argv = [a.format_map(ctx) for a in spec.command] + self.extra_argv.get(name, [])
         argv = [sys.executable, *argv] if spec.python else [str(nats_server_binary()), *argv[1:]]
@@ -157,6 +185,8 @@ class Launcher:
                         log_path=str(log_path))
         running = _Running(inst, process)
         self.running[name] = running
+        self._supervised.setdefault(name, _Supervised(RestartPolicy(self.options.restart)))
+        self._track(self._watch_exit(name, running))
         log.info("service_started", instance=name, pid=process.pid, ports=own_ports)
         return running
 
@@ -166,8 +196,8 @@ class Launcher:
             for name in sorted(pending):
                 r = self.running[name]
                 if r.process.returncode is not None:
-                    raise MeshStartError(f"{name} exited with status {r.process.returncode} during startup; "
-                                         f"last lines of {r.instance.log_path}:\n{log_tail(r.instance.log_path)}")
+                    raise MeshStartError(f"{name} exited with status {r.process.returncode} during startup: "
+                                         f"{last_log_line(r.instance.log_path)}", r.instance.log_path)
                 inst = r.instance
                 if await health.probe(inst.health_kind, self.options.host, inst.health_port, inst.health_path, 1.0):
                     pending.discard(name)
@@ -175,8 +205,8 @@ class Launcher:
             if pending and time.monotonic() > deadline:
                 name = sorted(pending)[0]
                 inst = self.running[name].instance
-                raise MeshStartError(f"{name} did not become healthy within {self.options.startup_timeout_s:.0f}s; "
-                                     f"last lines of {inst.log_path}:\n{log_tail(inst.log_path)}")
+                raise MeshStartError(f"{name} did not become healthy within {self.options.startup_timeout_s:.0f}s: "
+                                     f"{last_log_line(inst.log_path)}", inst.log_path)
             if pending:
                 await asyncio.sleep(0.05)  # polling interval of the health probes
 
@@ -198,11 +228,33 @@ class Launcher:
                     pass
                 if time.monotonic() > deadline:
                     raise MeshStartError(f"the scheduler did not learn of executors {sorted(executor_names)} "
-                                         f"within the deadline; see {self.logs_dir}/scheduler.log")
+                                         "within the deadline", self.logs_dir / "scheduler.log")
                 await asyncio.sleep(0.05)
 
+    async def _wait_router_ready(self, deadline: float) -> None:
+        """Until the router's ``GET /health/ready`` answers 200 (an executor serves the model).
+        A router without that route (404) is waited on no further: the scheduler already
+        lists every executor (``_wait_scheduler_sees``)."""
+        import aiohttp
+
+        url = f"http://{self.options.host}:{self.ports['router_http_port']}/health/ready"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
+            while True:
+                try:
+                    async with session.get(url) as resp:
+                        if resp.status in (200, 404):
+                            return
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise MeshStartError(f"the router did not report ready ({url}) within "
+                                         f"{self.options.startup_timeout_s:.0f}s", self.logs_dir / "router.log")
+                await asyncio.sleep(0.05)  # polling interval of the readiness probe
+
     async def _terminate(self, names: list[str]) -> None:
-        """SIGTERM (drain), then SIGKILL after ``stop_timeout_s``; waits for every exit."""
+        """SIGTERM (drain), then SIGKILL after ``stop_timeout_s``; waits for every exit.
+        Planned: the supervisor does not restart them."""
+        self._planned.update(names)
         procs = [(n, self.running[n].process) for n in names if n in self.running]
         for name, proc in procs:
             if proc.returncode is None:
@@ -215,6 +267,8 @@ class Launcher:
                 proc.kill()
                 await proc.wait()
             self.running.pop(name, None)
+            self._supervised.pop(name, None)
+            self._planned.discard(name)
             log.info("service_stopped", instance=name, status=proc.returncode)
 
     # -- lifecycle ------------------------------------------------------------------
@@ -224,9 +278,14 @@ class Launcher:
 
     async def start(self) -> MeshState:
         opts = self.options
+        # Checked before anything starts, so a failure is one clear line and nothing to undo.
+        fixed = {"router_http_port": opts.http_port, "router_grpc_port": opts.grpc_port}
+        for problem in (check_model_dir(opts.model_dir),
+                        check_ports_free(opts.host, {"--http-port": opts.http_port, "--grpc-port": opts.grpc_port})):
+            if problem:
+                raise MeshStartError(problem)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = str(Path(opts.model_dir).resolve()) if opts.model_dir else str(ensure_tiny_model(self.state_dir))
-        fixed = {"router_http_port": opts.http_port, "router_grpc_port": opts.grpc_port}
         for spec in SERVICES:
             if not spec.scalable:
                 for key in spec.ports:
@@ -243,12 +302,15 @@ class Launcher:
                 await self._spawn(BY_NAME[name.split("-")[0]], name)
             await self._wait_healthy(names, deadline)
             await self._wait_scheduler_sees(set(self.executor_names()), deadline)
+            if self.executor_names():
+                await self._wait_router_ready(deadline)
             await self._start_control()
         except BaseException:
             await self.stop()
             raise
         state = self.state()
         write_state(self.state_dir, state)
+        self._supervising.set()
         return state
 
     def state(self) -> MeshState:
@@ -258,8 +320,15 @@ class Launcher:
             model_dir=self.model_dir, http_url=f"http://{host}:{self.ports['router_http_port']}",
             grpc_address=f"{host}:{self.ports['router_grpc_port']}",
             nats_url=f"nats://{host}:{self.ports['nats_port']}",
-            instances=sorted((r.instance for r in self.running.values()), key=_table_order),
+            instances=sorted((self._with_supervision(r.instance) for r in self.running.values()), key=_table_order),
         )
+
+    def _with_supervision(self, inst: Instance) -> Instance:
+        sup = self._supervised.get(inst.name)
+        if sup is None:
+            return inst
+        status = Status.STOPPED if inst.name in self.chaos_down else sup.status
+        return replace(inst, restarts=sup.restarts, last_exit=sup.last_exit, status=status.value)
 
     async def scale(self, service: str, replicas: int) -> list[str]:
         """Start or drain executors until ``replicas`` run; returns their names.
@@ -296,6 +365,8 @@ class Launcher:
         if self._stopped:
             return
         self._stopped = True
+        for task in self._tasks:  # no restart may start while the mesh stops
+            task.cancel()
         await self._stop_control()
         await self._terminate([n for n in ("router",) if n in self.running])
         await self._terminate([n for n in self.running if n != "nats"])
@@ -311,23 +382,80 @@ class Launcher:
             state = await self.start()
             if on_ready is not None:
                 on_ready(state)
-            waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(self._watch_children())]
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            for w in waiters:
-                w.cancel()
+            await stop.wait()  # deaths meanwhile are the supervisor's (_watch_exit)
         finally:
             await self.stop()
 
-    async def _watch_children(self) -> None:
-        """Returns when a non-executor service dies: the mesh is broken, stop it all."""
-        while True:
-            for name, r in list(self.running.items()):
-                if (r.process.returncode is not None and r.instance.service != "executor"
-                        and name not in self.chaos_down):
-                    log.error("service_died", instance=name, status=r.process.returncode,
-                              log_tail=log_tail(r.instance.log_path, 10))
-                    return
-            await asyncio.sleep(0.5)  # liveness poll of the children
+    # -- supervision (policy: weft/supervisor.py) --------------------------------------
+    def _track(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _unplanned(self, name: str, running: _Running) -> bool:
+        """Whether ``running``'s exit is a death to answer: still the instance behind the
+        name, not being stopped, scaled down or killed by `weft chaos`."""
+        return (not self._stopped and self.running.get(name) is running
+                and name not in self._planned and name not in self.chaos_down)
+
+    def reset_supervision(self, name: str) -> None:
+        """An operator restarted ``name`` on purpose: its death history starts over."""
+        sup = self._supervised.get(name)
+        if sup is not None:
+            sup.policy.reset()
+            sup.status = Status.RUNNING
+
+    def _write_state(self) -> None:
+        if self._supervising.is_set() and not self._stopped:
+            write_state(self.state_dir, self.state())
+
+    async def _watch_exit(self, name: str, running: _Running) -> None:
+        status = await running.process.wait()
+        await self._supervising.wait()  # a death during start-up fails the start instead
+        if not self._unplanned(name, running):
+            return
+        sup = self._supervised[name]
+        sup.last_exit = status
+        decision = sup.policy.on_death(time.monotonic())
+        cfg = self.options.restart
+        if not decision.restart:
+            sup.status = Status.CRASH_LOOP
+            log.error("service_crash_loop", instance=name, status=status, num_deaths=decision.num_recent_deaths,
+                      window_s=cfg.window_s, action="not restarted; the rest of the mesh keeps running",
+                      log_path=running.instance.log_path, last_log_line=last_log_line(running.instance.log_path))
+            self._write_state()
+            return
+        sup.status = Status.RESTARTING
+        log.warning("service_died", instance=name, pid=running.process.pid, status=status,
+                    restart_in_s=round(decision.delay_s, 3), num_recent_deaths=decision.num_recent_deaths,
+                    last_log_line=last_log_line(running.instance.log_path))
+        self._write_state()
+        await asyncio.sleep(decision.delay_s)
+        if self._unplanned(name, running):
+            await self._restart(name, running)
+
+    async def _restart(self, name: str, dead: _Running) -> None:
+        """Start ``name`` again on its ports (an executor on fresh ones only if its own were
+        taken meanwhile) and mark it running once healthy; its next death is watched anew."""
+        t0 = time.monotonic()
+        spec = BY_NAME[dead.instance.service]
+        ports = dead.instance.ports
+        if spec.scalable and not ports_free(self.options.host, ports.values()):
+            ports = None
+        new = await self._spawn(spec, name, ports)
+        sup = self._supervised[name]
+        sup.restarts += 1
+        self._write_state()
+        inst = new.instance
+        deadline = t0 + self.options.startup_timeout_s
+        while self.running.get(name) is new and new.process.returncode is None and time.monotonic() < deadline:
+            if await health.probe(inst.health_kind, self.options.host, inst.health_port, inst.health_path, 1.0):
+                sup.status = Status.RUNNING
+                log.info("service_restarted", instance=name, pid=new.process.pid, restarts=sup.restarts,
+                         recovery_s=round(time.monotonic() - t0, 3))
+                self._write_state()
+                return
+            await asyncio.sleep(0.05)  # polling interval of the health probe
 
     # -- control endpoint (weft scale) -----------------------------------------------
     async def _start_control(self) -> None:

@@ -36,6 +36,11 @@ def register_up(subparsers) -> None:
                     help="services' log level; default: %(default)s")
     up.add_argument("--startup-timeout", type=float, default=180.0, metavar="S",
                     help="seconds every service gets to become healthy; default: %(default)s")
+    up.add_argument("--crash-loop-deaths", type=int, default=5, metavar="N",
+                    help="a service that dies N times within --crash-loop-window is no longer restarted "
+                         "(the rest keeps running); default: %(default)s")
+    up.add_argument("--crash-loop-window", type=float, default=60.0, metavar="S",
+                    help="seconds of the crash-loop window; default: %(default)s")
     _state_dir_arg(up)
     up.set_defaults(handler=_up)
 
@@ -44,6 +49,7 @@ def _up(args: argparse.Namespace) -> int:
     from services.mesh.logging import configure_logging
     from weft.launcher import Launcher, MeshStartError, UpOptions
     from weft.mesh_state import pid_alive, read_state
+    from weft.supervisor import RestartConfig
 
     configure_logging("launcher", "warning")
     previous = read_state(args.state_dir)
@@ -51,10 +57,15 @@ def _up(args: argparse.Namespace) -> int:
         print(f"a mesh is already running from {args.state_dir} (launcher pid {previous.launcher_pid})",
               file=sys.stderr)
         return 1
-    options = UpOptions(model_dir=args.model, num_executors=args.executors, http_port=args.http_port,
-                        grpc_port=args.grpc_port, state_dir=Path(args.state_dir), keys_file=args.keys_file,
-                        log_level=args.log_level, startup_timeout_s=args.startup_timeout,
-                        extra_executors=tuple(args.extra_executors))
+    try:
+        options = UpOptions(model_dir=args.model, num_executors=args.executors, http_port=args.http_port,
+                            grpc_port=args.grpc_port, state_dir=Path(args.state_dir), keys_file=args.keys_file,
+                            log_level=args.log_level, startup_timeout_s=args.startup_timeout,
+                            extra_executors=tuple(args.extra_executors),
+                            restart=RestartConfig(max_deaths=args.crash_loop_deaths, window_s=args.crash_loop_window))
+    except ValueError as exc:
+        print(f"weft up failed: {exc}", file=sys.stderr)
+        return 2
 
     def ready(state) -> None:
         print("Weft mesh is up")
@@ -69,7 +80,12 @@ def _up(args: argparse.Namespace) -> int:
     print("starting the mesh ...", flush=True)
     try:
         asyncio.run(Launcher(options).run_until_signal(on_ready=ready))
-    except MeshStartError as exc:
+    except MeshStartError as exc:  # the cause in one line; where to read more on the next
+        print(f"weft up failed: {exc}", file=sys.stderr)
+        if exc.log_path:
+            print(f"  (log: {exc.log_path})", file=sys.stderr)
+        return 1
+    except OSError as exc:  # e.g. the state dir cannot be written, nats-server missing
         print(f"weft up failed: {exc}", file=sys.stderr)
         return 1
     print("mesh stopped")
@@ -79,7 +95,9 @@ def _up(args: argparse.Namespace) -> int:
 def register_ps(subparsers) -> None:
     ps = subparsers.add_parser("ps", help="list the running mesh's services with their health",
                                description="List the services of the mesh started by `weft up`: name, role, "
-                                           "pid, ports and a live health probe.")
+                                           "pid, ports, a live health probe, how often the launcher restarted "
+                                           "it and its last exit status (-9: killed by SIGKILL). HEALTH "
+                                           "crash-loop: it died too often and is no longer restarted.")
     _state_dir_arg(ps)
     ps.set_defaults(handler=_ps)
 
@@ -98,15 +116,26 @@ def _ps(args: argparse.Namespace) -> int:
                                       for i in state.instances))
 
     healthy = asyncio.run(probe_all())
-    rows = [("NAME", "PID", "PORTS", "HEALTH", "ROLE")]
+    rows = [("NAME", "PID", "PORTS", "HEALTH", "RESTARTS", "LAST-EXIT", "ROLE")]
     for inst, ok in zip(state.instances, healthy):
-        status = "healthy" if ok else ("unhealthy" if pid_alive(inst.pid) else "exited")
-        ports = ",".join(f"{_port_label(inst.service, k)}={p}" for k, p in inst.ports.items())
-        rows.append((inst.name, str(inst.pid), ports, status, inst.role))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        rows.append((inst.name, str(inst.pid), ",".join(f"{_port_label(inst.service, k)}={p}" for k, p in inst.ports.items()),
+                     _health_label(inst, ok), str(inst.restarts), "-" if inst.last_exit is None else str(inst.last_exit),
+                     inst.role))
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+        print("  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6])
     return 0 if all(healthy) else 2
+
+
+def _health_label(inst, ok: bool) -> str:
+    """The live probe, qualified by the supervisor's view of a process that is not healthy."""
+    from weft.mesh_state import pid_alive
+
+    if ok:
+        return "healthy"
+    if inst.status in ("crash-loop", "restarting", "stopped"):
+        return inst.status
+    return "unhealthy" if pid_alive(inst.pid) else "exited"
 
 
 def _port_label(service: str, key: str) -> str:
