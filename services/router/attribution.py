@@ -53,13 +53,14 @@ class Breakdown:
     e2e_s: float
     parts: dict[str, float]
     finished_at_s: float
+    tenant: str = ""  # whose request: a tenant's verdict covers its own requests only
 
 
 def _overlap_ns(a0: int, a1: int, spans: Sequence[Span]) -> int:
     return sum(max(0, min(a1, s.end_ns) - max(a0, s.start_ns)) for s in spans)
 
 
-def breakdown(request_id: str, spans: Sequence[Span], now_s: float | None = None) -> Breakdown | None:
+def breakdown(request_id: str, spans: Sequence[Span], now_s: float | None = None, tenant: str = "") -> Breakdown | None:
     """Split a timeline; None when it lacks the router's root or the scheduler's spans."""
     by_name: dict[str, list[Span]] = {}
     for s in spans:
@@ -89,7 +90,7 @@ def breakdown(request_id: str, spans: Sequence[Span], now_s: float | None = None
     accounted = sum(parts.values())
     parts["overhead"] = max(0.0, e2e_ns - accounted)
     return Breakdown(request_id, e2e_ns / 1e9, {k: v / 1e9 for k, v in parts.items()},
-                     time.time() if now_s is None else now_s)
+                     time.time() if now_s is None else now_s, tenant)
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,8 @@ class Attribution:
         self._lock = threading.Lock()
         self._last_refresh_s = 0.0
 
-    def observe(self, request_id: str, spans: Sequence[Span]) -> Breakdown | None:
-        b = breakdown(request_id, spans)
+    def observe(self, request_id: str, spans: Sequence[Span], tenant: str = "") -> Breakdown | None:
+        b = breakdown(request_id, spans, tenant=tenant)
         if b is None:
             return None
         with self._lock:
@@ -161,8 +162,12 @@ class Attribution:
             self.verdict()
         return b
 
-    def verdict(self, now_s: float | None = None, max_age_s: float | None = None) -> Verdict:
-        """The verdict over the window, or over its last ``max_age_s`` seconds."""
+    def verdict(self, now_s: float | None = None, max_age_s: float | None = None,
+                tenant: str | None = None) -> Verdict:
+        """The verdict over the window, or over its last ``max_age_s`` seconds; with
+        ``tenant``, over that tenant's requests only (what the public API serves: one
+        tenant must not learn another's latencies). Only the all-tenant verdict is
+        exported to the metrics (the operator's view, on the metrics port)."""
         now_s = time.time() if now_s is None else now_s
         with self._lock:
             while self._items and now_s - self._items[0].finished_at_s > self.max_age_s:
@@ -170,6 +175,8 @@ class Attribution:
             items = list(self._items)
         if max_age_s is not None:
             items = [b for b in items if now_s - b.finished_at_s <= max_age_s]
+        if tenant is not None:
+            return verdict_of([b for b in items if b.tenant == tenant])
         v = verdict_of(items)
         self._last_refresh_s = time.monotonic()
         self._export(v)

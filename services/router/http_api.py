@@ -3,13 +3,22 @@
     POST /v1/chat/completions   chat, SSE streaming or not; tools and tool messages
     POST /v1/completions        text or token-id prompts; ``return_token_ids`` extension
     GET  /v1/models             the served model
-    GET  /health                200 while serving, 503 while draining
-    GET  /v1/weft/verdict       the rolling p99 attribution (``attribution.py``)
-    GET  /v1/weft/requests/{id}/timeline   a recent request's spans across the mesh
+    GET  /health                liveness: 200 while serving, 503 while draining
+    GET  /health/ready          readiness: 200 once an executor serves, else 503 (``readiness.py``)
+    GET  /v1/weft/verdict       the rolling p99 attribution of the caller's tenant (``attribution.py``)
+    GET  /v1/weft/requests/{id}/timeline   a recent request's spans across the mesh (own tenant only)
 
 Prometheus ``/metrics`` is not served here: its series carry per-tenant labels, so it
 has its own listener (``--metrics-port``, loopback by default; ``services/mesh/metrics.py``)
-like every other service's. Every method above but ``/health`` takes the API key.
+like every other service's; its ``weft_p99_*`` gauges are the operator's all-tenant p99
+view. Every method above but ``/health`` and ``/health/ready`` takes the API key.
+
+Request ids (``x-request-id``, ``request_ids.py``) are the client's, scoped by tenant
+inside the mesh: two tenants using the same id never see or disturb each other's request.
+
+``weft_router_requests_total{code}`` counts HTTP statuses, plus ``499`` (nginx's "client
+closed request") for a client that hung up before its response was complete: a
+disconnect is not a server error.
 
 Every generation response carries ``x-weft-executor`` (the executor serving it) and
 ``x-request-id``. Streaming responses send headers only once the first chunk arrived,
@@ -21,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
@@ -35,7 +43,10 @@ from services.router.auth import KeyStore, bearer_token
 from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, RouterError,
                                     UpstreamError, UpstreamUnavailable)
 from services.router.delta_streams import merge, timed
-from services.router.generation import Generator, new_request_id
+from services.router.generation import Generator
+from services.router.json_body import parse_json_body
+from services.router.readiness import Readiness
+from services.router.request_ids import client_request_id, http_request_id, mesh_request_id
 from services.router.openai_format import ChatFormatter, CompletionFormatter, error_body, sse, sum_usage
 from services.router.schema import Delta, ServingNotes
 from services.router.tool_calls import ContentDelta, ToolCall, ToolCallParser, parse_tool_calls
@@ -44,7 +55,10 @@ from services.router.validation import parse_chat_request, parse_completion_requ
 log = structlog.get_logger(__name__)
 
 EXECUTOR_HEADER = "x-weft-executor"
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+CLIENT_CLOSED = "499"  # nginx's status for a client that closed the connection first
+# aiohttp >= 3.12 wants typed request-storage keys; older ones take a string.
+_CLIENT_CLOSED_KEY = (web.RequestKey("weft_client_closed", bool) if hasattr(web, "RequestKey")
+                      else "weft_client_closed")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -93,6 +107,7 @@ class HttpApi:
         self.keys = keys
         self.model_name = model_name
         self.list_executors = list_executors
+        self.readiness = Readiness(list_executors)
         self.draining = False
 
     def app(self, max_body_bytes: int) -> web.Application:
@@ -101,6 +116,7 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/health/ready", self.ready)
         app.router.add_get("/v1/weft/verdict", self.verdict)
         app.router.add_get("/v1/weft/requests/{request_id}/timeline", self.timeline)
         return app
@@ -111,6 +127,10 @@ class HttpApi:
         endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
         try:
             resp = await handler(request)
+        except (asyncio.CancelledError, ConnectionResetError):  # the client hung up (handler_cancellation)
+            if endpoint.startswith("/v1/"):
+                m.REQUESTS.labels("http", endpoint, CLIENT_CLOSED).inc()
+            raise
         except (RouterError, web.HTTPException) as exc:
             resp = error_response(exc)
             log.info("http_request_rejected", path=request.path, status=resp.status, error=str(exc))
@@ -118,7 +138,8 @@ class HttpApi:
             log.exception("http_request_failed", path=request.path)
             resp = error_response(exc)
         if endpoint.startswith("/v1/"):
-            m.REQUESTS.labels("http", endpoint, str(resp.status)).inc()
+            code = CLIENT_CLOSED if request.get(_CLIENT_CLOSED_KEY) else str(resp.status)
+            m.REQUESTS.labels("http", endpoint, code).inc()
         return resp
 
     def _tenant(self, request: web.Request) -> str:
@@ -130,42 +151,54 @@ class HttpApi:
 
     @staticmethod
     async def _json(request: web.Request) -> object:
-        raw = await request.read()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InvalidRequestError("body", f"malformed JSON: {exc}") from None
+        return parse_json_body(await request.read())
 
     @staticmethod
     def _request_id(request: web.Request, prefix: str) -> str:
-        given = request.headers.get("x-request-id", "")
-        return given if _REQUEST_ID.match(given) else new_request_id(prefix)
+        return http_request_id(request.headers.get("x-request-id"), prefix)
+
+    @staticmethod
+    def _client_closed(request: web.Request, rid: str) -> None:
+        """A stream's client went away mid-response: counted as 499, not as an error."""
+        request[_CLIENT_CLOSED_KEY] = True
+        m.DISCONNECTS.labels("http").inc()
+        log.info("client_disconnected", request_id=rid)
 
     # -- endpoints ------------------------------------------------------------------
     async def health(self, _request: web.Request) -> web.Response:
+        """Liveness: the router answers (see ``ready`` for readiness)."""
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
         return web.json_response({"status": "ok"})
 
+    async def ready(self, _request: web.Request) -> web.Response:
+        """Readiness: 200 ``{"status": "ready", "num_serving_executors": N}`` when the
+        scheduler reports a SERVING executor, else 503 ``{"status": "not_ready", "reason"}``."""
+        if self.draining:
+            return web.json_response({"status": "not_ready", "reason": "router is draining"}, status=503)
+        report = await self.readiness.check()
+        return web.json_response(report.to_json(), status=200 if report.ready else 503)
+
     async def verdict(self, request: web.Request) -> web.Response:
-        """The p99 verdict; ``?window_s=N`` narrows it to requests finished in the last N s."""
-        self._tenant(request)  # a public method: authenticated when keys are configured
+        """The p99 verdict over the caller's own requests; ``?window_s=N`` narrows it to
+        requests finished in the last N s. (The all-tenant view is the metrics port's.)"""
+        tenant = self._tenant(request)
         raw = request.query.get("window_s")
         try:
             window_s = float(raw) if raw is not None else None
         except ValueError:
             raise InvalidRequestError("window_s", f"must be a number of seconds, got {raw!r}") from None
-        return web.json_response(ATTRIBUTION.verdict(max_age_s=window_s).to_json())
+        return web.json_response(ATTRIBUTION.verdict(max_age_s=window_s, tenant=tenant).to_json())
 
     async def timeline(self, request: web.Request) -> web.Response:
         """A recent request's timeline; only its own tenant may read it (404 otherwise)."""
         tenant = self._tenant(request)
         rid = request.match_info["request_id"]
-        spans = STORE.get(rid)
+        spans = STORE.get(mesh_request_id(tenant, rid))  # ids are scoped by tenant (request_ids.py)
         owner = next((s.attrs.get("tenant") for s in spans or () if s.name == "router.request"), None)
         if not spans or owner != tenant:
             raise web.HTTPNotFound(text=f"no recent timeline for request {rid!r}")
-        return web.json_response(timeline_json(rid, spans))
+        return web.json_response(timeline_json(client_request_id(rid), spans))
 
     async def models(self, request: web.Request) -> web.Response:
         self._tenant(request)
@@ -178,7 +211,7 @@ class HttpApi:
         req = parse_chat_request(await self._json(request), self.generator.limits)
         rid = self._request_id(request, "chatcmpl")
         with request_context(rid, tenant=tenant):
-            token_req = await self.generator.chat_token_request_async(req, tenant, rid)
+            token_req = await self.generator.chat_token_request_async(req, tenant, mesh_request_id(tenant, rid))
             fmt = ChatFormatter(rid, req.model, req.include_usage)
             deltas = timed(self.generator.stream(token_req, req.stop), "http")
             try:
@@ -242,9 +275,10 @@ class HttpApi:
             await resp.write(sse("[DONE]"))
         except RouterError as exc:
             await resp.write(sse(json.loads(error_response(exc).text)))
-        except (ConnectionResetError, asyncio.CancelledError):
-            m.DISCONNECTS.labels("http").inc()
-            log.info("client_disconnected", request_id=rid)
+        except ConnectionResetError:  # a write found the client gone
+            self._client_closed(request, rid)
+        except asyncio.CancelledError:  # the client hung up (handler_cancellation)
+            self._client_closed(request, rid)
             raise
         return resp
 
@@ -254,10 +288,11 @@ class HttpApi:
         rid = self._request_id(request, "cmpl")
         with request_context(rid, tenant=tenant):
             multi = len(req.prompts) > 1
+            field = lambda i: f"prompt[{i}]" if multi else "prompt"  # noqa: E731
             token_reqs = [
-                self.generator.token_request(await self.generator.text_prompt_ids_async(p), req.sampling, tenant,
-                                             req.session, f"prompt[{i}]" if multi else "prompt",
-                                             f"{rid}-{i}" if multi else rid)
+                self.generator.token_request(await self.generator.text_prompt_ids_async(p, field(i)), req.sampling,
+                                             tenant, req.session, field(i),
+                                             mesh_request_id(tenant, f"{rid}-{i}" if multi else rid))
                 for i, p in enumerate(req.prompts)
             ]
             fmt = CompletionFormatter(rid, req.model, req.include_usage)
@@ -307,8 +342,9 @@ class HttpApi:
             await resp.write(sse("[DONE]"))
         except RouterError as exc:
             await resp.write(sse(json.loads(error_response(exc).text)))
-        except (ConnectionResetError, asyncio.CancelledError):
-            m.DISCONNECTS.labels("http").inc()
-            log.info("client_disconnected", request_id=rid)
+        except ConnectionResetError:  # a write found the client gone
+            self._client_closed(request, rid)
+        except asyncio.CancelledError:  # the client hung up (handler_cancellation)
+            self._client_closed(request, rid)
             raise
         return resp

@@ -37,4 +37,4 @@ class RequestRecorder:
         root = self.trace.root
         ttft_s = (self.first_token_ns - root.start_ns) / 1e9 if self.first_token_ns is not None else None
         catalogue.observe_request(self.request_class, self.tenant, ttft_s, root.duration_s, num_output_tokens)
-        ATTRIBUTION.observe(self.trace.request_id, spans)
+        ATTRIBUTION.observe(self.trace.request_id, spans, tenant=self.tenant)

@@ -23,7 +23,7 @@ from services.mesh.retry import rpc_retrying
 from services.mesh.timeline import CURRENT_TRACE, TRACEPARENT_KEY, downstream_spans
 from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
 from services.router.schema import ServingNotes, TokenChunk, TokenRequest
-from weft.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from weft.v1 import common_pb2, events_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -196,9 +196,16 @@ class SchedulerClient:
     async def list_executors(self, timeout_s: float = 2.0) -> list[dict]:
         resp = await self._stub.ListExecutors(scheduler_pb2.ListExecutorsRequest(), timeout=timeout_s)
         return [{"name": e.heartbeat.name, "address": e.heartbeat.address, "model_id": e.heartbeat.model_id,
-                 "max_model_len": e.heartbeat.max_model_len} for e in resp.executors]
+                 "max_model_len": e.heartbeat.max_model_len, "state": _state_name(e.heartbeat.state)}
+                for e in resp.executors]
 
     async def close(self) -> None:
         await self._channel.close()
 
 
+def _state_name(state: int) -> str:
+    """``EXECUTOR_STATE_SERVING`` -> "serving" (readiness counts those)."""
+    try:
+        return events_pb2.ExecutorState.Name(state).removeprefix("EXECUTOR_STATE_").lower()
+    except ValueError:  # a newer scheduler's state this router does not know
+        return "unspecified"
