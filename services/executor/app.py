@@ -4,11 +4,20 @@ Order: the bus starts first and the heartbeat says JOINING while the checkpoint 
 the gRPC server starts once the engine is ready, then the state turns SERVING. On
 SIGTERM: health NOT_SERVING and heartbeat DRAINING (the scheduler stops placing here),
 in-flight streams finish up to the grace period, then the engine stops.
+
+A dead or wedged engine thread (engine_watchdog.py) takes the executor out of service:
+``engine_dead`` / ``engine_wedged`` is logged, health turns NOT_SERVING, the heartbeat
+says FAILED at once (the scheduler stops placing here), every open stream ends with
+UNAVAILABLE (the scheduler migrates it), then the process drains and exits with
+``EXIT_ENGINE_FAILED`` so its supervisor restarts it. A backstop timer exits the process
+even if that drain hangs.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+import threading
 from collections.abc import Sequence
 
 import structlog
@@ -22,6 +31,10 @@ from services.mesh.metrics import MetricsServer
 from services.mesh.nats_bus import EventBus
 
 log = structlog.get_logger(__name__)
+
+EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died or wedged; a supervisor should restart us
+PUBLISH_FAILED_TIMEOUT_S = 2.0  # the FAILED heartbeat is best effort: NATS may be down too
+BACKSTOP_AFTER_GRACE_S = 10.0  # past grace_s + this, a failed executor exits even mid-drain
 
 
 def _stats_and_gauges(engine) -> dict:
@@ -39,7 +52,8 @@ async def main(argv: Sequence[str] | None = None) -> None:
     # Imported here so `--help` stays fast (no torch import).
     from services.executor.async_engine import AsyncEngine
     from services.executor.engine import LLMEngine
-    from services.executor.server import ERROR_RULES, ExecutorServicer, encode_event
+    from services.executor.engine_watchdog import EngineVerdict, EngineWatchdog, WatchdogPolicy
+    from services.executor.server import ENGINE_REQUESTS, ERROR_RULES, ExecutorServicer, encode_event
     from services.executor.step_trace import StepTrace
     from services.mesh import metric_catalogue as catalogue
     from weft.v1 import executor_pb2_grpc
@@ -73,6 +87,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
         audit = asyncio.create_task(_audit_credit_forever(
             async_engine, CreditAuditor(config.partitions), config.credit_audit_period_s), name="credit-audit")
     events.read_load = lambda: async_engine.call(_stats_and_gauges)
+    ENGINE_REQUESTS.set_function(lambda: async_engine.num_active)
     servicer = ExecutorServicer(async_engine, name, engine.model_id, config.block_size)
     if config.cachestore_address and config.kv_cache_dtype == "int8":
         # Payloads carry one model-dtype tensor per block; the int8 cache's scales have no
@@ -88,8 +103,29 @@ async def main(argv: Sequence[str] | None = None) -> None:
 
     async def announce_draining() -> None:
         servicer.draining = True
-        await events.set_state(ExecutorState.DRAINING)
+        if not servicer.failed:  # a failed executor keeps saying FAILED while it drains
+            await events.set_state(ExecutorState.DRAINING)
 
+    async def take_out_of_service(verdict: EngineVerdict, stalled_s: float) -> None:
+        """The engine is dead or wedged: out of the mesh at once, then exit for a restart."""
+        reason = ("engine thread died" if verdict is EngineVerdict.DEAD
+                  else f"engine made no progress for {stalled_s:.0f} s")
+        servicer.failed = reason  # refuse new streams before anything awaits
+        _exit_backstop(config.grace_s + BACKSTOP_AFTER_GRACE_S)
+        log.error("engine_dead" if verdict is EngineVerdict.DEAD else "engine_wedged", executor=name,
+                  stalled_s=round(stalled_s, 1), engine_stall_s=config.engine_stall_s,
+                  num_engine_requests=async_engine.num_active)
+        await grpc_server.set_serving(False)
+        try:
+            await asyncio.wait_for(events.set_state(ExecutorState.FAILED), PUBLISH_FAILED_TIMEOUT_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            log.warning("failed_heartbeat_not_sent", executor=name)
+        num_failed = servicer.fail_streams(reason)
+        log.error("executor_out_of_service", executor=name, reason=reason, num_failed_streams=num_failed,
+                  exit_status=EXIT_ENGINE_FAILED)
+        grpc_server.request_stop()
+
+    watchdog = EngineWatchdog(async_engine.probe, WatchdogPolicy(config.engine_stall_s), take_out_of_service)
     grpc_server.on_drain(announce_draining)
     port = await grpc_server.start()
     events.set_identity(Identity(
@@ -100,16 +136,34 @@ async def main(argv: Sequence[str] | None = None) -> None:
     await events.set_state(ExecutorState.SERVING)
     log.info("executor_ready", executor=name, port=port, model_id=engine.model_id, num_kv_blocks=engine.num_blocks,
              serves_rung=config.resolved_serves_rung)
+    watchdog.start()
     try:
         await grpc_server.serve_until_signal()
     finally:
+        await watchdog.stop()
         if audit is not None:
             audit.cancel()
         await events.stop()
         await bus.close()
         await metrics_server.stop()
-        async_engine.shutdown()
-        log.info("executor_stopped", executor=name)
+        async_engine.shutdown(timeout_s=1.0 if servicer.failed else 5.0)  # a wedged thread never joins
+        log.info("executor_stopped", executor=name, failed=servicer.failed or None)
+    if servicer.failed:
+        raise SystemExit(EXIT_ENGINE_FAILED)
+
+
+def _exit_backstop(after_s: float) -> None:
+    """Exit with EXIT_ENGINE_FAILED after ``after_s`` whatever the drain is doing (a daemon
+    timer: a prompt clean exit never waits for it)."""
+    def hard_exit() -> None:
+        log.error("executor_exit_forced", exit_status=EXIT_ENGINE_FAILED, after_s=after_s)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_ENGINE_FAILED)
+
+    timer = threading.Timer(after_s, hard_exit)
+    timer.daemon = True
+    timer.start()
 
 
 async def _audit_credit_forever(async_engine, auditor, period_s: float) -> None:

@@ -73,6 +73,10 @@ class ExecutorConfig:
     heartbeat_interval_s: float = option("Seconds between membership heartbeats.", default=1.0)
     load_report_interval_s: float = option("Seconds between load reports.", default=0.25)
     grace_s: float = option("On SIGTERM, seconds in-flight requests get to finish.", default=10.0)
+    engine_stall_s: float = option(
+        "Seconds the engine thread may hold work without finishing a step before the executor counts it "
+        "wedged, reports NOT_SERVING / FAILED, fails its streams (UNAVAILABLE) and exits for a restart "
+        "(as it does at once when the thread dies); 0 disables the stall check.", default=60.0)
     max_message_bytes: int = option("Largest gRPC message sent or received.", default=64 * 1024 * 1024)
     metrics_port: int = option("Port of the Prometheus /metrics endpoint; 0 disables it.", default=0)
     cachestore_address: str = option(
@@ -102,6 +106,8 @@ class ExecutorConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.engine_stall_s < 0:
+            raise ValueError(f"engine_stall_s must be >= 0 (0 disables), got {self.engine_stall_s}")
         if self.name:
             subject("heartbeat", self.name)  # a subject-safe name, or ValueError
         if self.credit_audit_period_s < 0:

@@ -48,6 +48,8 @@ _FINISH = {
 REQUESTS = metrics.counter("weft_executor_requests_total", "Generate streams by outcome.", ["outcome"])
 TOKENS = metrics.counter("weft_executor_output_tokens_total", "Tokens streamed.")
 RUNNING = metrics.gauge("weft_executor_streams_running", "Generate streams open.")
+ENGINE_REQUESTS = metrics.gauge(
+    "weft_executor_engine_requests", "Requests the engine thread streams to a caller (idle: 0; more is a leak).")
 
 _ABORTED = object()  # queue sentinel: Abort RPC for this request
 
@@ -150,10 +152,23 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.model_id = model_id
         self.block_size = block_size
         self.draining = False
+        self.failed = ""  # why the engine is out of service (dead / wedged); set by fail_streams
         self._streams: dict[str, asyncio.Queue] = {}
         self._tier_ns: dict[str, tuple[int, int]] = {}  # request id -> promotion lookup (start, end), for timelines
 
+    def fail_streams(self, reason: str) -> int:
+        """The engine is dead or wedged: refuse new streams and end every open one with
+        UNAVAILABLE (EngineDeadError), so the scheduler moves them elsewhere. Returns how
+        many were open. Their pumps may stay stuck on a wedged engine; each stream's
+        ``finally`` cancels its pump."""
+        self.failed = reason
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(f"executor {self.name}: {reason}"))
+        return len(self._streams)
+
     async def Generate(self, request: executor_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
+        if self.failed:
+            raise EngineDeadError(f"executor {self.name}: {self.failed}")
         if self.draining:
             raise DrainingError(f"executor {self.name} is draining")
         rid = request.request_id
