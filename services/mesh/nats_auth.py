@@ -26,6 +26,12 @@ fill a ``.env`` (``python -m services.mesh.nats_auth env``). The mesh secret is 
 used: every service holds it, and a router that knew the executor password could
 publish heartbeats.
 
+``nats.conf`` beside this module is ``render_config()`` (a test keeps them equal): the
+Docker image ships it at ``/opt/weft/services/mesh/nats.conf`` for Compose's nats
+service; ``weft up`` may render its own (TLS, other cachestore names). Compose's
+development fallbacks (``dev_fallback_password``) are public, and a bus logging in with
+one warns, as with the mesh secret's fallback.
+
 A password must start with a letter and have 16+ characters: nats-server parses a
 variable's value as a config value, and one that looks like a number stops the server.
 
@@ -51,6 +57,7 @@ USER_ENV = "WEFT_NATS_USER"
 PASSWORD_ENV = "WEFT_NATS_PASSWORD"
 PASSWORD_FILE_ENV = "WEFT_NATS_PASSWORD_FILE"
 MIN_PASSWORD_CHARS = 16
+DEFAULT_CONFIG_PATH = Path(__file__).with_name("nats.conf")  # render_config(), checked in
 _EVENT_KINDS = ("heartbeat", "load", "kv")  # subjects weft.<kind>.<source> (nats_bus.subject)
 
 
@@ -139,6 +146,12 @@ def derive_passwords(master: str) -> dict[str, str]:
         raise ValueError("an empty master secret derives guessable NATS passwords")
     return {role: "wn" + hmac.new(master.encode(), f"weft-nats-password/v1/{role}".encode(),
                                   hashlib.sha256).hexdigest() for role in ROLES}
+
+
+def dev_fallback_password(role: str) -> str:
+    """Compose's public default for ``role`` when its variable is unset (warned about)."""
+    _check_role(role)
+    return f"weft-dev-nats-{role}-change-me"
 
 
 def random_passwords() -> dict[str, str]:

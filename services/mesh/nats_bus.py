@@ -211,6 +211,9 @@ class EventBus:
             for sub in self._subs:
                 await self._subscribe_on(nc, sub)
             log.info("nats_connected", url=self.log_url, source=self.source, user=self.auth.user or None)
+            if self.auth.user in nats_auth.ROLES and self.auth.password == nats_auth.dev_fallback_password(self.auth.user):
+                log.warning("nats_password_is_the_public_fallback",
+                            detail=f"set WEFT_NATS_{self.auth.user.upper()}_PASSWORD for anything shared")
             self._connected.set()
             await self._fire_on_connect()
             return

@@ -89,3 +89,16 @@ def test_the_bus_never_logs_its_password_even_when_it_is_in_the_url():
     logs = asyncio.run(scenario())
     assert any(entry["event"] == "nats_unreachable" for entry in logs)
     assert secret not in repr(logs)
+
+
+def test_the_shipped_config_is_the_rendered_one_and_nats_server_accepts_it():
+    import subprocess
+
+    from services.mesh.nats_server import nats_server_binary
+
+    assert nats_auth.DEFAULT_CONFIG_PATH.read_text() == nats_auth.render_config(), \
+        "regenerate: python -m services.mesh.nats_auth config > services/mesh/nats.conf"
+    env = nats_auth.server_env({role: nats_auth.dev_fallback_password(role) for role in nats_auth.ROLES})
+    check = subprocess.run([str(nats_server_binary()), "-c", str(nats_auth.DEFAULT_CONFIG_PATH), "-t"],
+                           env=env, capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
