@@ -123,7 +123,7 @@ class Generator:
         """Render (in a worker thread when the conversation is large: jinja is pure Python,
         so the loop keeps its GIL turns) and encode with ``encode_async``."""
         size = sum(len(m.get("content") or "") for m in messages)
-        if size <= OFFLOAD_TOKENIZE_CHARS:
+        if size <= OFFLOAD_TOKENIZE_CHARS and not tools:  # tool schemas are rendered with json.dumps
             text = self._render_chat(messages, tools, add_generation_prompt)
         else:
             text = await asyncio.to_thread(self._render_chat, messages, tools, add_generation_prompt)

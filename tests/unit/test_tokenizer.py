@@ -149,3 +149,25 @@ def test_vocab_size_counts_added_tokens_like_len_of_transformers(ours, hf):
 def test_missing_tokenizer_json_raises_naming_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_bounded_equals_encode_and_only_counts_what_is_over(ours, text):
+    """The GIL-releasing encoder (run off the router's event loop) gives the same ids."""
+    for special in (True, False):
+        ids = ours.encode(text, add_special_tokens=special)
+        assert ours.encode_bounded(text, len(ids), special) == (len(ids), ids)
+        if ids:
+            assert ours.encode_bounded(text, len(ids) - 1, special) == (len(ids), None)
+
+
+def test_no_text_over_the_character_budget_fits(ours):
+    """The budget's claim on the families we ship: the densest text there is (the longest
+    vocabulary entries, decoded) still needs more tokens than its length allows."""
+    budget = ours.char_budget
+    assert budget.max_chars_per_token is not None
+    longest = sorted(range(ours.vocab_size), key=lambda i: -len(ours.decode([i], skip_special_tokens=False)))[:64]
+    dense = ours.decode(longest * 8, skip_special_tokens=False)
+    max_len = len(ours.encode(dense, add_special_tokens=False))
+    limit = budget.max_chars(max_len, dense.isascii())
+    assert len(dense) <= limit  # it fits its own token count, so the bound did not refuse it
