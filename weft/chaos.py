@@ -22,6 +22,7 @@ import asyncio
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weft.mesh_state import MeshState
@@ -67,6 +68,26 @@ async def apply_chaos(launcher: Launcher, action: str, name: str) -> dict:
     write_state(launcher.state_dir, launcher.state())
     return {"name": name, "action": action, "pid": new.process.pid, "alive": True,
             "recovery_s": round(time.monotonic() - t0, 3)}
+
+
+def wait_recovered(state_dir: str | Path, name: str, old_pid: int, timeout_s: float = 60.0,
+                   interval_s: float = 0.05) -> float:
+    """Block until the state file lists ``name`` under a pid other than ``old_pid`` and its
+    health probe passes; returns the seconds that took. For measuring the supervisor's
+    recovery after a plain ``kill -9`` (tests/chaos, benchmarks/chaos_recovery.py); raises
+    TimeoutError after ``timeout_s``. Run it in a thread when an event loop is busy."""
+    from weft import health
+    from weft.mesh_state import read_state
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        state = read_state(state_dir)
+        inst = next((i for i in state.instances if i.name == name), None) if state else None
+        if inst is not None and inst.pid != old_pid and asyncio.run(
+                health.probe(inst.health_kind, "127.0.0.1", inst.health_port, inst.health_path, 1.0)):
+            return time.monotonic() - t0
+        time.sleep(interval_s)  # polling interval of the state file and the probe
+    raise TimeoutError(f"{name} (pid {old_pid} killed) was not back and healthy within {timeout_s:.0f}s")
 
 
 async def request_chaos(state: MeshState, action: str, name: str, timeout_s: float = 300.0) -> dict:

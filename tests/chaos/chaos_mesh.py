@@ -94,10 +94,11 @@ class Outcome:
         return self.error is None and self.finish_reason != 0
 
 
-def generate(mesh: Mesh, i: int, outcome: Outcome, started: threading.Event | None = None) -> Outcome:
+def generate(mesh: Mesh, i: int, outcome: Outcome, started: threading.Event | None = None,
+             max_tokens: int = MAX_TOKENS) -> Outcome:
     request = router_pb2.GenerateRequest(
         request_id=f"chaos-{i}-{time.monotonic_ns()}", token_ids=router_pb2.TokenIds(ids=PROMPTS[i]),
-        sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     try:
         with grpc.insecure_channel(mesh.state.grpc_address) as channel:
             last = None
@@ -122,12 +123,12 @@ def generate(mesh: Mesh, i: int, outcome: Outcome, started: threading.Event | No
     return outcome
 
 
-def under_load(mesh: Mesh, disturb) -> list[Outcome]:
+def under_load(mesh: Mesh, disturb, max_tokens: int = MAX_TOKENS) -> list[Outcome]:
     """NUM_STREAMS concurrent streams; ``disturb(outcomes)`` runs once all have tokens
     flowing. Returns when every stream has ended (each has a client deadline)."""
     outcomes = [Outcome() for _ in PROMPTS]
     started = [threading.Event() for _ in PROMPTS]
-    threads = [threading.Thread(target=generate, args=(mesh, i, outcomes[i], started[i]), daemon=True)
+    threads = [threading.Thread(target=generate, args=(mesh, i, outcomes[i], started[i], max_tokens), daemon=True)
                for i in range(NUM_STREAMS)]
     for t in threads:
         t.start()

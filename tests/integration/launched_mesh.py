@@ -14,6 +14,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from tests.integration.conftest import wait_for
 from weft.mesh_state import MeshState, pid_alive, read_state
 
@@ -39,8 +41,8 @@ def launched_mesh(
     state = None
     try:
         def ready():
-            if process.poll() is not None:
-                raise AssertionError(f"weft up exited: {log_path.read_text()[-3000:]}")
+            if process.poll() is not None:  # pytest.fail is not an Exception: wait_for stops at once
+                pytest.fail(f"weft up exited with status {process.returncode}: {log_path.read_text()[-3000:]}")
             return read_state(state_dir)
 
         state = wait_for(ready, timeout_s, "weft up to report the mesh ready", interval_s=0.2)
