@@ -147,7 +147,7 @@ class EventBus:
         self._connected = asyncio.Event()
         self._closed = False
         self._warned_unreachable = False
-        self._warned_violations: set[str] = set()
+        self._warned: set[str] = set()  # (bounded) problems already logged at warning level
         self.num_published = 0
         self.num_dropped = 0
 
@@ -211,9 +211,10 @@ class EventBus:
             for sub in self._subs:
                 await self._subscribe_on(nc, sub)
             log.info("nats_connected", url=self.log_url, source=self.source, user=self.auth.user or None)
-            if self.auth.user in nats_auth.ROLES and self.auth.password == nats_auth.dev_fallback_password(self.auth.user):
+            user = self.auth.user
+            if user in nats_auth.ROLES and self.auth.password == nats_auth.dev_fallback_password(user):
                 log.warning("nats_password_is_the_public_fallback",
-                            detail=f"set WEFT_NATS_{self.auth.user.upper()}_PASSWORD for anything shared")
+                            detail=f"set WEFT_NATS_{user.upper()}_PASSWORD for anything shared")
             self._connected.set()
             await self._fire_on_connect()
             return
@@ -235,14 +236,21 @@ class EventBus:
         # connection up: warn once per message (it names the subject).
         error = self._error_text(exc)
         if "permissions violation" in error.lower():
-            if error not in self._warned_violations:
-                self._warned_violations.add(error)
-                log.warning("nats_permission_violation", user=self.auth.user or None, error=error)
+            self._warn_once(error, "nats_permission_violation", user=self.auth.user or None, error=error)
         elif not self.connected and not self._warned_unreachable:
             self._warned_unreachable = True
             self._log_connect_failure(exc)
         else:
             log.debug("nats_error", error=error)
+
+    def _warn_once(self, key: str, event: str, **fields) -> None:
+        """Warn the first time ``key`` happens (at most 256 keys; then debug), so a
+        flood of one refused or misaddressed message cannot flood the log."""
+        if key in self._warned or len(self._warned) >= 256:
+            log.debug(event, **fields)
+            return
+        self._warned.add(key)
+        log.warning(event, **fields)
 
     async def _on_disconnected(self) -> None:
         self._connected.clear()
@@ -327,7 +335,8 @@ class EventBus:
             return None
         if not _addressed_from(subj, sub.kind, event.header.source):
             EVENTS_MISADDRESSED.labels(sub.kind).inc()
-            log.warning("event_misaddressed", subject=subj, source=event.header.source[:64])
+            self._warn_once(f"misaddressed {subj}", "event_misaddressed", subject=subj,
+                            source=event.header.source[:64])
             return None
         if sub.accept is not None and not sub.accept(event):
             return None
