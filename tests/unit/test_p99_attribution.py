@@ -104,3 +104,19 @@ def test_window_drops_requests_older_than_its_age_and_exports_one_cause():
     flags = {c: catalogue.metric("weft_p99_verdict").labels(c)._value.get() for c in COMPONENTS}
     assert flags["queueing"] == 1 and sum(flags.values()) == 1
     assert a.verdict(now_s=2000).num_requests == 0
+
+
+def test_a_tenants_verdict_covers_its_requests_and_leaves_the_operator_gauges_alone():
+    a = Attribution()
+    for i in range(4):
+        a.observe(f"a/r{i}", timeline(f"r{i}", prefill_ms=500), tenant="a")
+        a.observe(f"b/r{i}", timeline(f"r{i}", queue_ms=900), tenant="b")
+    everyone = a.verdict()
+    assert everyone.num_requests == 8
+    flags = lambda: {c: catalogue.metric("weft_p99_verdict").labels(c)._value.get() for c in COMPONENTS}  # noqa: E731
+    exported = flags()
+    only_a = a.verdict(tenant="a")
+    assert only_a.num_requests == 4 and only_a.cause == "prefill"
+    assert a.verdict(tenant="b").cause == "queueing"
+    assert a.verdict(tenant="nobody").num_requests == 0
+    assert flags() == exported  # the metrics port keeps the all-tenant view
