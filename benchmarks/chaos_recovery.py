@@ -1,0 +1,96 @@
+"""Recovery time per service after a plain ``kill -9``, as a Markdown table (median of N).
+
+    python benchmarks/chaos_recovery.py [--model DIR] [--executors 2] [--repeats 3]
+
+Starts a loopback mesh with the launcher (`weft up`'s code, its supervisor included), then
+for each of cachestore, scheduler, executor-1, router and NATS, ``--repeats`` times:
+SIGKILL the pid the state file records and time until the state file lists a new pid
+whose health probe passes (``weft.chaos.wait_recovered``, the helper tests/chaos/test_kill9.py
+uses under load). Between kills the mesh is let settle: the router reports ready again.
+
+Each kill is measured as a FIRST death: the crash-loop window is shortened to one second
+so the backoff never grows between repeats (the default policy's first restart waits
+``RestartConfig.base_delay_s``, jittered; see weft/supervisor.py). The mesh is idle: the
+number is what the supervisor and a cold service start cost, not what a stream sees
+(tests/chaos/test_kill9.py covers streams).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from weft import health  # noqa: E402
+from weft.chaos import wait_recovered  # noqa: E402
+from weft.launcher import Launcher, UpOptions  # noqa: E402
+from weft.supervisor import RestartConfig  # noqa: E402
+
+VICTIMS = ("cachestore", "scheduler", "executor-1", "router", "nats")
+
+
+async def _router_ready(launcher: Launcher, timeout_s: float) -> None:
+    state = launcher.state()
+    deadline = time.monotonic() + timeout_s
+    while not (await health.probe_http(f"{state.http_url}/health/ready", 1.0)
+               or await health.probe_http(f"{state.http_url}/health", 1.0)):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the router did not report ready again")
+        await asyncio.sleep(0.05)
+
+
+async def measure(model_dir: str | None, num_executors: int, repeats: int, timeout_s: float) -> dict[str, list[float]]:
+    state_dir = Path(tempfile.mkdtemp(prefix="weft-chaos-recovery-"))
+    env = {"WEFT_EXECUTOR_NUM_THREADS": "1", "WEFT_EXECUTOR_HEARTBEAT_INTERVAL_S": "0.25"}
+    launcher = Launcher(UpOptions(model_dir=model_dir, num_executors=num_executors, http_port=0, grpc_port=0,
+                                  state_dir=state_dir, log_level="warning", extra_env=env,
+                                  restart=RestartConfig(window_s=1.0)))
+    times: dict[str, list[float]] = {name: [] for name in VICTIMS}
+    await launcher.start()
+    try:
+        for name in VICTIMS:
+            for _ in range(repeats):
+                await _router_ready(launcher, timeout_s)
+                old_pid = launcher.running[name].process.pid
+                await asyncio.sleep(1.1)  # outside the shortened crash-loop window: a first death
+                os.kill(old_pid, signal.SIGKILL)
+                times[name].append(await asyncio.to_thread(wait_recovered, state_dir, name, old_pid, timeout_s))
+                print(f"{name}: {times[name][-1]:.2f}s", file=sys.stderr, flush=True)
+    finally:
+        await launcher.stop()
+    return times
+
+
+def markdown(times: dict[str, list[float]]) -> str:
+    rows = ["| service | kill -9 until healthy, median (s) | runs (s) |", "|---|---|---|"]
+    for name, values in times.items():
+        runs = ", ".join(f"{v:.2f}" for v in values)
+        rows.append(f"| {name} | {statistics.median(values):.2f} | {runs} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint dir; default: the tiny random model")
+    parser.add_argument("--executors", type=int, default=2, help="at least 2 (executor-1 is killed)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one recovery may take")
+    args = parser.parse_args(argv)
+    from services.mesh.logging import configure_logging
+
+    configure_logging("launcher", "warning")  # the launcher's start/stop lines stay out of the table
+    if args.executors < 2 or args.repeats < 1:
+        parser.error("--executors must be >= 2 and --repeats >= 1")
+    print(markdown(asyncio.run(measure(args.model, args.executors, args.repeats, args.timeout))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
