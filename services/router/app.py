@@ -35,7 +35,8 @@ class RouterApp:
         downstream = ContinuingStreamer(self.scheduler, ContinuationPolicy(
             max_attempts=config.continuation_attempts, reconnect_wait_s=config.continuation_wait_s,
             min_stall_s=config.continuation_min_stall_s, probe_timeout_s=config.continuation_probe_timeout_s,
-        ), probe=self.scheduler.probe)
+            probe_attempts=config.continuation_probe_attempts, probe_backoff=config.continuation_probe_backoff,
+        ), probe=self.scheduler.probe, unreachable=self.scheduler.unreachable)
         if config.cachestore_address:  # opt-in semantic response cache in front of the scheduler
             from services.router.cachestore_client import CacheStoreClient
             from services.router.semantic_cache import SemanticCachingStreamer

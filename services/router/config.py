@@ -40,10 +40,15 @@ class RouterConfig:
         "how long one continuation waits for the scheduler to come back (jittered retries) before the stream "
         "ends UNAVAILABLE naming the tokens sent", default=10.0)
     continuation_min_stall_s: float = option(
-        "no chunk for max(this, 20 x the stream's mean gap) and no answer to a scheduler health probe within "
-        "--continuation-probe-timeout-s: the scheduler is stalled and the stream is continued", default=2.0)
+        "no chunk for max(this, 20 x the stream's mean gap), none on any other stream, and no answer to a round "
+        "of scheduler health probes: the scheduler is stalled and the stream is continued", default=2.0)
     continuation_probe_timeout_s: float = option(
-        "how long a health probe of a silent scheduler may take before it counts as stalled", default=1.0)
+        "how long the first health probe of a round may take; each next one waits --continuation-probe-backoff "
+        "times longer (a slow answer is an answer)", default=1.0)
+    continuation_probe_attempts: int = option(
+        "health probes per round before a silent scheduler (no chunk on any stream) counts as stalled", default=3)
+    continuation_probe_backoff: float = option(
+        "each further probe of a round may take this many times longer than the last", default=2.0)
     log_level: str = option("log level", default="info", choices=LOG_LEVELS, shared=True)
     log_format: str = option("log format", default="auto", choices=LOG_FORMATS, shared=True)
 
@@ -65,6 +70,10 @@ class RouterConfig:
             raise ValueError(f"continuation_attempts must be >= 0, got {self.continuation_attempts}")
         if self.continuation_wait_s < 0:
             raise ValueError(f"continuation_wait_s must be >= 0, got {self.continuation_wait_s}")
+        if self.continuation_probe_attempts < 1:
+            raise ValueError(f"continuation_probe_attempts must be >= 1, got {self.continuation_probe_attempts}")
+        if self.continuation_probe_backoff < 1:
+            raise ValueError(f"continuation_probe_backoff must be >= 1, got {self.continuation_probe_backoff}")
         for name in ("max_body_bytes", "request_timeout_s", "drain_timeout_s", "continuation_min_stall_s",
                      "continuation_probe_timeout_s"):
             if getattr(self, name) <= 0:

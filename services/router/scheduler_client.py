@@ -199,6 +199,11 @@ class SchedulerClient:
                  "max_model_len": e.heartbeat.max_model_len, "state": _state_name(e.heartbeat.state)}
                 for e in resp.executors]
 
+    def unreachable(self) -> bool:
+        """The channel already knows the scheduler is down (a connect failed; it is backing off)."""
+        return self._channel.get_state(try_to_connect=False) in (
+            grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+
     async def close(self) -> None:
         await self._channel.close()
 

@@ -426,3 +426,33 @@ def test_a_weft_server_marks_the_statuses_it_chose():
 
     err = run(go())
     assert err.code() == grpc.StatusCode.UNAVAILABLE and error_origin_of(err) == "ExecutorLostError"
+
+
+def test_the_scheduler_client_reports_a_dead_address_unreachable_and_a_live_one_not():
+    """The router hands SchedulerClient.unreachable to the continuation's liveness check: a
+    channel whose connect failed counts the scheduler dead without a probe round."""
+    from services.mesh.nats_server import free_port
+
+    async def run() -> tuple[bool, bool]:
+        dead = SchedulerClient(f"127.0.0.1:{free_port()}")  # nothing listens there
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        live = SchedulerClient(f"127.0.0.1:{port}")
+        try:
+            assert not await dead.probe(0.5)  # the connect attempt fails
+            assert await live.probe(5.0)
+            for _ in range(100):  # the channel state settles right after the failed attempt
+                if dead.unreachable():
+                    break
+                await asyncio.sleep(0.02)
+            return dead.unreachable(), live.unreachable()
+        finally:
+            await dead.close()
+            await live.close()
+            await server.stop(None)
+
+    dead_unreachable, live_unreachable = asyncio.run(run())
+    assert dead_unreachable
+    assert not live_unreachable
