@@ -64,7 +64,7 @@ async def apply_chaos(launcher: Launcher, action: str, name: str) -> dict:
     if spec.name == "executor":
         await launcher._wait_scheduler_sees({name}, deadline)
     launcher.chaos_down.discard(name)
-    launcher.reset_supervision(name)  # restarted on purpose: a past crash loop is forgiven
+    launcher.supervision.reset(name)  # restarted on purpose: a past crash loop is forgiven
     write_state(launcher.state_dir, launcher.state())
     return {"name": name, "action": action, "pid": new.process.pid, "alive": True,
             "recovery_s": round(time.monotonic() - t0, 3)}

@@ -29,7 +29,7 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -40,8 +40,9 @@ from services.mesh.nats_server import free_port, nats_server_binary
 from weft import health
 from weft.mesh_spec import BY_NAME, SERVICES, Context, ServiceSpec
 from weft.mesh_state import Instance, MeshState, remove_state, write_state
-from weft.startup_checks import check_model_dir, check_ports_free, last_log_line, ports_free
-from weft.supervisor import RestartConfig, RestartPolicy, Status
+from weft.launcher_supervision import Supervision
+from weft.startup_checks import check_model_dir, check_ports_free, last_log_line
+from weft.supervisor import RestartConfig
 
 log = structlog.get_logger(__name__)
 
@@ -101,28 +102,10 @@ def ensure_tiny_model(state_dir: Path) -> Path:
     return path
 
 
-def log_tail(path: str | Path, num_lines: int = 30) -> str:
-    try:
-        lines = Path(path).read_text(errors="replace").splitlines()
-    except FileNotFoundError:
-        return "(no log)"
-    return "\n".join(lines[-num_lines:])
-
-
 @dataclass
 class _Running:
     instance: Instance
     process: asyncio.subprocess.Process
-
-
-@dataclass
-class _Supervised:
-    """An instance name's supervision record; it outlives the processes behind the name."""
-
-    policy: RestartPolicy
-    restarts: int = 0
-    last_exit: int | None = None
-    status: Status = Status.RUNNING
 
 
 def _table_order(inst: Instance) -> tuple[int, int]:
@@ -143,11 +126,8 @@ class Launcher:
         self.control_token = secrets.token_hex(16)
         self._scale_lock = asyncio.Lock()
         self.chaos_down: set[str] = set()  # instances `weft chaos` killed on purpose (weft/chaos.py)
-        self._planned: set[str] = set()  # being stopped on purpose (scale down, shutdown)
-        self._supervised: dict[str, _Supervised] = {}
-        self._supervising = asyncio.Event()  # set once the mesh is up: deaths before are startup failures
-        self._tasks: set[asyncio.Task] = set()  # exit watchers and restarts, cancelled by stop()
-        self._stopped = False
+        self.supervision = Supervision(self, options.restart)  # restarts unplanned deaths once up
+        self.stopped = False
 
     # -- table rendering ------------------------------------------------------------
     def _context(self, ports: dict[str, int], executor_name: str = "") -> Context:
@@ -185,8 +165,7 @@ class Launcher:
                         log_path=str(log_path))
         running = _Running(inst, process)
         self.running[name] = running
-        self._supervised.setdefault(name, _Supervised(RestartPolicy(self.options.restart)))
-        self._track(self._watch_exit(name, running))
+        self.supervision.watch(name, running)
         log.info("service_started", instance=name, pid=process.pid, ports=own_ports)
         return running
 
@@ -254,7 +233,7 @@ class Launcher:
     async def _terminate(self, names: list[str]) -> None:
         """SIGTERM (drain), then SIGKILL after ``stop_timeout_s``; waits for every exit.
         Planned: the supervisor does not restart them."""
-        self._planned.update(names)
+        self.supervision.planned_stop(names)
         procs = [(n, self.running[n].process) for n in names if n in self.running]
         for name, proc in procs:
             if proc.returncode is None:
@@ -267,8 +246,7 @@ class Launcher:
                 proc.kill()
                 await proc.wait()
             self.running.pop(name, None)
-            self._supervised.pop(name, None)
-            self._planned.discard(name)
+            self.supervision.forget(name)
             log.info("service_stopped", instance=name, status=proc.returncode)
 
     # -- lifecycle ------------------------------------------------------------------
@@ -310,7 +288,7 @@ class Launcher:
             raise
         state = self.state()
         write_state(self.state_dir, state)
-        self._supervising.set()
+        self.supervision.mark_up()
         return state
 
     def state(self) -> MeshState:
@@ -320,15 +298,8 @@ class Launcher:
             model_dir=self.model_dir, http_url=f"http://{host}:{self.ports['router_http_port']}",
             grpc_address=f"{host}:{self.ports['router_grpc_port']}",
             nats_url=f"nats://{host}:{self.ports['nats_port']}",
-            instances=sorted((self._with_supervision(r.instance) for r in self.running.values()), key=_table_order),
+            instances=sorted((self.supervision.view(r.instance) for r in self.running.values()), key=_table_order),
         )
-
-    def _with_supervision(self, inst: Instance) -> Instance:
-        sup = self._supervised.get(inst.name)
-        if sup is None:
-            return inst
-        status = Status.STOPPED if inst.name in self.chaos_down else sup.status
-        return replace(inst, restarts=sup.restarts, last_exit=sup.last_exit, status=status.value)
 
     async def scale(self, service: str, replicas: int) -> list[str]:
         """Start or drain executors until ``replicas`` run; returns their names.
@@ -362,11 +333,10 @@ class Launcher:
             return self.executor_names()
 
     async def stop(self) -> None:
-        if self._stopped:
+        if self.stopped:
             return
-        self._stopped = True
-        for task in self._tasks:  # no restart may start while the mesh stops
-            task.cancel()
+        self.stopped = True
+        self.supervision.stop()  # no restart may start while the mesh stops
         await self._stop_control()
         await self._terminate([n for n in ("router",) if n in self.running])
         await self._terminate([n for n in self.running if n != "nats"])
@@ -382,80 +352,9 @@ class Launcher:
             state = await self.start()
             if on_ready is not None:
                 on_ready(state)
-            await stop.wait()  # deaths meanwhile are the supervisor's (_watch_exit)
+            await stop.wait()  # deaths meanwhile are the supervisor's (weft/launcher_supervision.py)
         finally:
             await self.stop()
-
-    # -- supervision (policy: weft/supervisor.py) --------------------------------------
-    def _track(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _unplanned(self, name: str, running: _Running) -> bool:
-        """Whether ``running``'s exit is a death to answer: still the instance behind the
-        name, not being stopped, scaled down or killed by `weft chaos`."""
-        return (not self._stopped and self.running.get(name) is running
-                and name not in self._planned and name not in self.chaos_down)
-
-    def reset_supervision(self, name: str) -> None:
-        """An operator restarted ``name`` on purpose: its death history starts over."""
-        sup = self._supervised.get(name)
-        if sup is not None:
-            sup.policy.reset()
-            sup.status = Status.RUNNING
-
-    def _write_state(self) -> None:
-        if self._supervising.is_set() and not self._stopped:
-            write_state(self.state_dir, self.state())
-
-    async def _watch_exit(self, name: str, running: _Running) -> None:
-        status = await running.process.wait()
-        await self._supervising.wait()  # a death during start-up fails the start instead
-        if not self._unplanned(name, running):
-            return
-        sup = self._supervised[name]
-        sup.last_exit = status
-        decision = sup.policy.on_death(time.monotonic())
-        cfg = self.options.restart
-        if not decision.restart:
-            sup.status = Status.CRASH_LOOP
-            log.error("service_crash_loop", instance=name, status=status, num_deaths=decision.num_recent_deaths,
-                      window_s=cfg.window_s, action="not restarted; the rest of the mesh keeps running",
-                      log_path=running.instance.log_path, last_log_line=last_log_line(running.instance.log_path))
-            self._write_state()
-            return
-        sup.status = Status.RESTARTING
-        log.warning("service_died", instance=name, pid=running.process.pid, status=status,
-                    restart_in_s=round(decision.delay_s, 3), num_recent_deaths=decision.num_recent_deaths,
-                    last_log_line=last_log_line(running.instance.log_path))
-        self._write_state()
-        await asyncio.sleep(decision.delay_s)
-        if self._unplanned(name, running):
-            await self._restart(name, running)
-
-    async def _restart(self, name: str, dead: _Running) -> None:
-        """Start ``name`` again on its ports (an executor on fresh ones only if its own were
-        taken meanwhile) and mark it running once healthy; its next death is watched anew."""
-        t0 = time.monotonic()
-        spec = BY_NAME[dead.instance.service]
-        ports = dead.instance.ports
-        if spec.scalable and not ports_free(self.options.host, ports.values()):
-            ports = None
-        new = await self._spawn(spec, name, ports)
-        sup = self._supervised[name]
-        sup.restarts += 1
-        self._write_state()
-        inst = new.instance
-        deadline = t0 + self.options.startup_timeout_s
-        while self.running.get(name) is new and new.process.returncode is None and time.monotonic() < deadline:
-            if await health.probe(inst.health_kind, self.options.host, inst.health_port, inst.health_path, 1.0):
-                sup.status = Status.RUNNING
-                log.info("service_restarted", instance=name, pid=new.process.pid, restarts=sup.restarts,
-                         recovery_s=round(time.monotonic() - t0, 3))
-                self._write_state()
-                return
-            await asyncio.sleep(0.05)  # polling interval of the health probe
 
     # -- control endpoint (weft scale) -----------------------------------------------
     async def _start_control(self) -> None:
