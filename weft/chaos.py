@@ -50,10 +50,11 @@ async def apply_chaos(launcher: Launcher, action: str, name: str) -> dict:
     elif action == "resume" and alive:
         proc.send_signal(signal.SIGCONT)
     elif action in ("kill", "restart"):
-        launcher.chaos_down.add(name)  # deliberate: the watcher must not stop the mesh
+        launcher.chaos_down.add(name)  # deliberate: the supervisor must not restart it
         if alive:
             proc.kill()
             await proc.wait()
+        write_state(launcher.state_dir, launcher.state())  # weft ps: stopped
     if action != "restart":
         return {"name": name, "action": action, "pid": proc.pid, "alive": proc.returncode is None}
     t0 = time.monotonic()

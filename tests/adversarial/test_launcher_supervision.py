@@ -86,3 +86,28 @@ def test_a_crash_looping_instance_is_left_down_and_the_rest_keeps_serving(mesh):
     assert {n: p for n, p in _pids(state_dir).items() if n != "executor-1"} == others
     assert all(pid_alive(p) for p in others.values())
     assert _serves(state_dir)
+
+
+def test_weft_chaos_kill_is_a_planned_outage_the_supervisor_leaves_alone(mesh):
+    """`weft chaos kill` simulates a lasting outage: no restart until `weft chaos restart`,
+    which also starts the instance's death history over."""
+    state_dir, launcher = mesh
+
+    def weft(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "weft", *args, "--state-dir", str(state_dir)],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    def num_deaths_logged() -> int:
+        log = (state_dir / "launcher.log").read_text(errors="replace").splitlines()
+        return sum('"service_died"' in line and '"instance": "cachestore"' in line for line in log)
+
+    deaths_before = num_deaths_logged()  # the kill -9 above
+    killed = _pids(state_dir)["cachestore"]
+    assert weft("chaos", "kill", "cachestore").returncode == 0
+    assert not pid_alive(killed)
+    assert _ps(state_dir)["cachestore"][3] == "stopped"
+    assert weft("chaos", "restart", "cachestore").returncode == 0  # returns once healthy
+    assert num_deaths_logged() == deaths_before, "the supervisor treated a planned kill as a death"
+    row = _ps(state_dir)["cachestore"]
+    assert row[3] == "healthy" and row[4] == "1", row  # restarts: only the supervisor's after kill -9
+    assert launcher.poll() is None
