@@ -16,7 +16,8 @@ stops them in order) and PR_SET_PDEATHSIG, so even a SIGKILLed launcher leaves n
 orphans. Once up, every instance is supervised: an unplanned death is answered by a
 restart under the same name and ports after a backoff, and a crash loop stops restarting
 that instance only (policy: ``weft/supervisor.py``; the rest of the mesh never stops).
-``weft scale`` reaches ``scale()`` through a token-protected loopback HTTP
+NATS runs with one login per role (<state dir>/nats.conf, passwords per run, each service
+given only its own: services/mesh/nats_auth.py). ``weft scale`` reaches ``scale()`` through a token-protected loopback HTTP
 control endpoint recorded in the state file (see docs/architecture.md, "Launcher").
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from services.mesh import mesh_auth, nats_auth
 from services.mesh.mesh_auth import mesh_channel
 from services.mesh.nats_server import free_port, nats_server_binary
 from weft import health
@@ -47,6 +49,7 @@ from weft.supervisor import RestartConfig
 log = structlog.get_logger(__name__)
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
+NATS_SECRET_ENV = "WEFT_NATS_SECRET"  # derives the per-role NATS passwords (services/mesh/nats_auth.py)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -127,6 +130,12 @@ class Launcher:
         self._scale_lock = asyncio.Lock()
         self.chaos_down: set[str] = set()  # instances `weft chaos` killed on purpose (weft/chaos.py)
         self.supervision = Supervision(self, options.restart)  # restarts unplanned deaths once up
+        # NATS logins, one per role, fixed for the launcher's life so a restarted service (or
+        # NATS itself) keeps them: derived from WEFT_NATS_SECRET when set, else random.
+        nats_secret = options.extra_env.get(NATS_SECRET_ENV, os.environ.get(NATS_SECRET_ENV, ""))
+        self.nats_passwords = (nats_auth.derive_passwords(nats_secret) if nats_secret
+                               else nats_auth.random_passwords())
+        self.nats_config = self.state_dir / "nats.conf"
         self.stopped = False
 
     # -- table rendering ------------------------------------------------------------
@@ -138,7 +147,19 @@ class Launcher:
                        cachestore_dir=str(self.state_dir / "cachestore"),
                        # Passed through (the table renders it for every service): from the
                        # options' extra environment, else this process's.
-                       mesh_secret=self.options.extra_env.get("WEFT_MESH_SECRET", os.environ.get("WEFT_MESH_SECRET", "")))
+                       mesh_secret=self._env("WEFT_MESH_SECRET"),
+                       nats_config=str(self.nats_config), nats_passwords=self.nats_passwords)
+
+    def _env(self, key: str) -> str:
+        """A mesh-wide setting: from the options' extra environment, else this process's."""
+        return self.options.extra_env.get(key, os.environ.get(key, ""))
+
+    def _write_nats_config(self) -> None:
+        """nats-server's users file (no secret in it: passwords are $VAR references), with
+        a TLS block when the mesh has a certificate (the same WEFT_MESH_TLS_* files)."""
+        security = mesh_auth.MeshSecurity.from_environ({**os.environ, **self.options.extra_env})
+        self.nats_config.write_text(nats_auth.render_config(tls=nats_auth.TlsFiles.from_mesh(security)))
+        self.nats_config.chmod(0o600)
 
     def _instance_ports(self, spec: ServiceSpec) -> dict[str, int]:
         if spec.scalable:  # every replica listens on its own ports
@@ -263,6 +284,7 @@ class Launcher:
             if problem:
                 raise MeshStartError(problem)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self._write_nats_config()
         self.model_dir = str(Path(opts.model_dir).resolve()) if opts.model_dir else str(ensure_tiny_model(self.state_dir))
         for spec in SERVICES:
             if not spec.scalable:

@@ -18,11 +18,17 @@ same everywhere and only the rendered values differ. Values are templates over a
     {cachestore_dir}  the archived KV tier         local: <state dir>/cachestore   compose: a volume
     {mesh_secret}     shared secret of internal calls  local: $WEFT_MESH_SECRET (may be empty)
                                                    compose: ${WEFT_MESH_SECRET:-<dev default>}
+    {nats_config}     nats-server's users and permissions  local: <state dir>/nats.conf
+                                                   compose: the image's services/mesh/nats.conf
+    {nats_<role>_password}  NATS login of a role   local: random per `weft up` (or derived from
+                                                   $WEFT_NATS_SECRET)  compose: ${WEFT_NATS_<ROLE>_PASSWORD:-<dev>}
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from services.mesh import nats_auth
 
 
 @dataclass(frozen=True)
@@ -65,12 +71,21 @@ class ServiceSpec:
 # its servers require (services/mesh/mesh_auth.py).
 _COMMON = {"WEFT_LOG_LEVEL": "{log_level}", "WEFT_MESH_SECRET": "{mesh_secret}"}
 
+
+def _nats_login(role: str) -> dict[str, str]:
+    """A service's own NATS login: its role and that role's password, nobody else's
+    (services/mesh/nats_auth.py: only executors may publish heartbeats)."""
+    return {nats_auth.USER_ENV: role, nats_auth.PASSWORD_ENV: "{nats_%s_password}" % role}
+
+
 SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec(
         name="nats", role="event bus (kv / load / membership / session events)",
-        command=("nats-server", "-a", "{bind_host}", "-p", "{nats_port}", "-m", "{nats_monitor_port}"),
+        command=("nats-server", "-c", "{nats_config}", "-a", "{bind_host}", "-p", "{nats_port}",
+                 "-m", "{nats_monitor_port}"),
         ports={"nats_port": 4222, "nats_monitor_port": 8222},
-        settings={},
+        # The config names the users; their passwords reach nats-server only through these.
+        settings={nats_auth.role_password_env(r): "{nats_%s_password}" % r for r in nats_auth.ROLES},
         health=Health("http", "nats_monitor_port", "/healthz"),
         python=False,
     ),
@@ -80,7 +95,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
         ports={"cachestore_port": 50071, "cachestore_metrics_port": 9171},
         settings={**_COMMON, "WEFT_CACHESTORE_HOST": "{bind_host}", "WEFT_CACHESTORE_PORT": "{cachestore_port}",
                   "WEFT_CACHESTORE_METRICS_PORT": "{cachestore_metrics_port}",
-                  "WEFT_CACHESTORE_DISK_DIR": "{cachestore_dir}", "WEFT_NATS_URL": "{nats_url}"},
+                  "WEFT_CACHESTORE_DISK_DIR": "{cachestore_dir}", "WEFT_NATS_URL": "{nats_url}",
+                  **_nats_login("cachestore")},
         health=Health("grpc", "cachestore_port"),
         depends_on=("nats",),
     ),
@@ -89,7 +105,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
         command=("-m", "services.scheduler"),
         ports={"scheduler_port": 50052, "scheduler_metrics_port": 9152},
         settings={**_COMMON, "WEFT_NATS_URL": "{nats_url}", "WEFT_SCHEDULER_HOST": "{bind_host}",
-                  "WEFT_SCHEDULER_PORT": "{scheduler_port}", "WEFT_SCHEDULER_METRICS_PORT": "{scheduler_metrics_port}"},
+                  "WEFT_SCHEDULER_PORT": "{scheduler_port}", "WEFT_SCHEDULER_METRICS_PORT": "{scheduler_metrics_port}",
+                  **_nats_login("scheduler")},
         health=Health("grpc", "scheduler_port"),
         depends_on=("nats",),
     ),
@@ -104,7 +121,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
                   # each other and with the router / scheduler, and spinning workers starve
                   # their event loops (40 ms stalls in token streams on 2 cores).
                   "OMP_WAIT_POLICY": "PASSIVE",
-                  "WEFT_EXECUTOR_CACHESTORE_ADDRESS": "{cachestore_addr}"},
+                  "WEFT_EXECUTOR_CACHESTORE_ADDRESS": "{cachestore_addr}", **_nats_login("executor")},
         health=Health("grpc", "executor_port"),
         depends_on=("nats",),
         scalable=True,
@@ -137,6 +154,12 @@ COMPOSE_CACHESTORE_DIR = "/var/lib/weft/cachestore"  # the cachestore-data volum
 # Internal calls inside a compose mesh always carry a secret. The fallback only keeps
 # `docker compose up` working out of the box: set WEFT_MESH_SECRET for anything shared.
 COMPOSE_MESH_SECRET = "${WEFT_MESH_SECRET:-weft-dev-mesh-secret-change-me}"
+# NATS logins: the image ships the rendered users file; each role's password comes from the
+# host (`python -m services.mesh.nats_auth env >> .env`), else a public development
+# fallback that every bus warns about.
+COMPOSE_NATS_CONFIG = "/opt/weft/services/mesh/nats.conf"
+COMPOSE_NATS_PASSWORDS = {r: "${%s:-%s}" % (nats_auth.role_password_env(r), nats_auth.dev_fallback_password(r))
+                          for r in nats_auth.ROLES}
 # Compose restarts a container whose process exits, as ``weft up``'s supervisor restarts a
 # process (weft/supervisor.py); not one an operator stopped.
 COMPOSE_RESTART = "unless-stopped"
@@ -155,6 +178,8 @@ class Context:
     executor_name: str = ""
     cachestore_dir: str = ""
     mesh_secret: str = ""
+    nats_config: str = ""
+    nats_passwords: Mapping[str, str] = field(default_factory=dict)  # role -> password
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def mapping(self) -> dict[str, str]:
@@ -162,7 +187,9 @@ class Context:
         values.update(bind_host=self.bind_host, model_dir=self.model_dir, keys_file=self.keys_file,
                       log_level=self.log_level, executor_name=self.executor_name,
                       cachestore_dir=self.cachestore_dir, mesh_secret=self.mesh_secret,
+                      nats_config=self.nats_config,
                       nats_url=f"nats://{self.hosts['nats']}:{self.ports['nats_port']}")
+        values.update({f"nats_{role}_password": pw for role, pw in self.nats_passwords.items()})
         for spec in SERVICES:
             grpc_key = next((k for k in spec.ports if k == f"{spec.name}_port" or k.endswith("grpc_port")), None)
             if grpc_key is not None and spec.name in self.hosts and grpc_key in self.ports:
@@ -177,4 +204,5 @@ def compose_context() -> Context:
     return Context(bind_host="0.0.0.0", model_dir=COMPOSE_MODEL_DIR, ports=ports,
                    hosts={s.name: s.name for s in SERVICES}, keys_file=COMPOSE_KEYS_FILE,
                    log_level=COMPOSE_LOG_LEVEL, executor_name="", cachestore_dir=COMPOSE_CACHESTORE_DIR,
-                   mesh_secret=COMPOSE_MESH_SECRET)
+                   mesh_secret=COMPOSE_MESH_SECRET, nats_config=COMPOSE_NATS_CONFIG,
+                   nats_passwords=COMPOSE_NATS_PASSWORDS)

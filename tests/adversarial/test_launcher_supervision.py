@@ -50,6 +50,39 @@ def _serves(state_dir) -> bool:
     return bool(chunks) and chunks[-1].finish_reason != 0
 
 
+def test_the_launched_mesh_refuses_anonymous_nats_clients_and_its_services_log_in(mesh):
+    """Issue 12, section 3, through `weft up`: NATS runs with the per-role users file and
+    an anonymous client (the impostor of the issue) cannot connect, while every service
+    logged in with its own role (the mesh serves, which needs heartbeats and kv events)."""
+    import asyncio
+
+    import nats
+    from nats.errors import NoServersError
+
+    state_dir, _ = mesh
+    conf = state_dir / "nats.conf"
+    assert "authorization" in conf.read_text() and (conf.stat().st_mode & 0o077) == 0
+    url = read_state(state_dir).nats_url
+
+    async def anonymous() -> BaseException | None:
+        errors: list[BaseException] = []
+
+        async def on_error(exc):
+            errors.append(exc)
+
+        try:
+            nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5,
+                                    error_cb=on_error)
+        except (NoServersError, OSError, nats.errors.Error) as exc:
+            return exc
+        await nc.close()
+        return None
+
+    refused = asyncio.run(anonymous())
+    assert refused is not None, "an anonymous client connected to the mesh's NATS"
+    assert _serves(state_dir)
+
+
 def _kill9_and_wait_restarted(state_dir, name: str) -> tuple[dict[str, int], dict[str, int]]:
     before = _pids(state_dir)
     ports_before = read_state(state_dir).instance(name).ports

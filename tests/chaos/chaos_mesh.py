@@ -25,8 +25,10 @@ MAX_TOKENS = 600
 CALL_TIMEOUT_S = 40.0  # every client call has a deadline: a hang would fail as DEADLINE_EXCEEDED
 PROMPTS = [[(7 * i + 13 * j) % 500 + 20 for j in range(12 + i)] for i in range(NUM_STREAMS)]
 MESH_SECRET = "chaos-mesh-secret"  # internal calls must carry it (services/mesh/mesh_auth.py)
+NATS_SECRET = "chaos-nats-secret"  # the launcher derives the per-role NATS logins from it
 CHAOS_ENV = {
     "WEFT_MESH_SECRET": MESH_SECRET,
+    "WEFT_NATS_SECRET": NATS_SECRET,
     "WEFT_EXECUTOR_NUM_THREADS": "1",
     "WEFT_EXECUTOR_HEARTBEAT_INTERVAL_S": "0.25",
     "WEFT_EXECUTOR_GRACE_S": "1",

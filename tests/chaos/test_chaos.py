@@ -23,8 +23,9 @@ import time
 import grpc
 import pytest
 
+from services.mesh.nats_auth import derive_passwords
 from tests.chaos.chaos_mesh import (
-    CALL_TIMEOUT_S, CHAOS_ENV, MAX_TOKENS, MESH_SECRET, NUM_STREAMS, PROMPTS, ROOT, Mesh, Outcome,
+    CALL_TIMEOUT_S, CHAOS_ENV, MAX_TOKENS, MESH_SECRET, NATS_SECRET, NUM_STREAMS, PROMPTS, ROOT, Mesh, Outcome,
     assert_all_completed_as_undisturbed, busiest_executor, generate, record, serves_normally, under_load,
 )
 from tests.integration.conftest import wait_for
@@ -196,7 +197,11 @@ def test_a_redelivered_kv_event_is_not_acted_on_twice(mesh):
             list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=CALL_TIMEOUT_S))
 
     async def main():
-        nc = await nats.connect(mesh.state.nats_url)
+        # NATS wants a login per role: the scheduler's to read kv events, the executors' to
+        # publish one (the only role allowed to: services/mesh/nats_auth.py).
+        passwords = derive_passwords(NATS_SECRET)
+        nc = await nats.connect(mesh.state.nats_url, user="scheduler", password=passwords["scheduler"])
+        publisher = await nats.connect(mesh.state.nats_url, user="executor", password=passwords["executor"])
         events: list[events_pb2.KvEvent] = []
         raw_stored: list[bytes] = []
 
@@ -219,8 +224,8 @@ def test_a_redelivered_kv_event_is_not_acted_on_twice(mesh):
             rng = random.Random(7)
             replay.block_hashes.extend(rng.getrandbits(63) for _ in range(1000))
             replayed = list(replay.block_hashes)
-            await nc.publish(f"weft.kv.{source}", replay.SerializeToString())
-            await nc.flush()
+            await publisher.publish(f"weft.kv.{source}", replay.SerializeToString())
+            await publisher.flush()
             for seed in range(2, 12):  # genuine events from the same executor after the replay
                 await asyncio.to_thread(long_prompt_request, seed)
                 if sum(e.header.source == source for e in events) >= 2:
@@ -241,6 +246,7 @@ def test_a_redelivered_kv_event_is_not_acted_on_twice(mesh):
                                     "the index to equal the genuine events alone")
         finally:
             await nc.close()
+            await publisher.close()
 
     asyncio.run(main())
 
