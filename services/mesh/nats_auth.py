@@ -224,19 +224,28 @@ def redact(text: str, *secrets_: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m services.mesh.nats_auth config`` prints the server config;
-    ``… env [MASTER]`` prints ``WEFT_NATS_<ROLE>_PASSWORD=…`` lines (derived from MASTER or
-    ``$WEFT_NATS_SECRET``, else random) for a Compose ``.env`` file."""
-    args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["config"]:
+    ``… env [MASTER]`` prints ``WEFT_NATS_<ROLE>_PASSWORD=…`` lines for a Compose ``.env``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m services.mesh.nats_auth",
+        description="NATS users and passwords of a Weft mesh: one login per role (executor, scheduler, "
+                    "cachestore, router) with per-role publish/subscribe permissions.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("config", help="print the nats-server users file (passwords are $VAR references: "
+                                       "no secret in it); what services/mesh/nats.conf holds")
+    env = commands.add_parser("env", help="print WEFT_NATS_<ROLE>_PASSWORD=... lines for a Compose .env file")
+    env.add_argument("master", nargs="?", default=None,
+                     help="derive the four passwords from this secret (HMAC per role); default: "
+                          "$WEFT_NATS_SECRET, else fresh random passwords")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "config":
         sys.stdout.write(render_config())
         return 0
-    if args[:1] == ["env"]:
-        master = args[1] if len(args) > 1 else os.environ.get("WEFT_NATS_SECRET", "")
-        for key, value in server_env(derive_passwords(master) if master else random_passwords()).items():
-            sys.stdout.write(f"{key}={value}\n")
-        return 0
-    sys.stderr.write("usage: python -m services.mesh.nats_auth config | env [MASTER]\n")
-    return 2
+    master = args.master if args.master is not None else os.environ.get("WEFT_NATS_SECRET", "")
+    for key, value in server_env(derive_passwords(master) if master else random_passwords()).items():
+        sys.stdout.write(f"{key}={value}\n")
+    return 0
 
 
 if __name__ == "__main__":
