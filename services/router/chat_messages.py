@@ -70,6 +70,8 @@ def _assistant_tool_calls(value: Any, field: str) -> list[dict[str, Any]]:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
                 pass
+            except RecursionError:  # a RuntimeError, not a ValueError: was an HTTP 500
+                raise InvalidRequestError(f"{field}[{i}].function.arguments", "JSON nested too deeply") from None
         calls.append({"id": call.get("id") or f"call_{i}", "type": "function",
                       "function": {"name": name, "arguments": args}})
     return calls

@@ -36,6 +36,9 @@ log = structlog.get_logger(__name__)
 # (``Tokenizer.encode_bounded``), so one huge prompt does not stall every other stream on
 # the router's event loop; shorter ones cost less than the thread hop.
 OFFLOAD_TOKENIZE_CHARS = 16_384
+# Conversations with more messages than this are rendered in a worker thread too: the
+# template's cost grows with the number of messages, not only with their text.
+OFFLOAD_RENDER_MESSAGES = 64
 # Huge prompts tokenized at once: each takes a core for as long as it runs.
 MAX_CONCURRENT_OFFLOADS = 2
 
@@ -84,6 +87,8 @@ class Generator:
             raise InvalidRequestError("messages", f"rejected by the model's chat template: {exc}") from None
         except ValueError as exc:
             raise InvalidRequestError("messages", str(exc)) from None
+        except RecursionError:  # tool-call arguments or tool schemas too deep for ``tojson``
+            raise InvalidRequestError("messages", "too deeply nested for the model's chat template") from None
 
     def text_prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -123,7 +128,9 @@ class Generator:
         """Render (in a worker thread when the conversation is large: jinja is pure Python,
         so the loop keeps its GIL turns) and encode with ``encode_async``."""
         size = sum(len(m.get("content") or "") for m in messages)
-        if size <= OFFLOAD_TOKENIZE_CHARS and not tools:  # tool schemas are rendered with json.dumps
+        small = (size <= OFFLOAD_TOKENIZE_CHARS and len(messages) <= OFFLOAD_RENDER_MESSAGES
+                 and not tools and not any(m.get("tool_calls") for m in messages))  # rendered with json.dumps
+        if small:
             text = self._render_chat(messages, tools, add_generation_prompt)
         else:
             text = await asyncio.to_thread(self._render_chat, messages, tools, add_generation_prompt)

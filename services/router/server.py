@@ -92,6 +92,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             elif form == "chat":
                 if not request.chat.messages:
                     raise InvalidRequestError("chat.messages", "must not be empty")
+                if len(request.chat.messages) > self.generator.limits.max_messages:  # as HTTP's cap
+                    raise InvalidRequestError("chat.messages", f"at most {self.generator.limits.max_messages} "
+                                              f"messages, got {len(request.chat.messages)}")
                 messages = [parse_message(_message(msg), f"chat.messages[{i}]")
                             for i, msg in enumerate(request.chat.messages)]
                 ids = await self.generator.chat_prompt_ids_async(messages, None, request.chat.add_generation_prompt,

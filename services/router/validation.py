@@ -31,6 +31,12 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_token_ids: int = 64  # each is checked every step: an unbounded list is a CPU cost per token
     max_prompts: int = 64
+    # Each message, content part, tool call and tool is walked on the event loop (and the
+    # messages rendered by a pure-Python template): without a cap a 3 MB body of 100k empty
+    # messages froze the router for every client for over a second. OpenAI's own caps.
+    max_messages: int = 2048
+    max_message_items: int = 2048  # content parts + tool calls, over all messages
+    max_tools: int = 128
 
 
 def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
@@ -41,8 +47,12 @@ def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
         raise InvalidRequestError("messages", "is required")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty array of message objects")
+    check_message_counts(messages, limits, "messages")
     parsed = tuple(parse_message(m, f"messages[{i}]") for i, m in enumerate(messages))
-    tools = parse_tools(body.get("tools"))
+    tools = body.get("tools")
+    if isinstance(tools, list) and len(tools) > limits.max_tools:
+        raise InvalidRequestError("tools", f"at most {limits.max_tools} tools, got {len(tools)}")
+    tools = parse_tools(tools)
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
     if optional_field(body, "logprobs", bool, False) or optional_field(body, "top_logprobs", int, 0):
         raise InvalidRequestError("logprobs", "log-probabilities are not supported on /v1/chat/completions")
@@ -85,6 +95,21 @@ def parse_completion_request(body: Any, limits: Limits) -> CompletionRequest:
         session=_session(body),
         return_token_ids=optional_field(body, "return_token_ids", bool, False),
     )
+
+
+def check_message_counts(messages: list[Any], limits: Limits, field: str) -> None:
+    """Refuse a conversation with more messages, or more content parts and tool calls in
+    all, than the deployment walks: counted (one ``len`` per message) before anything
+    parses, renders or tokenizes it."""
+    if len(messages) > limits.max_messages:
+        raise InvalidRequestError(field, f"at most {limits.max_messages} messages, got {len(messages)}")
+    items = 0
+    for m in messages:
+        if isinstance(m, Mapping):
+            items += sum(len(v) for v in (m.get("content"), m.get("tool_calls")) if isinstance(v, list))
+    if items > limits.max_message_items:
+        raise InvalidRequestError(
+            field, f"at most {limits.max_message_items} content parts and tool calls in all, got {items}")
 
 
 def resolve_max_tokens(sampling: Sampling, num_prompt_tokens: int, max_model_len: int, prompt_field: str) -> int:
@@ -150,10 +175,10 @@ def parse_sampling(body: Mapping[str, Any], limits: Limits, max_tokens: Any, fie
     if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
         raise InvalidRequestError("min_tokens", f"must be in [0, max_tokens], got {min_tokens}")
     stop_ids = body.get("stop_token_ids") or []
+    if isinstance(stop_ids, list) and len(stop_ids) > limits.max_stop_token_ids:  # counted before walked
+        raise InvalidRequestError("stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {len(stop_ids)}")
     if not isinstance(stop_ids, list) or not all(_is_token_id(t, limits.vocab_size) for t in stop_ids):
         raise InvalidRequestError("stop_token_ids", f"must be an array of token ids in [0, {limits.vocab_size})")
-    if len(stop_ids) > limits.max_stop_token_ids:
-        raise InvalidRequestError("stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {len(stop_ids)}")
     return Sampling(
         max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0),
         seed=seed, stop_token_ids=tuple(stop_ids), ignore_eos=optional_field(body, "ignore_eos", bool, False),
@@ -165,10 +190,10 @@ def parse_stop(value: Any, limits: Limits) -> tuple[str, ...]:
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
+    if isinstance(stops, list) and len(stops) > limits.max_stop_strings:  # counted before walked
+        raise InvalidRequestError("stop", f"at most {limits.max_stop_strings} stop strings, got {len(stops)}")
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise InvalidRequestError("stop", "must be a non-empty string or an array of non-empty strings")
-    if len(stops) > limits.max_stop_strings:
-        raise InvalidRequestError("stop", f"at most {limits.max_stop_strings} stop strings, got {len(stops)}")
     return tuple(stops)
 
 

@@ -1,0 +1,102 @@
+"""Request shapes found by attacking a live `weft up` mesh (issue 12 §4-5) that used to
+answer HTTP 500 or to freeze the router's event loop for every client; each is now a
+400 / INVALID_ARGUMENT naming the field, decided before anything is parsed deeply,
+rendered or tokenized."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from services.router.validation import Limits
+from tests.unit.test_router_grpc import KEY, _serve
+from tests.unit.test_router_http import MODEL, _client, run
+from tests.unit.test_router_hostile_input import model_dir  # noqa: F401  (a module fixture)
+from weft.v1 import router_pb2
+
+LIMITS = Limits(served_models=(MODEL,), max_model_len=512, vocab_size=1000)
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "1" + "]" * depth
+
+
+def _tool_call_message(arguments: str, num_calls: int = 1) -> dict:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [call] * num_calls}
+
+
+def _post(model_dir, path: str, body: dict):
+    async def go():
+        client, fake = await _client(model_dir)
+        try:
+            resp = await client.post(path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+            return resp.status, await resp.json(), len(fake.requests)
+        finally:
+            await client.close()
+    return run(go())
+
+
+@pytest.mark.parametrize("arguments", [
+    "[" * 100_000,  # json.loads raises RecursionError, not a JSONDecodeError: was a 500
+    _deep(995),  # valid JSON, one level short of the body's own limit: was a 500
+])
+def test_too_deep_tool_call_arguments_are_400_naming_the_field(model_dir, arguments):  # noqa: F811
+    body = {"model": MODEL, "max_tokens": 2, "messages": [_tool_call_message(arguments),
+                                                          {"role": "user", "content": "x"}]}
+    status, err, sent = _post(model_dir, "/v1/chat/completions", body)
+    assert status == 400, err
+    assert err["error"]["param"].startswith("messages"), err
+    assert "deep" in err["error"]["message"]
+    assert sent == 0
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"messages": [{"role": "user", "content": ""}] * 2049}, "messages", "at most 2048 messages"),
+    ({"messages": [_tool_call_message("{}", 2049)]}, "messages", "at most 2048 content parts and tool calls"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 2049}]}, "messages",
+     "at most 2048 content parts and tool calls"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools", "at most 128 tools"),
+])
+def test_conversations_too_big_to_walk_are_refused_by_count(model_dir, body, field, words):  # noqa: F811
+    status, err, sent = _post(model_dir, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, **body})
+    assert status == 400, err
+    assert err["error"]["param"] == field and words in err["error"]["message"], err
+    assert sent == 0
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("stop_token_ids", ["x"] * 100_000, "at most 64 ids, got 100000"),  # counted before each id is checked
+    ("stop", [7] * 100_000, "at most 16 stop strings, got 100000"),
+])
+def test_long_lists_are_refused_by_their_length_before_their_items_are_walked(model_dir, field, value, words):  # noqa: F811
+    status, err, _ = _post(model_dir, "/v1/completions", {"model": MODEL, "prompt": "x", field: value})
+    assert status == 400 and err["error"]["param"] == field and words in err["error"]["message"], err
+
+
+def test_grpc_refuses_more_chat_messages_than_http_does(model_dir):  # noqa: F811
+    async def go():
+        server, channel, stub, fake = await _serve(model_dir)
+        try:
+            chat = router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="user", content="")] * 2049)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(router_pb2.GenerateRequest(chat=chat), metadata=KEY):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("chat.messages: at most 2048 messages"), err.value.details()
+            assert fake.requests == []
+        finally:
+            await channel.close()
+            await server.server.stop(0)
+    asyncio.run(go())
+
+
+def test_a_conversation_at_the_caps_still_passes(model_dir):  # noqa: F811
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": ""}] * 20
+            + [_tool_call_message('{"a": ' + _deep(20) + "}", 2), {"role": "user", "content": "hi"}]}
+    status, err, sent = _post(model_dir, "/v1/chat/completions", body)
+    assert status == 200, err
+    assert sent == 1
