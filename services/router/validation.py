@@ -19,6 +19,7 @@ from services.router.schema import DEGRADE_STEPS, ChatRequest, CompletionRequest
 
 _REQUEST_CLASSES = ("", "interactive", "agentic", "deterministic", "batch")
 _FALLBACKS = ("", "degrade", "reroute", "fail_fast")
+MAX_SESSION_KEY_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -223,15 +224,26 @@ def parse_session(body: Mapping[str, Any], prefix: str = "") -> Session:
     for name, value in (("hop_index", hop_index), ("expected_tool_ms", expected_tool_ms)):
         if not 0 <= value < 2**32:
             raise InvalidRequestError(f"{prefix}{name}", f"must be in [0, 2^32), got {value}")
-    session_id = optional_field(body, "session_id", str, "")
+    session_id = _session_key(body, "session_id", prefix)
     stateful = optional_field(body, "session_stateful", bool, False)
     if stateful and not session_id:
         raise InvalidRequestError(f"{prefix}session_stateful", "needs session_id")
     return Session(
-        session_id=session_id, program_id=optional_field(body, "program_id", str, ""),
+        session_id=session_id, program_id=_session_key(body, "program_id", prefix),
         hop_index=hop_index, expected_tool_ms=expected_tool_ms, request_class=request_class,
         stateful=stateful, contract=_contract(body.get("contract"), f"{prefix}contract"),
     )
+
+
+def _session_key(body: Mapping[str, Any], name: str, prefix: str) -> str:
+    """``session_id`` / ``program_id``: short printable text. Both travel to the scheduler,
+    which logs them and echoes them in errors: a 4 MB id grew its log by 10 MB a request and
+    overflowed the error's gRPC metadata (the client got a bogus 429)."""
+    value = optional_field(body, name, str, "")
+    if len(value) > MAX_SESSION_KEY_CHARS or not value.isprintable():
+        raise InvalidRequestError(f"{prefix}{name}", f"must be at most {MAX_SESSION_KEY_CHARS} printable characters "
+                                  f"(got {len(value)} characters)")
+    return value
 
 
 def _contract(value: Any, field: str = "contract") -> ContractSpec:

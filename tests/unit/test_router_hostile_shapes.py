@@ -14,7 +14,7 @@ from services.router.validation import Limits
 from tests.unit.test_router_grpc import KEY, _serve
 from tests.unit.test_router_http import MODEL, _client, run
 from tests.unit.test_router_hostile_input import model_dir  # noqa: F401  (a module fixture)
-from weft.v1 import router_pb2
+from weft.v1 import common_pb2, router_pb2
 
 LIMITS = Limits(served_models=(MODEL,), max_model_len=512, vocab_size=1000)
 
@@ -98,5 +98,45 @@ def test_a_conversation_at_the_caps_still_passes(model_dir):  # noqa: F811
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": ""}] * 20
             + [_tool_call_message('{"a": ' + _deep(20) + "}", 2), {"role": "user", "content": "hi"}]}
     status, err, sent = _post(model_dir, "/v1/chat/completions", body)
+    assert status == 200, err
+    assert sent == 1
+
+
+@pytest.mark.parametrize("field, value", [
+    ("session_id", "s" * 500_000),  # echoed by the scheduler: a 10 MB log line and a bogus 429 each
+    ("program_id", "p" * 500_000),
+    ("session_id", "s" * 129),
+    ("session_id", "new\nline"),
+])
+def test_session_and_program_ids_are_bounded_at_both_doors(model_dir, field, value):  # noqa: F811
+    async def go():
+        client, fake = await _client(model_dir)
+        try:
+            resp = await client.post("/v1/completions", data=json.dumps(
+                {"model": MODEL, "prompt": "x", "max_tokens": 2, field: value}).encode())
+            err = await resp.json()
+            assert resp.status == 400 and err["error"]["param"] == field, err
+            assert len(err["error"]["message"]) < 400  # names the size, never echoes the id
+        finally:
+            await client.close()
+        server, channel, stub, fake2 = await _serve(model_dir)
+        try:
+            session = common_pb2.SessionInfo(**{field: value})
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(router_pb2.GenerateRequest(text="x", session=session), metadata=KEY):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith(f"session.{field}:"), err.value.details()[:200]
+            assert fake.requests == [] and fake2.requests == []
+        finally:
+            await channel.close()
+            await server.server.stop(0)
+    asyncio.run(go())
+
+
+def test_ordinary_session_ids_pass(model_dir):  # noqa: F811
+    status, err, sent = _post(model_dir, "/v1/completions", {
+        "model": MODEL, "prompt": "x", "max_tokens": 2, "session_id": "conv_7f3a-9b2c.e:1 (retry)" + "x" * 100,
+        "program_id": "agent/planner v2"})
     assert status == 200, err
     assert sent == 1
