@@ -41,6 +41,9 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 
 
 # -- error mapping --------------------------------------------------------------------
+MAX_DETAILS_CHARS = 1024  # far under grpc's 8-16 KiB metadata limits
+
+
 class DrainingError(Exception):
     """The service is draining and takes no new work (UNAVAILABLE: try another replica)."""
 
@@ -78,6 +81,15 @@ class ErrorRule:
     code: grpc.StatusCode
 
 
+def bounded_details(details: str) -> str:
+    """Status details cut to ``MAX_DETAILS_CHARS``. Errors may quote client input (a model
+    name, a role, an id): a 1 MB one overflowed the status's metadata (the client saw
+    RESOURCE_EXHAUSTED "metadata size exceeds hard limit", read as overload) and was logged whole."""
+    if len(details) <= MAX_DETAILS_CHARS:
+        return details
+    return f"{details[:MAX_DETAILS_CHARS]}... ({len(details)} characters in all)"
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """The one place where exceptions become gRPC statuses.
 
@@ -104,6 +116,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
         code, details, retry_after_ms = self.status_for(exc)
+        details = bounded_details(details)
         if code == grpc.StatusCode.INTERNAL and not isinstance(exc, grpc.aio.AioRpcError):
             log.error("rpc_failed", method=method, exc_info=exc)
         else:

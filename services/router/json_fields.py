@@ -28,6 +28,7 @@ def optional_field(body: Mapping[str, Any], field: str, kind: type, default: Any
     if kind is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok:
-        want = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}[kind]
-        raise InvalidRequestError(field, f"must be {want}, got {json_type(value)}")
+        want = {bool: "a boolean", int: "an integer", float: "a finite number", str: "a string"}[kind]
+        got = repr(value) if isinstance(value, float) else json_type(value)  # nan/inf, not "number"
+        raise InvalidRequestError(field, f"must be {want}, got {got}")
     return value

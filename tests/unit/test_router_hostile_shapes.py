@@ -140,3 +140,41 @@ def test_ordinary_session_ids_pass(model_dir):  # noqa: F811
         "program_id": "agent/planner v2"})
     assert status == 200, err
     assert sent == 1
+
+
+@pytest.mark.parametrize("request_kwargs, field", [
+    ({"text": "x", "model": "m" * 1_000_000}, "model"),
+    ({"chat": router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="r" * 1_000_000, content="hi")])},
+     "chat.messages[0].role"),
+])
+def test_an_error_quoting_a_huge_field_stays_invalid_argument(model_dir, request_kwargs, field):  # noqa: F811
+    """The details quoting a 1 MB value overflowed the status metadata: the client got
+    RESOURCE_EXHAUSTED, which reads as "overloaded, retry" for a request that can never pass."""
+    async def go():
+        server, channel, stub, fake = await _serve(model_dir)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(router_pb2.GenerateRequest(**request_kwargs), metadata=KEY):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()[:200]
+            assert err.value.details().startswith(f"{field}:") and len(err.value.details()) < 2000
+            assert fake.requests == []
+        finally:
+            await channel.close()
+            await server.server.stop(0)
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_named_as_such(model_dir, literal):  # noqa: F811
+    async def go():
+        client, _ = await _client(model_dir)
+        try:
+            resp = await client.post("/v1/completions", data=(
+                '{"model": "%s", "prompt": "x", "temperature": %s}' % (MODEL, literal)).encode())
+            err = (await resp.json())["error"]
+            assert resp.status == 400 and err["param"] == "temperature"
+            assert err["message"] == f"temperature: must be a finite number, got {float(literal)!r}"  # was "got number"
+        finally:
+            await client.close()
+    run(go())
