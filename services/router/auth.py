@@ -64,8 +64,11 @@ class KeyStore:
         if not api_key:
             raise AuthenticationError("missing API key (send 'Authorization: Bearer <key>')")
         tenant = None
+        # aiohttp hands undecodable header bytes over as lone surrogates: plain encode()
+        # raised on them (an HTTP 500 for "Authorization: Bearer \xff").
+        given = api_key.encode("utf-8", "surrogateescape")
         for key, name in self._keys.items():
-            if hmac.compare_digest(key.encode(), api_key.encode()):
+            if hmac.compare_digest(key.encode(), given):
                 tenant = name
         if tenant is None:
             raise AuthenticationError("invalid API key")

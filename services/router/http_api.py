@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
@@ -187,7 +188,9 @@ class HttpApi:
         try:
             window_s = float(raw) if raw is not None else None
         except ValueError:
-            raise InvalidRequestError("window_s", f"must be a number of seconds, got {raw!r}") from None
+            window_s = -1.0
+        if window_s is not None and not 0 < window_s < math.inf:  # nan, inf, negative: not a window
+            raise InvalidRequestError("window_s", f"must be a positive number of seconds, got {raw[:40]!r}")
         return web.json_response(ATTRIBUTION.verdict(max_age_s=window_s, tenant=tenant).to_json())
 
     async def timeline(self, request: web.Request) -> web.Response:

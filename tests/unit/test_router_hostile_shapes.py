@@ -178,3 +178,33 @@ def test_non_finite_numbers_are_named_as_such(model_dir, literal):  # noqa: F811
         finally:
             await client.close()
     run(go())
+
+
+def test_an_api_key_of_undecodable_bytes_is_401_not_500(model_dir):  # noqa: F811
+    async def go():
+        client, _ = await _client(model_dir, keys={"sk-1": "acme"})
+        try:
+            reader, writer = await asyncio.open_connection(client.host, client.port)
+            body = b'{"model": "tiny", "prompt": "x"}'
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                         % (len(body), body))
+            status_line = (await reader.readline()).decode()
+            writer.close()
+            assert status_line.split()[1] == "401", status_line
+        finally:
+            await client.close()
+    run(go())
+
+
+@pytest.mark.parametrize("window", ["nan", "inf", "-5", "0", "abc"])
+def test_a_verdict_window_that_is_no_window_is_400(model_dir, window):  # noqa: F811
+    async def go():
+        client, _ = await _client(model_dir)
+        try:
+            resp = await client.get(f"/v1/weft/verdict?window_s={window}")
+            err = await resp.json()
+            assert resp.status == 400 and err["error"]["param"] == "window_s", err
+        finally:
+            await client.close()
+    run(go())
