@@ -66,7 +66,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     bus = EventBus(config.nats_url, config.name)
     await view.subscribe(bus)
     await bus.start()
-    expiry = asyncio.create_task(view.expire_forever(bus), name="membership-expiry")
+    expiry = asyncio.create_task(view.expire_forever(bus, channels.serving), name="membership-expiry")
     metrics_server = MetricsServer(config.host, config.metrics_port)
     await metrics_server.start()
     port = await grpc_server.start()

@@ -67,6 +67,11 @@ class ExecutorRecord:
         return self.state is ExecutorState.SERVING
 
 
+def _same_beat(cur: ExecutorRecord | None, rec: ExecutorRecord) -> bool:
+    """Whether ``cur`` is still the record ``rec`` was read from: no heartbeat since."""
+    return cur is not None and cur.address == rec.address and cur.last_seen_s == rec.last_seen_s
+
+
 class Membership:
     """The executor table. Not thread-safe: used from the event loop only."""
 
@@ -106,13 +111,35 @@ class Membership:
         if rec is not None:
             self._executors[name] = replace(rec, load=load)
 
+    def silent(self) -> list[ExecutorRecord]:
+        """Executors silent for more than ``missed_heartbeats`` intervals. Does not modify."""
+        now = self.clock()
+        return [r for r in self._executors.values() if now - r.last_seen_s > self.missed_heartbeats * r.interval_s]
+
     def expire(self) -> list[ExecutorRecord]:
         """Drop executors silent for more than ``missed_heartbeats`` intervals; returns them."""
-        now = self.clock()
-        dead = [r for r in self._executors.values() if now - r.last_seen_s > self.missed_heartbeats * r.interval_s]
+        dead = self.silent()
         for rec in dead:
             self._remove(rec)
         return dead
+
+    def vouch(self, rec: ExecutorRecord) -> bool:
+        """``rec`` answered a direct probe although its heartbeats were silent (a frozen or
+        partitioned bus): treat it as just heard from. False (nothing changed) when the
+        record was replaced or removed meanwhile."""
+        cur = self._executors.get(rec.name)
+        if not _same_beat(cur, rec):
+            return False
+        self._executors[rec.name] = replace(cur, last_seen_s=self.clock())
+        return True
+
+    def remove_if_unchanged(self, rec: ExecutorRecord) -> bool:
+        """Drop ``rec`` unless a heartbeat replaced it meanwhile (a probe took time)."""
+        cur = self._executors.get(rec.name)
+        if not _same_beat(cur, rec):
+            return False
+        self._remove(cur)
+        return True
 
     def refresh_all(self) -> None:
         """Treat every executor as just heard from. Called when this scheduler's own bus

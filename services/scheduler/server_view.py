@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.mesh import mesh_auth, metrics
 from services.mesh.grpc_server import channel_options
@@ -35,6 +36,9 @@ HEARTBEATS_REJECTED = metrics.counter("weft_scheduler_heartbeats_rejected_total"
                                       "Executor heartbeats dropped: unsigned, badly signed or unverified.",
                                       ["reason"])
 REJECT_LOG_INTERVAL_S = 10.0
+PROBE_TIMEOUT_S = 1.0  # a silent executor's health probe; a paused one times out and is dropped
+
+Prober = Callable[[ExecutorRecord], Awaitable[bool]]
 
 _STATES = {
     events_pb2.EXECUTOR_STATE_JOINING: ExecutorState.JOINING,
@@ -66,6 +70,18 @@ class ChannelPool:
     def __init__(self, max_message_bytes: int) -> None:
         self._options = channel_options(max_message_bytes)
         self._stubs: dict[str, tuple[grpc.aio.Channel, executor_pb2_grpc.ExecutorStub]] = {}
+
+    async def serving(self, rec: ExecutorRecord) -> bool:
+        """Whether ``rec`` answers grpc.health.v1 SERVING at its (verified) address, over
+        the pooled channel. Never raises."""
+        self.stub(rec.address)
+        channel = self._stubs[rec.address][0]
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def stub(self, address: str) -> executor_pb2_grpc.ExecutorStub:
         entry = self._stubs.get(address)
@@ -115,6 +131,7 @@ class MeshView:
         self._signer = signer_for(security if security is not None else mesh_auth.current())
         self._log_rejection = RateLimitedLog("heartbeat_rejected", REJECT_LOG_INTERVAL_S, clock)
         self._warned_unverified = False
+        self._vouched: set[str] = set()  # kept by a probe during a bus silence (logged once)
         membership.on_removed(self._forget)
 
     async def subscribe(self, bus: EventBus) -> None:
@@ -158,6 +175,7 @@ class MeshView:
         if delivery is Delivery.RESTARTED:
             self.kv_index.drop_source(msg.name)
         prev = self.membership.get(rec.name)
+        self._vouched.discard(rec.name)
         if self.membership.heartbeat(rec):
             log.info("executor_joined", executor=rec.name, address=rec.address, model_id=rec.model_id,
                      state=rec.state.value, serves_rung=rec.serves_rung.label)
@@ -199,16 +217,40 @@ class MeshView:
         EXECUTORS.set(len(self.membership))
         log.info("executor_removed", executor=rec.name, address=rec.address)
 
-    async def expire_forever(self, bus: EventBus, period_s: float = 0.2) -> None:
+    async def expire_forever(self, bus: EventBus, probe: Prober | None = None, period_s: float = 0.2) -> None:
         """Expire silent executors, but only while our own bus is connected: with NATS
         down every executor falls silent, and dropping them all would stop serving.
-        (A dead executor is then found by its failed call and skipped.)"""
+        (A dead executor is then found by its failed call and skipped.)
+
+        A connected bus is not a working one: a frozen NATS (SIGSTOP, a partition that
+        keeps the TCP connection open) silences every heartbeat while ``bus.connected``
+        stays true. So a silent executor is first asked directly (``probe``: its gRPC
+        health at its verified address); one that answers SERVING stays, and only one
+        that does not is dropped."""
         was_connected = bus.connected
         while True:
             connected = bus.connected
             if connected and not was_connected:
                 self.membership.refresh_all()
             elif connected:
-                self.membership.expire()
+                await self.expire_silent(probe)
             was_connected = connected
             await asyncio.sleep(period_s)
+
+    async def expire_silent(self, probe: Prober | None) -> list[ExecutorRecord]:
+        """Drop the silent executors that do not answer ``probe`` (all of them without
+        one); returns the dropped. Vouched-for ones are logged once per silence."""
+        silent = self.membership.silent()
+        if probe is None or not silent:
+            return self.membership.expire()
+        answers = await asyncio.gather(*(probe(rec) for rec in silent), return_exceptions=True)
+        dropped = []
+        for rec, answer in zip(silent, answers):
+            if answer is True:
+                if self.membership.vouch(rec) and rec.name not in self._vouched:
+                    self._vouched.add(rec.name)
+                    log.warning("executor_silent_but_serving", executor=rec.name, address=rec.address,
+                                detail="no heartbeat over NATS, but it answers its health probe: kept")
+            elif self.membership.remove_if_unchanged(rec):
+                dropped.append(rec)
+        return dropped
