@@ -44,7 +44,8 @@ class RouterApp:
             downstream = SemanticCachingStreamer(downstream, CacheStoreClient(config.cachestore_address), tokenizer)
         self.generator = Generator(tokenizer, limits, downstream, config.request_timeout_s)
         keys = KeyStore.from_file(config.keys_file)
-        self.http = HttpApi(self.generator, keys, config.model_name, self.scheduler.list_executors)
+        self.http = HttpApi(self.generator, keys, config.model_name, self.scheduler.list_executors,
+                            body_read_timeout_s=config.body_read_timeout_s)
         # One request cap for both public doors: the gRPC message limit is the HTTP body cap.
         self.grpc = GrpcServer("weft.v1.Router", config.host, config.grpc_port, rules=ROUTER_ERROR_RULES,
                                max_message_bytes=config.max_body_bytes, grace_s=config.drain_timeout_s,

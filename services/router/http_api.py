@@ -103,8 +103,10 @@ def notes_headers(first: ServingNotes | None, last: ServingNotes | None) -> dict
 
 class HttpApi:
     def __init__(self, generator: Generator, keys: KeyStore, model_name: str,
-                 list_executors: Callable[[], Awaitable[list[dict]]] | None = None) -> None:
+                 list_executors: Callable[[], Awaitable[list[dict]]] | None = None,
+                 body_read_timeout_s: float = 30.0) -> None:
         self.generator = generator
+        self.body_read_timeout_s = body_read_timeout_s
         self.keys = keys
         self.model_name = model_name
         self.list_executors = list_executors
@@ -150,9 +152,17 @@ class HttpApi:
         key = bearer_token(request.headers.get("Authorization")) or request.headers.get("x-api-key")
         return self.keys.authenticate(key)
 
-    @staticmethod
-    async def _json(request: web.Request) -> object:
-        return parse_json_body(await request.read())
+    async def _json(self, request: web.Request) -> object:
+        """The decoded body. One that does not arrive in ``body_read_timeout_s`` (a
+        trickle, a chunked body with no last chunk) is 408: the connection closes, its fd
+        and handler are freed."""
+        try:
+            async with asyncio.timeout(self.body_read_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            raise web.HTTPRequestTimeout(
+                text=f"body: not received within {self.body_read_timeout_s:g} s") from None
+        return parse_json_body(raw)
 
     @staticmethod
     def _request_id(request: web.Request, prefix: str) -> str:

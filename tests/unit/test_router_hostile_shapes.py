@@ -208,3 +208,35 @@ def test_a_verdict_window_that_is_no_window_is_400(model_dir, window):  # noqa: 
         finally:
             await client.close()
     run(go())
+
+
+@pytest.mark.parametrize("head, first_bytes", [
+    (b"Content-Length: 100\r\n", b'{"mo'),  # a body that never completes
+    (b"Transfer-Encoding: chunked\r\n", b'4\r\n{"mo\r\n'),  # a chunked body with no last chunk
+])
+def test_a_body_that_never_arrives_is_408_and_the_connection_closes(model_dir, head, first_bytes):  # noqa: F811
+    """Such a client held its connection (an fd) and its handler forever: 1,500 of them sat on
+    a live router for minutes; enough of them exhaust its file descriptors for everyone."""
+    async def go():
+        from services.router.auth import KeyStore
+        from services.router.generation import Generator, model_limits
+        from services.router.http_api import HttpApi
+        from services.router.tokenizer import Tokenizer
+        from aiohttp.test_utils import TestClient, TestServer
+        tokenizer = Tokenizer.from_dir(model_dir)
+        limits = model_limits(model_dir, tokenizer, [MODEL], max_model_len=512)
+        api = HttpApi(Generator(tokenizer, limits, None), KeyStore({}), MODEL, body_read_timeout_s=0.3)
+        client = TestClient(TestServer(api.app(1 << 20), lingering_time=0.5))  # the close need not wait 10 s
+        await client.start_server()
+        try:
+            reader, writer = await asyncio.open_connection(client.host, client.port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + head + b"\r\n" + first_bytes)
+            status_line = await asyncio.wait_for(reader.readline(), 30)  # a deadline, not a measurement
+            assert status_line.split()[1] == b"408", status_line
+            rest = await asyncio.wait_for(reader.read(), 30)  # EOF: the server closed the connection
+            assert b"not received within" in rest
+            writer.close()
+        finally:
+            await client.close()
+    run(go())
