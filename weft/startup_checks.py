@@ -51,16 +51,35 @@ def check_ports_free(host: str, ports: Mapping[str, int]) -> str | None:
     return None
 
 
+# What an asyncio process prints while the interpreter tears down after a fatal error:
+# never the cause, and it would hide the cause's line.
+_NOISE_STARTS = ("Task was destroyed but it is pending!", "Exception ignored in")
+
+
+def _without_shutdown_noise(lines: list[str]) -> list[str]:
+    """``lines`` less a trailing run of interpreter shutdown noise (a later JSON record or a
+    traceback of its own ends a run); unchanged when nothing would be left."""
+    start = None
+    for i, ln in enumerate(lines):
+        if ln.startswith(_NOISE_STARTS):
+            start = i if start is None else start
+        elif start is not None and (ln.startswith("{") or (
+                ln.startswith("Traceback") and not lines[i - 1].startswith("Exception ignored in"))):
+            start = None  # something real came after the noise
+    return lines[:start] if start else lines
+
+
 def last_log_line(path: str | Path, max_chars: int = 300) -> str:
     """The last non-empty line of a service's log, as one short line: a JSON log record is
-    shown as its event and error fields, else the raw text."""
+    shown as its event and error fields, else the raw text. Interpreter shutdown noise
+    after the fatal error is skipped."""
     try:
         lines = [ln.strip() for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
     except FileNotFoundError:
         return "(no log)"
     if not lines:
         return "(empty log)"
-    line = lines[-1]
+    line = _without_shutdown_noise(lines)[-1]
     try:
         record = json.loads(line)
     except ValueError:
