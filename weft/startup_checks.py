@@ -15,7 +15,8 @@ from pathlib import Path
 
 
 def check_model_dir(model_dir: str | None) -> str | None:
-    """None (the built-in tiny model) or an existing directory."""
+    """None (the built-in tiny model), or an existing directory whose small JSON files,
+    where present, are readable JSON objects."""
     if model_dir is None:
         return None
     path = Path(model_dir)
@@ -23,7 +24,33 @@ def check_model_dir(model_dir: str | None) -> str | None:
         return f"no such directory: {path} (--model)"
     if not path.is_dir():
         return f"not a directory: {path} (--model)"
+    for name in _SMALL_JSON_FILES:  # a broken one made the router die with a bare JSONDecodeError
+        problem = _json_object_error(path / name)
+        if problem:
+            return f"{path / name} {problem} (--model)"
     return None
+
+
+# The checkpoint's small JSON files, read by several services; tokenizer.json is big and
+# the router names it itself.
+_SMALL_JSON_FILES = ("config.json", "tokenizer_config.json", "generation_config.json")
+
+
+def _json_object_error(path: Path) -> str | None:
+    """Why the file at ``path`` is not a readable JSON object, or None (also when absent)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        return "cannot be read: permission denied"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"cannot be read: {exc}"
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return f"is not valid JSON: {exc}"
+    return None if isinstance(value, dict) else "is not a JSON object"
 
 
 def bind_error(host: str, port: int) -> OSError | None:
