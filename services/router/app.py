@@ -60,8 +60,11 @@ class RouterApp:
         app = self.http.app(self.config.max_body_bytes)
         # handler_cancellation: a client that disconnects cancels its handler at once,
         # even while it waits for the first token, so its KV is freed downstream.
+        # keepalive_timeout also bounds a connection that never completes its headers
+        # (slowloris): aiohttp arms it at connection start and after every response.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self.config.drain_timeout_s)
+                                     shutdown_timeout=self.config.drain_timeout_s,
+                                     keepalive_timeout=self.config.http_idle_timeout_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.http_port)
         await site.start()

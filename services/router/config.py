@@ -22,6 +22,9 @@ class RouterConfig:
         "largest accepted request on either public API: the HTTP body (larger: 413) and the gRPC message "
         "(larger: RESOURCE_EXHAUSTED); one cap so both doors take the same prompts", default=16 * 1024 * 1024)
     request_timeout_s: float = option("deadline of one generation, propagated downstream", default=600.0)
+    http_idle_timeout_s: float = option(
+        "an HTTP connection with no request in progress (none yet, or headers never finished) is closed after "
+        "this long; aiohttp's own default held such a connection for an hour", default=75.0)
     body_read_timeout_s: float = option(
         "how long an HTTP request body may take to arrive (slower: 408 and the connection closed); a client "
         "that sends headers and then trickles or never finishes its body held a connection forever", default=30.0)
@@ -77,7 +80,7 @@ class RouterConfig:
             raise ValueError(f"continuation_probe_attempts must be >= 1, got {self.continuation_probe_attempts}")
         if self.continuation_probe_backoff < 1:
             raise ValueError(f"continuation_probe_backoff must be >= 1, got {self.continuation_probe_backoff}")
-        for name in ("max_body_bytes", "request_timeout_s", "body_read_timeout_s", "drain_timeout_s", "continuation_min_stall_s",
+        for name in ("max_body_bytes", "request_timeout_s", "body_read_timeout_s", "http_idle_timeout_s", "drain_timeout_s", "continuation_min_stall_s",
                      "continuation_probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
