@@ -46,6 +46,11 @@ class ExecutorLostError(SchedulerError):
     """The executor serving a stream failed after tokens were sent."""
 
 
+class SuspectedPoisonError(SchedulerError):
+    """The request rode too many engine deaths: it may cause them, so it is not retried
+    (ABORTED, which no router retries; see suspects.py)."""
+
+
 class DeadlineError(SchedulerError):
     """The request's deadline passed before it could be placed."""
 
@@ -56,4 +61,5 @@ ERROR_RULES = (
     ErrorRule(NoExecutorError, grpc.StatusCode.UNAVAILABLE),
     ErrorRule(ExecutorLostError, grpc.StatusCode.UNAVAILABLE),
     ErrorRule(DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    ErrorRule(SuspectedPoisonError, grpc.StatusCode.ABORTED),
 )

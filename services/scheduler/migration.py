@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from services.scheduler.suspects import SuspectedPoison
+
 log = structlog.get_logger(__name__)
 
 
@@ -46,6 +48,7 @@ class MigrationPolicy:
     min_stall_s: float = 2.0  # floor of the stall ceiling (scheduling jitter, GC, shared cores)
     first_token_timeout_s: float = 60.0  # ceiling before the first token of an attempt
     replacement_wait_s: float = 5.0  # how long to wait for a placeable executor
+    max_engine_failures: int = 2  # engine deaths a request may be aboard; then suspected poison (suspects.py)
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -55,6 +58,8 @@ class MigrationPolicy:
                 raise ValueError(f"{name} must be > 0")
         if self.replacement_wait_s < 0:
             raise ValueError("replacement_wait_s must be >= 0")
+        if self.max_engine_failures < 1:
+            raise ValueError("max_engine_failures must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -92,9 +97,10 @@ def placement_marker(executor: str) -> Piece:
 class ExecutorFailed(Exception):
     """An attempt's executor died or refused mid-stream (raised by the server's adapter)."""
 
-    def __init__(self, executor: str, message: str) -> None:
+    def __init__(self, executor: str, message: str, engine_failed: bool = False) -> None:
         super().__init__(message)
         self.executor = executor
+        self.engine_failed = engine_failed  # its engine died or wedged (not its process)
 
 
 class NoReplacement(Exception):
@@ -153,6 +159,7 @@ class StreamProgress:
     output_token_ids: list[int] = field(default_factory=list)
     failed_executors: set[str] = field(default_factory=set)
     num_migrations: int = 0
+    engine_failures: list[str] = field(default_factory=list)  # executors whose engine failed with it aboard
 
     def record(self, token_ids: tuple[int, ...]) -> None:
         self.output_token_ids.extend(token_ids)
@@ -218,6 +225,13 @@ async def migrating_stream(progress: StreamProgress, policy: MigrationPolicy,
                         num_sent_tokens=len(progress.output_token_ids), reason=str(exc))
             if progress.budget_spent:
                 return  # every token was sent; only the finish marker was lost
+            if exc.engine_failed:
+                progress.engine_failures.append(failed)
+                if len(progress.engine_failures) >= policy.max_engine_failures:
+                    raise SuspectedPoison(
+                        f"the engine of {len(progress.engine_failures)} executors failed with this request "
+                        f"aboard ({', '.join(progress.engine_failures)}); not retried, as it may be the "
+                        f"cause") from exc
             index += 1
             if index >= policy.max_attempts:
                 raise MigrationExhausted(

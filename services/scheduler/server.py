@@ -25,8 +25,9 @@ from services.scheduler.admission import Admission
 from services.scheduler.agent_plane import AgentPlane, HopPlan
 from services.scheduler.degradation import DegradationLadder, Rung
 from services.scheduler.errors import (
-    DeadlineError, ExecutorLostError, InvalidScheduleRequest, NoExecutorError, OverloadedError,
+    DeadlineError, ExecutorLostError, InvalidScheduleRequest, NoExecutorError, OverloadedError, SuspectedPoisonError,
 )
+from services.scheduler.suspects import SuspectedPoison, SuspectRegistry, is_engine_failure
 from services.scheduler.server_agent import AgentHooks
 from services.scheduler.server_degrade import DegradeHooks
 from services.scheduler.server_view import _STATES_BACK, ChannelPool, MeshView, rung_to_pb
@@ -66,6 +67,7 @@ class SchedulerServicer(AgentHooks, DegradeHooks, scheduler_pb2_grpc.SchedulerSe
         self.placer = placer
         self.admission = admission
         self.migration = migration or MigrationPolicy()
+        self.suspects = SuspectRegistry()  # ids that rode too many engine deaths (suspects.py)
         self.tenant_admission = tenant_admission or TenantAdmission(
             admission, admission.max_in_flight, admission.max_queue)  # default: no tighter per-tenant cap
         self.ladder = ladder or DegradationLadder()
@@ -111,6 +113,9 @@ class SchedulerServicer(AgentHooks, DegradeHooks, scheduler_pb2_grpc.SchedulerSe
         rid = request.request_id
         if not rid:
             raise InvalidScheduleRequest("request_id", "must not be empty")
+        suspected = self.suspects.reason(rid)
+        if suspected is not None:  # a resend of a suspected poison pill: no executor is risked again
+            raise SuspectedPoisonError(suspected)
         if not request.prompt_token_ids:
             raise InvalidScheduleRequest("prompt_token_ids", "must contain at least one token")
         prompt = list(request.prompt_token_ids)
@@ -273,11 +278,12 @@ class SchedulerServicer(AgentHooks, DegradeHooks, scheduler_pb2_grpc.SchedulerSe
                     executor = chunk.executor or executor
                     yield Piece(tuple(chunk.token_ids_delta), chunk.executor, chunk.finish_reason != 0, chunk)
             except ExecutorLostError as exc:
-                raise ExecutorFailed(executor, str(exc)) from exc
+                raise ExecutorFailed(executor, str(exc), is_engine_failure(str(exc))) from exc
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
                     raise
-                raise ExecutorFailed(executor, f"{exc.code().name}: {exc.details()}") from exc
+                details = exc.details() or ""
+                raise ExecutorFailed(executor, f"{exc.code().name}: {details}", is_engine_failure(details)) from exc
 
         first = True
         trace = relay_args[0] if relay_args else None
@@ -306,6 +312,10 @@ class SchedulerServicer(AgentHooks, DegradeHooks, scheduler_pb2_grpc.SchedulerSe
                 yield chunk
         except MigrationExhausted as exc:
             raise ExecutorLostError(str(exc)) from exc
+        except SuspectedPoison as exc:
+            self.suspects.add(request.request_id, str(exc))
+            log.error("request_suspected_poison", request_id=request.request_id, reason=str(exc))
+            raise SuspectedPoisonError(str(exc)) from exc
 
     async def ListExecutors(self, request, context) -> scheduler_pb2.ListExecutorsResponse:
         now = self.view.membership.clock()
