@@ -32,6 +32,9 @@ class ServiceView:
     pid: int
     up: bool
     samples: Samples = field(default_factory=list)
+    restarts: int = 0  # by the launcher's supervisor (weft ps RESTARTS)
+    last_exit: int | None = None
+    status: str = "running"  # the supervisor's view: running, restarting, crash-loop, stopped
 
 
 @dataclass
@@ -63,7 +66,8 @@ def take_snapshot(state, timeout_s: float = 1.0) -> Snapshot:
     """Scrape every instance of ``state`` (a ``MeshState``); unreachable ones show as down."""
     views = []
     for inst in state.instances:
-        view = ServiceView(inst.name, inst.service, inst.pid, up=False)
+        view = ServiceView(inst.name, inst.service, inst.pid, up=False, restarts=getattr(inst, "restarts", 0),
+                           last_exit=getattr(inst, "last_exit", None), status=getattr(inst, "status", "running"))
         url = _metrics_url(inst)
         if url is None:  # nats: its health endpoint says up or down
             try:
@@ -147,6 +151,14 @@ def _ladder(samples) -> str:
                       for cls, r in sorted(rungs.items()))
 
 
+def _state(s: ServiceView) -> str:
+    """up / DOWN from the scrape, unless the supervisor knows better (crash-loop: no
+    longer restarted; restarting; stopped by weft chaos)."""
+    if s.status in ("crash-loop", "restarting", "stopped") and not s.up:
+        return s.status.upper() if s.status == "crash-loop" else s.status
+    return "up" if s.up else "DOWN"
+
+
 def render(snap: Snapshot, width: int = 100) -> str:
     lines: list[str] = []
     router = next((s for s in snap.services if s.service == "router"), None)
@@ -170,7 +182,9 @@ def render(snap: Snapshot, width: int = 100) -> str:
             load = (f"streams {_n(_value(s.samples, 'weft_executor_streams_running'))}  "
                     f"waiting {_n(_value(s.samples, 'weft_executor_queue_depth'))}  "
                     f"preempted {_n(_value(s.samples, 'weft_kv_preemptions_total') or 0.0)}")
-        lines.append(f"{s.service:<12}{s.name:<14}{s.pid:>8}  {'up' if s.up else 'DOWN':<6}{load}")
+        if s.restarts or s.last_exit is not None:  # a restarted service looks healthy; say it was not
+            load += f"  restarts {s.restarts} exit {s.last_exit}"
+        lines.append(f"{s.service:<12}{s.name:<14}{s.pid:>8}  {_state(s):<6}{load}")
     lines.append("")
     lines.append(f"{'KV':<12}{'EXECUTOR':<14}{'PARTITION':<14}{'USED':>7}{'RESERVED':>10}{'BORROWED':>10}  POOL")
     for s in executors:
