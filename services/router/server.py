@@ -19,6 +19,7 @@ scheduler stream and frees the request's KV downstream.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import grpc
@@ -51,6 +52,19 @@ _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH
            "error": common_pb2.FINISH_REASON_ERROR}
 
 
+def status_label(exc: BaseException) -> str:
+    """The gRPC status name a failed call ends with (the label, not a Python class name:
+    it was ``CancelledError`` / ``GeneratorExit`` for a client that cancelled)."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED.name
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name
+    for rule in ROUTER_ERROR_RULES:
+        if isinstance(exc, rule.error):
+            return rule.code.name
+    return grpc.StatusCode.INTERNAL.name
+
+
 def _api_key(context: grpc.aio.ServicerContext) -> str | None:
     metadata = dict(context.invocation_metadata() or ())
     return bearer_token(metadata.get("authorization")) or metadata.get("x-api-key")
@@ -75,6 +89,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.list_executors = list_executors
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Counts every call in ``weft_router_requests_total`` under its gRPC status name
+        (refused ones too; a client that cancelled is ``CANCELLED``, as HTTP's is 499)."""
+        code = "OK"
+        responses = self._generate(request, context)
+        try:
+            async for response in responses:
+                yield response
+        except BaseException as exc:
+            code = status_label(exc)
+            raise
+        finally:
+            await responses.aclose()
+            m.REQUESTS.labels("grpc", "Generate", code).inc()
+
+    async def _generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         tenant = self.keys.authenticate(_api_key(context))
         rid = grpc_request_id(request.request_id, "grpc")  # bounded before anything logs it
         if request.model and request.model not in self.generator.limits.served_models:
@@ -106,16 +135,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                                      mesh_request_id(tenant, rid))
             m.IN_FLIGHT.labels("grpc").inc()
             deltas = self.generator.stream(token_req, stop)
-            code = "OK"
             try:
                 async for delta in deltas:
                     yield _response(rid, delta, sampling.logprobs)
-            except BaseException as exc:
-                code = type(exc).__name__
-                raise
             finally:
                 m.IN_FLIGHT.labels("grpc").dec()
-                m.REQUESTS.labels("grpc", "Generate", code).inc()
                 await deltas.aclose()
 
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):

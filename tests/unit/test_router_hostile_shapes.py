@@ -240,3 +240,38 @@ def test_a_body_that_never_arrives_is_408_and_the_connection_closes(model_dir, h
         finally:
             await client.close()
     run(go())
+
+
+def _grpc_count(code: str) -> float:
+    from services.router import metrics as m
+    return m.REQUESTS.labels("grpc", "Generate", code)._value.get()
+
+
+def test_grpc_calls_are_counted_under_their_status_names(model_dir):  # noqa: F811
+    """A cancelled call was counted as ``CancelledError`` or ``GeneratorExit`` and a refused one
+    not at all; HTTP counts both (499, 400)."""
+    async def go():
+        server, channel, stub, fake = await _serve(model_dir)
+        before = {c: _grpc_count(c) for c in ("OK", "INVALID_ARGUMENT", "CANCELLED", "UNAUTHENTICATED")}
+        try:
+            [c async for c in stub.Generate(router_pb2.GenerateRequest(text="hi"), metadata=KEY)]
+            with pytest.raises(grpc.aio.AioRpcError):
+                [c async for c in stub.Generate(router_pb2.GenerateRequest(text="x", model="nope"), metadata=KEY)]
+            with pytest.raises(grpc.aio.AioRpcError):
+                [c async for c in stub.Generate(router_pb2.GenerateRequest(text="x"), metadata=(("x-api-key", "bad"),))]
+            fake.gate = asyncio.Event()  # the stream stops after its first chunk until cancelled
+            call = stub.Generate(router_pb2.GenerateRequest(text="hi"), metadata=KEY)
+            async for _ in call:
+                call.cancel()
+                break
+            await asyncio.wait_for(fake.cancelled.wait(), 30)
+            async with asyncio.timeout(30):  # a deadline: the count follows the cancellation
+                while _grpc_count("CANCELLED") == before["CANCELLED"]:
+                    await asyncio.sleep(0.01)
+            assert _grpc_count("OK") == before["OK"] + 1
+            assert _grpc_count("INVALID_ARGUMENT") == before["INVALID_ARGUMENT"] + 1
+            assert _grpc_count("UNAUTHENTICATED") == before["UNAUTHENTICATED"] + 1
+        finally:
+            await channel.close()
+            await server.server.stop(0)
+    asyncio.run(go())
