@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from services.executor.errors import CheckpointError
-from services.executor.model_config import ModelConfig
+from services.executor.model_config import ModelConfig, require_readable
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +75,7 @@ def load_state_dict(
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
+    require_readable(model_dir)  # else every file in it would look missing
     if config is None:
         config = ModelConfig.from_dir(model_dir)
     expected = expected_tensor_shapes(config)
@@ -83,6 +84,8 @@ def load_state_dict(
     state: dict[str, torch.Tensor] = {}
     for file_name, listed_names in files.items():
         path = model_dir / file_name
+        # safetensors reports a file it may not open as "No such file or directory".
+        require_readable(path)
         try:
             with safe_open(str(path), framework="pt") as reader:
                 names_in_file = set(reader.keys())
@@ -118,6 +121,7 @@ def _tensor_files(model_dir: Path) -> dict[str, list[str] | None]:
     """Map each safetensors file to the tensor names to read from it (None: all)."""
     index_path = model_dir / INDEX_FILE
     if index_path.is_file():
+        require_readable(index_path)
         try:
             weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -130,6 +132,7 @@ class ModelConfig:
         """Read ``config.json`` (and ``generation_config.json`` if present) from a
         checkpoint directory. A missing or unparsable config.json is a CheckpointError."""
         model_dir = Path(path)
+        require_readable(model_dir)
         config = _read_json(model_dir / "config.json", required=True)
         generation = _read_json(model_dir / "generation_config.json", required=False)
         return cls.from_dict(config, generation_config=generation)
@@ -191,14 +194,44 @@ class ModelConfig:
         )
 
 
+def require_readable(path: Path) -> None:
+    """Raise CheckpointError saying "permission denied" when this process may not read
+    ``path`` (a directory: list and enter it).
+
+    Why check up front: the loaders downstream misreport it. safetensors says "No such
+    file or directory" for a file it may not open, a directory we may not enter makes
+    every file in it look absent, and a JSON reader's error reads like a parse failure.
+    A container running as a non-root uid over files the image left 0600 root is the
+    usual cause, so the message carries the mode, the owner and our uid."""
+    want = os.R_OK | os.X_OK if path.is_dir() else os.R_OK
+    effective = os.access in os.supports_effective_ids
+    if os.access(path, want, effective_ids=effective):
+        return
+    try:
+        st = path.stat()
+        detail = f"mode {oct(stat.S_IMODE(st.st_mode))}, owner uid {st.st_uid}, "
+    except FileNotFoundError:
+        return  # absent, not forbidden: the caller reports what is missing
+    except OSError:  # not even stat-able: a directory above it is closed to us
+        detail = ""
+    raise CheckpointError(
+        f"{path.name} in {path.parent} cannot be read: permission denied ({detail}running as uid {os.geteuid()})"
+    )
+
+
 def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     if not path.is_file():
         if required:
             raise CheckpointError(f"{path.name} not found in {path.parent}")
         return None
+    require_readable(path)
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except PermissionError as exc:  # lost a race with a chmod: still not a JSON problem
+        raise CheckpointError(f"{path.name} in {path.parent} cannot be read: permission denied ({exc})") from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path.name} in {path.parent} cannot be read: {exc}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path.name} in {path.parent} is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise CheckpointError(f"{path.name} in {path.parent} must hold a JSON object")

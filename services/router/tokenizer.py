@@ -16,6 +16,8 @@ It reproduces what ``transformers.AutoTokenizer`` (v5) returns for the same dire
 from __future__ import annotations
 
 import json
+import os
+import stat
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -62,11 +64,14 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``special_tokens_map.json``,
         ``chat_template.jinja`` and ``generation_config.json`` when present).
-        Raises FileNotFoundError / ValueError naming the file."""
+        Raises FileNotFoundError / PermissionError / ValueError naming the file."""
         model_dir = Path(path)
+        _require_readable(model_dir)  # else every file in it would look missing
         tokenizer_path = model_dir / "tokenizer.json"
         if not tokenizer_path.is_file():
             raise FileNotFoundError(f"tokenizer.json not found in {model_dir}")
+        # The Rust loader reports an unreadable file as one it "cannot parse".
+        _require_readable(tokenizer_path)
         try:
             backend = HFTokenizer.from_file(str(tokenizer_path))
         except Exception as exc:  # the Rust side raises a bare Exception
@@ -219,6 +224,7 @@ def _chat_template(model_dir: Path, config: Mapping[str, Any]) -> str | None:
     # transformers >= 4.47 writes chat_template.jinja; it overrides tokenizer_config's.
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
+        _require_readable(jinja_file)
         return jinja_file.read_text(encoding="utf-8")
     template = config.get("chat_template")
     if isinstance(template, list):
@@ -238,6 +244,7 @@ def _token_content(value: Any) -> str | None:
 def _read_json_object(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
+    _require_readable(path)
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -245,3 +252,26 @@ def _read_json_object(path: Path) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         raise ValueError(f"{path.name} in {path.parent} must hold a JSON object")
     return value
+
+
+def _require_readable(path: Path) -> None:
+    """Raise PermissionError saying "permission denied" (with mode, owner and our uid)
+    when this process may not read ``path`` (a directory: list and enter it).
+
+    Checked up front because the loaders misreport it ("cannot be parsed", or a file
+    that looks absent inside a directory we may not enter); the usual cause is a
+    container running as a non-root uid over files an image left 0600 root. The
+    executor's ``model_config.require_readable`` says the same for the weights."""
+    want = os.R_OK | os.X_OK if path.is_dir() else os.R_OK
+    if os.access(path, want, effective_ids=os.access in os.supports_effective_ids):
+        return
+    try:
+        st = path.stat()
+        detail = f"mode {oct(stat.S_IMODE(st.st_mode))}, owner uid {st.st_uid}, "
+    except FileNotFoundError:
+        return  # absent, not forbidden: the caller reports what is missing
+    except OSError:  # not even stat-able: a directory above it is closed to us
+        detail = ""
+    raise PermissionError(
+        f"{path.name} in {path.parent} cannot be read: permission denied ({detail}running as uid {os.geteuid()})"
+    )

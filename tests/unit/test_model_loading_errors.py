@@ -3,7 +3,10 @@ names what is wrong (the architecture, the file, the tensor, the config key)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,3 +140,131 @@ def test_missing_tensor_is_named(checkpoint, load):
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight"):
         load(checkpoint)
 
+
+
+# --- files this process may not read -------------------------------------------------
+# The Docker image once shipped its model 0600 root while the container runs as uid
+# 10001: safetensors then says "No such file or directory", the JSON readers "not valid
+# JSON", the tokenizer "cannot be parsed". Root reads any file whatever its mode, so as
+# root the loaders run in a child that has lost CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH,
+# over files that belong to another uid (a child running as another uid cannot even
+# start an interpreter installed under /root). Not as root: mode 0 on our own files.
+NOBODY = 65534
+AS_ROOT = os.geteuid() == 0
+REPO = Path(__file__).resolve().parents[2]
+MISLEADING = ("No such file", "not valid JSON", "cannot be parsed", "not found")
+
+_PROBE = """
+import json, sys
+what, path = sys.argv[1], sys.argv[2]
+try:
+    if what == "engine":
+        from services.executor.engine import LLMEngine
+        from services.executor.engine_config import EngineConfig
+        LLMEngine(path, EngineConfig(num_kv_blocks=8))
+    elif what == "llm":
+        from weft import LLM
+        LLM(path, num_kv_blocks=8)
+    elif what == "state_dict":
+        from services.executor.checkpoint import load_state_dict
+        load_state_dict(path)
+    elif what == "tokenizer":
+        from services.router.tokenizer import Tokenizer
+        Tokenizer.from_dir(path)
+    elif what == "open":
+        open(path, "rb").close()
+except Exception as exc:
+    print(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+else:
+    print(json.dumps({"type": None, "message": ""}))
+"""
+
+
+# Run first in a fresh, single-threaded interpreter (a preexec_fn in this threaded pytest
+# process can deadlock the forked child): drop the capabilities that let root ignore file
+# modes from the bounding set, then exec the real command, which as root gets exactly it.
+_DROP_DAC_THEN_EXEC = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP): cannot test file modes as root")
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def _run_bound_by_file_modes(args: list[str]) -> subprocess.CompletedProcess:
+    if AS_ROOT:
+        args = [sys.executable, "-c", _DROP_DAC_THEN_EXEC, *args]
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def _lock(path: Path) -> None:
+    """Make ``path`` unreadable to the child: another uid's and owner-only as root, else mode 0."""
+    if AS_ROOT:
+        os.chown(path, NOBODY, NOBODY)
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    else:
+        path.chmod(0)
+
+
+@pytest.fixture
+def lockable(checkpoint):
+    """The checkpoint copy, with its modes put back afterwards so pytest can remove it."""
+    try:
+        yield checkpoint
+    finally:
+        checkpoint.chmod(0o755)
+        for f in checkpoint.iterdir():
+            f.chmod(0o644)
+
+
+def _probe(what: str, path: Path) -> dict:
+    done = _run_bound_by_file_modes([sys.executable, "-c", _PROBE, what, str(path)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _reason(locked: Path) -> str:
+    """What the error must say about ``locked``: permission denied, and why."""
+    owner = NOBODY if AS_ROOT else os.geteuid()
+    return f"{locked.name} in {locked.parent} cannot be read: permission denied (mode {oct(locked.stat().st_mode & 0o777)}, owner uid {owner}, running as uid {os.geteuid()})"
+
+
+def test_the_child_loads_the_checkpoint_but_cannot_open_a_locked_file(lockable):
+    # Guards the tests below: they fail because of the mode, not because the child is broken.
+    assert _probe("engine", lockable) == {"type": None, "message": ""}
+    assert _probe("tokenizer", lockable) == {"type": None, "message": ""}
+    _lock(lockable / WEIGHTS)
+    assert _probe("open", lockable / WEIGHTS)["type"] == "PermissionError"
+
+
+@pytest.mark.parametrize(("locked", "what", "error"), [
+    (WEIGHTS, "state_dict", "CheckpointError"),
+    (WEIGHTS, "engine", "CheckpointError"),
+    (WEIGHTS, "llm", "CheckpointError"),
+    ("config.json", "engine", "CheckpointError"),
+    (".", "engine", "CheckpointError"),
+    ("tokenizer.json", "tokenizer", "PermissionError"),
+    ("tokenizer_config.json", "tokenizer", "PermissionError"),
+    (".", "tokenizer", "PermissionError"),
+])
+def test_an_unreadable_model_file_says_permission_denied_and_names_it(lockable, locked, what, error):
+    target = (lockable / locked).resolve()
+    _lock(target)
+    result = _probe(what, lockable)
+    assert result["type"] == error, result
+    assert _reason(target) in result["message"], result
+    assert not any(m in result["message"] for m in MISLEADING), result
+
+
+def test_an_executor_whose_weights_are_unreadable_exits_non_zero_saying_permission_denied(lockable):
+    _lock(lockable / WEIGHTS)
+    # NATS at a closed port: the checkpoint loads (and fails) before anything needs it.
+    done = _run_bound_by_file_modes([
+        sys.executable, "-m", "services.executor", "--model-dir", str(lockable),
+        "--nats-url", "nats://127.0.0.1:1", "--port", "0", "--metrics-port", "0"])
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert _reason(lockable / WEIGHTS) in output, output[-3000:]
+    assert "No such file" not in output, output[-3000:]
