@@ -15,11 +15,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
+from tenacity import retry_if_exception
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.mesh.grpc_server import error_origin_of
 from services.mesh.mesh_auth import mesh_channel
-from services.mesh.retry import rpc_retrying
+from services.mesh.retry import is_retryable, rpc_retrying
 from services.mesh.timeline import CURRENT_TRACE, TRACEPARENT_KEY, downstream_spans
 from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
 from services.router.schema import ServingNotes, TokenChunk, TokenRequest
@@ -136,6 +137,17 @@ def domain_error(err: grpc.aio.AioRpcError) -> Exception:
     return UpstreamError(f"scheduler: {code.name}: {details}", lost=lost)
 
 
+def retry_opening(exc: BaseException) -> bool:
+    """Retry a call that failed before its first message: UNAVAILABLE / RESOURCE_EXHAUSTED,
+    and a CANCELLED that no Weft server chose (the transport reset the stream; our own
+    cancel raises asyncio's CancelledError, never this). Under 2,500 concurrent requests
+    about 5 % failed so, before any token, and reached clients as 503."""
+    if is_retryable(exc):
+        return True
+    return (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.CANCELLED
+            and error_origin_of(exc) is None)
+
+
 class SchedulerClient:
     """One channel to the scheduler, shared by every request of this router."""
 
@@ -171,8 +183,10 @@ class SchedulerClient:
         """Start the call and read its first message: (call, first message or EOF).
         Retried with tenacity (bounded, jittered, at least the server's retry-after hint,
         capped at 0.5 s) only on UNAVAILABLE / RESOURCE_EXHAUSTED, and only here, before
-        anything was generated, so a retry is invisible to the client."""
-        async for attempt in rpc_retrying(max_attempts=MAX_ATTEMPTS, initial_s=0.05, max_wait_s=0.5):
+        anything was generated, so a retry is invisible to the client; also on a CANCELLED no
+        Weft server chose (``retry_opening``)."""
+        policy = rpc_retrying(max_attempts=MAX_ATTEMPTS, initial_s=0.05, max_wait_s=0.5)
+        async for attempt in policy.copy(retry=retry_if_exception(retry_opening)):
             with attempt:
                 if attempt.retry_state.attempt_number > 1:
                     log.warning("scheduler_retry", request_id=request_id, attempt=attempt.retry_state.attempt_number)
