@@ -18,6 +18,7 @@ worker threads (disk I/O never blocks the event loop).
 from __future__ import annotations
 
 import enum
+import errno
 import threading
 import time
 from collections.abc import Callable
@@ -29,8 +30,10 @@ from services.cachestore.blocks import Block
 from services.cachestore.demotion import DemotionPolicy, NeverDemote, SleepingBlock
 from services.cachestore.disk_tier import DiskTier
 from services.cachestore.host_tier import HostTier
+from services.mesh.rate_limited_log import RateLimitedLog
 
 log = structlog.get_logger(__name__)
+DISK_ERROR_LOG_INTERVAL_S = 10.0  # a full disk fails every block write: one line per errno per interval
 
 
 class Tier(enum.Enum):
@@ -100,6 +103,7 @@ class TieredStore:
         self._used_at: dict[int, float] = {}  # host blocks: last stored or read
         self._changes: list[TierChange] = []
         self.layouts: set[tuple[str, int]] = set()  # (model id, block size) of stored blocks: for prefetch hashing
+        self._log_disk_error = RateLimitedLog("disk_write_failed", DISK_ERROR_LOG_INTERVAL_S, clock, log)
 
     # -- bookkeeping ----------------------------------------------------------
     def _note(self, tier: Tier, stored: bool, hashes) -> None:
@@ -138,7 +142,9 @@ class TieredStore:
             evicted = self.disk.put(block)
         except OSError as exc:  # ENOSPC, EIO, ...: a miss later, never a crash
             self.counters.num_disk_write_errors += 1
-            log.warning("disk_write_failed", block_hash=block.block_hash, error=str(exc))
+            # Reason = the errno's name: ENOSPC floods are one line per interval with a count.
+            self._log_disk_error(errno.errorcode.get(exc.errno, type(exc).__name__), block_hash=block.block_hash,
+                                 error=str(exc), num_disk_write_errors=self.counters.num_disk_write_errors)
             return False
         if evicted is None:
             return False

@@ -24,6 +24,7 @@ from services.mesh.grpc_server import channel_options
 from services.mesh.heartbeat_signing import Verdict, signer_for
 from services.mesh.mesh_auth import MeshSecurity, mesh_channel
 from services.mesh.nats_bus import Delivery, EventBus
+from services.mesh.rate_limited_log import RateLimitedLog
 from services.scheduler.degradation import Rung
 from services.scheduler.kv_index import KvIndex
 from services.scheduler.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
@@ -97,28 +98,6 @@ class ChannelPool:
         self._stubs.clear()
 
 
-class RateLimitedLog:
-    """Logs an event at most once per ``interval_s`` per reason, with how many it held
-    back: a flood of forged heartbeats must not flood the log. Bounded: one slot per reason."""
-
-    def __init__(self, event: str, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.event = event
-        self.interval_s = interval_s
-        self.clock = clock
-        self._last: dict[str, tuple[float, int]] = {}  # reason -> (last logged at, held back since)
-
-    def __call__(self, reason: str, **fields) -> bool:
-        """Log (True) or count as held back (False)."""
-        now = self.clock()
-        last = self._last.get(reason)
-        if last is not None and now - last[0] < self.interval_s:
-            self._last[reason] = (last[0], last[1] + 1)
-            return False
-        log.warning(self.event, reason=reason, num_suppressed=last[1] if last else 0, **fields)
-        self._last[reason] = (now, 0)
-        return True
-
-
 class MeshView:
     """Membership + kv index fed by NATS events (heartbeat, load, kv)."""
 
@@ -129,7 +108,7 @@ class MeshView:
         self.membership = membership
         self.kv_index = kv_index
         self._signer = signer_for(security if security is not None else mesh_auth.current())
-        self._log_rejection = RateLimitedLog("heartbeat_rejected", REJECT_LOG_INTERVAL_S, clock)
+        self._log_rejection = RateLimitedLog("heartbeat_rejected", REJECT_LOG_INTERVAL_S, clock, log)
         self._warned_unverified = False
         self._vouched: set[str] = set()  # kept by a probe during a bus silence (logged once)
         membership.on_removed(self._forget)

@@ -108,3 +108,29 @@ def test_host_only_policy_never_writes_disk(tmp_path):
     store.put(block(1))
     store.put(block(2))
     assert len(disk) == 0 and store.tier_of(1) is None and store.tier_of(2) is Tier.SLEEPING
+
+
+def test_a_full_disk_is_one_log_line_per_interval_not_one_per_block(tmp_path, monkeypatch):
+    """Every write fails on a full disk; the log (maybe on that same disk) gets one line per
+    errno per interval with a count of those held back, and every failure is counted."""
+    import errno
+
+    from structlog.testing import capture_logs
+
+    now = [0.0]
+    disk = DiskTier(tmp_path, 1 << 20, fsync=False)
+    store = TieredStore(HostTier(1024), disk, make_tier_policy(TierPolicyName.DEMOTE_ON_EVICT), clock=lambda: now[0])
+
+    def full(_block):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk, "put", full)
+    with capture_logs() as logs:
+        for h in range(1, 101):  # each put evicts the previous block from RAM toward the full disk
+            store.put(block(h))
+        now[0] += 11.0
+        store.put(block(1000))
+    lines = [e for e in logs if e["event"] == "disk_write_failed"]
+    assert store.counters.num_disk_write_errors == 100
+    assert len(lines) == 2 and all(e["reason"] == "ENOSPC" for e in lines)
+    assert lines[1]["num_suppressed"] == 98
