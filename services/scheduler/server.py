@@ -37,6 +37,7 @@ from services.scheduler.migration import (
 )
 from services.scheduler.membership import ExecutorLoad
 from services.scheduler.placement import Candidate, InflightTracker, Placement, Placer
+from services.scheduler.sessions import executor_session_id
 from services.scheduler.tenant_limits import TenantAdmission
 from weft.v1 import common_pb2, events_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -186,6 +187,8 @@ class SchedulerServicer(AgentHooks, DegradeHooks, scheduler_pb2_grpc.SchedulerSe
             tenant_salt=request.tenant, priority=request.priority, session=request.session,
             **self._agent_exec_fields(request.request_id),
         )
+        if request.session.session_id:  # executors pin by this id alone: scope it by tenant
+            exec_request.session.session_id = executor_session_id(request.tenant, request.session.session_id)
         if not request.HasField("sampling"):
             exec_request.ClearField("sampling")
         attempts = ranked[: self.placement_attempts]

@@ -15,6 +15,7 @@ from services.scheduler.pause_policy import PauseDecision
 from services.scheduler.placement import Placement
 from services.scheduler.priority import RequestClassName
 from services.scheduler.server_degrade import degradation_contract
+from services.scheduler.sessions import executor_session_id
 from services.executor.block_hash import extra_keys_for, hash_block_chain
 from services.scheduler.membership import ExecutorLoad, ExecutorRecord
 from weft.v1 import common_pb2 as common_v1, executor_pb2, scheduler_pb2
@@ -138,7 +139,7 @@ class AgentHooks:
         keep = set(hash_block_chain(list(rel.new_prompt_token_ids), rec.block_size, keys))
         try:
             await self.channels.stub(rec.address).ReleaseSession(executor_pb2.ReleaseSessionRequest(
-                session_id=rel.session_id, evict_block_hashes=[h for h in old if h not in keep]), timeout=2.0)
+                session_id=executor_session_id(tenant, rel.session_id), evict_block_hashes=[h for h in old if h not in keep]), timeout=2.0)
         except grpc.aio.AioRpcError as exc:
             log.warning("session_release_failed", executor=rec.name, details=exc.details())
 

@@ -153,6 +153,13 @@ class SessionTable:
         return self._sessions.pop((tenant, session_id), None)
 
 
+def executor_session_id(tenant: str, session_id: str) -> str:
+    """The id an executor pins and releases a session's blocks under. Executors key pins
+    by this id alone, and two tenants may choose the same session id: scoped by tenant, B's
+    hop or release can never replace or free A's pinned blocks. Empty stays empty."""
+    return f"{tenant}/{session_id}" if session_id else ""
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
