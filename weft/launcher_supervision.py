@@ -2,6 +2,7 @@
 an unplanned death with the restart policy's decision (``weft/supervisor.py``).
 
     process exits ──▶ planned? (scale down, weft chaos kill, shutdown, replaced)  ──▶ nothing
+                  ──▶ exit 78 (EXIT_CONFIG: bad model files, NATS login refused)  ──▶ left down
                   ──▶ policy.on_death: restart after a backoff ──▶ same name, same ports
                                                                     ──▶ healthy: running
                                        crash loop ──▶ one error line; left down; the rest runs
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from services.mesh.service_main import EXIT_CONFIG
 from weft import health
 from weft.mesh_spec import BY_NAME
 from weft.mesh_state import Instance, write_state
@@ -112,8 +114,15 @@ class Supervision:
             return
         record = self._records[name]
         record.last_exit = status
-        decision = record.policy.on_death(time.monotonic())
         last_line = last_log_line(running.instance.log_path)
+        if status == EXIT_CONFIG:  # its model or NATS login cannot work: every restart would fail alike
+            record.status = Status.CONFIG_ERROR
+            log.error("service_config_error", instance=name, status=status, last_log_line=last_line,
+                      action="not restarted; fix the configuration, then weft chaos restart " + name,
+                      log_path=running.instance.log_path)
+            self._write_state()
+            return
+        decision = record.policy.on_death(time.monotonic())
         if not decision.restart:
             record.status = Status.CRASH_LOOP
             log.error("service_crash_loop", instance=name, status=status, num_deaths=decision.num_recent_deaths,

@@ -97,7 +97,8 @@ def register_ps(subparsers) -> None:
                                description="List the services of the mesh started by `weft up`: name, role, "
                                            "pid, ports, a live health probe, how often the launcher restarted "
                                            "it and its last exit status (-9: killed by SIGKILL). HEALTH "
-                                           "crash-loop: it died too often and is no longer restarted.")
+                                           "crash-loop: it died too often and is no longer restarted; config-error: it "
+                                           "exited 78 (model files or NATS login unusable) and is not restarted.")
     _state_dir_arg(ps)
     ps.set_defaults(handler=_ps)
 
@@ -133,7 +134,7 @@ def _health_label(inst, ok: bool) -> str:
 
     if ok:
         return "healthy"
-    if inst.status in ("crash-loop", "restarting", "stopped"):
+    if inst.status in ("crash-loop", "config-error", "restarting", "stopped"):
         return inst.status
     return "unhealthy" if pid_alive(inst.pid) else "exited"
 

@@ -28,6 +28,7 @@ class Status(str, Enum):
     RESTARTING = "restarting"  # died; waiting out its backoff or starting again
     CRASH_LOOP = "crash-loop"  # too many deaths in a window: no longer restarted
     STOPPED = "stopped"  # stopped on purpose (weft chaos kill): not restarted
+    CONFIG_ERROR = "config-error"  # exited EXIT_CONFIG (78): a restart cannot help; not restarted
 
 
 @dataclass(frozen=True)

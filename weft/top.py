@@ -34,7 +34,7 @@ class ServiceView:
     samples: Samples = field(default_factory=list)
     restarts: int = 0  # by the launcher's supervisor (weft ps RESTARTS)
     last_exit: int | None = None
-    status: str = "running"  # the supervisor's view: running, restarting, crash-loop, stopped
+    status: str = "running"  # the supervisor's view: running, restarting, crash-loop, config-error, stopped
 
 
 @dataclass
@@ -154,8 +154,8 @@ def _ladder(samples) -> str:
 def _state(s: ServiceView) -> str:
     """up / DOWN from the scrape, unless the supervisor knows better (crash-loop: no
     longer restarted; restarting; stopped by weft chaos)."""
-    if s.status in ("crash-loop", "restarting", "stopped") and not s.up:
-        return s.status.upper() if s.status == "crash-loop" else s.status
+    if s.status in ("crash-loop", "config-error", "restarting", "stopped") and not s.up:
+        return s.status.upper() if s.status in ("crash-loop", "config-error") else s.status
     return "up" if s.up else "DOWN"
 
 

@@ -81,6 +81,11 @@ async def main(argv: Sequence[str] | None = None) -> None:
     if bus is not None:
         bus.on_connect(announce_all)
         await bus.start()
+        try:
+            await bus.require_login()  # a refused login is a config error (exit 78), not an outage
+        except BaseException:
+            await bus.close()
+            raise
     metrics_server = MetricsServer(config.host, config.metrics_port)
     catalogue.register("cachestore")
     catalogue.watch_cachestore(store)

@@ -70,10 +70,18 @@ async def main(argv: Sequence[str] | None = None) -> None:
     bus.on_connect(events.publish_heartbeat)
     metrics_server = MetricsServer(config.host, config.metrics_port)
     await bus.start()
-    await events.start()
-    await metrics_server.start()
-
-    engine = await asyncio.to_thread(LLMEngine, config.model_dir, config.engine_config)
+    try:
+        # A refused NATS login or an unloadable model fails every restart alike: the process
+        # exits EXIT_CONFIG (services/mesh/service_main.py) after closing what it opened.
+        await bus.require_login()
+        await events.start()
+        await metrics_server.start()
+        engine = await asyncio.to_thread(LLMEngine, config.model_dir, config.engine_config)
+    except BaseException:
+        await events.stop()
+        await metrics_server.stop()
+        await bus.close()
+        raise
     catalogue.register("executor")
     engine.step_trace = StepTrace(name)
     engine.step_trace.update_gauges(engine)

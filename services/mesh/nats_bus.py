@@ -115,6 +115,11 @@ class _Subscription:
     accept: Callable[[Message], bool] | None = None  # checked before sequence tracking
 
 
+class NatsLoginRefused(RuntimeError):
+    """NATS refused this service's credentials: a configuration error (services exit
+    EXIT_CONFIG, which supervisors do not restart), never an outage."""
+
+
 class EventBus:
     """Publisher and subscriber for one process (``source`` names it on the bus)."""
 
@@ -148,6 +153,8 @@ class EventBus:
         self._closed = False
         self._warned_unreachable = False
         self._warned: set[str] = set()  # (bounded) problems already logged at warning level
+        self.login_refused = False  # the server refused this login (not: unreachable)
+        self._first_attempt = asyncio.Event()  # the first connect attempt has an outcome
         self.num_published = 0
         self.num_dropped = 0
 
@@ -167,6 +174,21 @@ class EventBus:
         except asyncio.TimeoutError:
             return False
         return self.connected
+
+    async def require_login(self, timeout_s: float = 5.0) -> None:
+        """Raise ``NatsLoginRefused`` when the server refused this service's login on the
+        first attempt: wrong user or password is a configuration error that retrying never
+        fixes (an executor that cannot announce itself would look healthy and get no work).
+        Returns when connected, when NATS is unreachable (an outage the bus rides out), or
+        when the first attempt has no outcome within ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self._first_attempt.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return
+        if self.login_refused:
+            raise NatsLoginRefused(
+                f"NATS at {self.log_url} refused the login of user {self.auth.user or '(anonymous)'}: set "
+                f"{nats_auth.USER_ENV} and {nats_auth.PASSWORD_ENV} to this service's role and its password")
 
     def on_connect(self, callback: Callable[[], Awaitable[None] | None]) -> None:
         """Call ``callback`` after the first connect and after every reconnect."""
@@ -203,11 +225,14 @@ class EventBus:
             except Exception as exc:
                 if attempt == 0:
                     self._log_connect_failure(exc)
+                self._note_failed_attempt(exc)
                 attempt += 1
                 await asyncio.sleep(min(self.reconnect_wait_s * (1 + attempt / 4), 2.0))
                 continue
             self._nc = nc
             self._warned_unreachable = False
+            self.login_refused = False
+            self._first_attempt.set()
             for sub in self._subs:
                 await self._subscribe_on(nc, sub)
             log.info("nats_connected", url=self.log_url, source=self.source, user=self.auth.user or None)
@@ -222,9 +247,15 @@ class EventBus:
     def _error_text(self, exc: BaseException) -> str:
         return nats_auth.redact(str(exc) or type(exc).__name__, self.auth.password)
 
+    def _note_failed_attempt(self, exc: BaseException) -> None:
+        """A connect attempt failed (raised by connect, or reported to the error callback
+        while nats-py retries inside it): refused login or unreachable server."""
+        self.login_refused = _is_authorization_error(self._error_text(exc))
+        self._first_attempt.set()
+
     def _log_connect_failure(self, exc: BaseException) -> None:
         error = self._error_text(exc)
-        if "authorization" in error.lower():
+        if _is_authorization_error(error):
             log.error("nats_authorization_failed", url=self.log_url, user=self.auth.user or None, error=error,
                       detail=f"set {nats_auth.USER_ENV} and {nats_auth.PASSWORD_ENV} to this service's NATS role")
         else:
@@ -239,7 +270,10 @@ class EventBus:
             self._warn_once(error, "nats_permission_violation", user=self.auth.user or None, error=error)
         elif not self.connected and not self._warned_unreachable:
             self._warned_unreachable = True
+            self._note_failed_attempt(exc)
             self._log_connect_failure(exc)
+        elif not self.connected:
+            self._note_failed_attempt(exc)
         else:
             log.debug("nats_error", error=error)
 
@@ -360,6 +394,10 @@ class EventBus:
         except Exception:
             log.exception("event_handler_failed", kind=kind, source=h.source)
         return delivery
+
+
+def _is_authorization_error(error: str) -> bool:
+    return "authorization" in error.lower()
 
 
 def _addressed_from(subj: str, kind: str, source: str) -> bool:

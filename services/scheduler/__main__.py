@@ -1,9 +1,8 @@
 """``python -m services.scheduler --help``"""
 from __future__ import annotations
 
-import asyncio
-
+from services.mesh.service_main import run_service
 from services.scheduler.app import main
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_service(main, "scheduler", config_errors=())

@@ -66,6 +66,11 @@ async def main(argv: Sequence[str] | None = None) -> None:
     bus = EventBus(config.nats_url, config.name)
     await view.subscribe(bus)
     await bus.start()
+    try:
+        await bus.require_login()  # a refused login is a config error (exit 78), not an outage
+    except BaseException:
+        await bus.close()
+        raise
     expiry = asyncio.create_task(view.expire_forever(bus, channels.serving), name="membership-expiry")
     metrics_server = MetricsServer(config.host, config.metrics_port)
     await metrics_server.start()

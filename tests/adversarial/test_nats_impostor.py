@@ -23,6 +23,7 @@ import pytest
 
 from services.mesh import nats_auth
 from services.mesh.nats_server import NatsServer, free_port
+from services.mesh.service_main import EXIT_CONFIG
 from tests.integration.conftest import ProcessGroup, wait_for
 from weft.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -199,7 +200,7 @@ def test_nats_server_refuses_to_start_without_a_roles_password(tmp_path):
     assert "WEFT_NATS_ROUTER_PASSWORD" in (tmp_path / "nats.log").read_text()
 
 
-def test_a_service_logs_in_with_its_roles_credentials_and_one_without_says_what_to_set(tmp_path):
+def test_a_service_logs_in_with_its_roles_credentials_and_one_refused_says_what_to_set_and_exits_78(tmp_path):
     passwords = nats_auth.random_passwords()
     group = ProcessGroup(tmp_path)
     try:
@@ -207,11 +208,20 @@ def test_a_service_logs_in_with_its_roles_credentials_and_one_without_says_what_
             flags = ("--nats-url", server.url, "--no-disk-fsync", "--grace-s", "1")
             good = group.start("cachestore", *flags, "--disk-dir", str(tmp_path / "a"),
                                env=server.client_env("cachestore"), name="cachestore-good")
-            bad = group.start("cachestore", *flags, "--disk-dir", str(tmp_path / "b"), name="cachestore-anon")
+            bad = group.start("cachestore", *flags, "--disk-dir", str(tmp_path / "b"), name="cachestore-anon",
+                              wait=False)
+            # An operator's typo: the scheduler's own user with a wrong password.
+            wrong = group.start("scheduler", "--nats-url", server.url, "--grace-s", "1", name="scheduler-wrong",
+                                env={**server.client_env("scheduler"), "WEFT_NATS_PASSWORD": "w" * 32}, wait=False)
             wait_for(lambda: '"nats_connected"' in good.log_path.read_text(), 30, "the cachestore to log in")
-            wait_for(lambda: '"nats_authorization_failed"' in bad.log_path.read_text(), 30,
-                     "the anonymous cachestore to report the refusal")
-            assert "WEFT_NATS_PASSWORD" in bad.log_path.read_text()
+            # A refused login is a configuration error: one clear line and exit 78, which
+            # supervisors do not restart (it used to run on, healthy-looking, never joining).
+            for proc in (bad, wrong):
+                wait_for(lambda: not proc.running, 30, f"{proc.name} to exit on the refused login")
+                assert proc.process.returncode == EXIT_CONFIG, proc.log_tail()
+                log = proc.log_path.read_text()
+                assert '"nats_authorization_failed"' in log and '"service_config_error"' in log
+                assert "WEFT_NATS_PASSWORD" in log and "w" * 32 not in log
             assert passwords["cachestore"] not in good.log_path.read_text()
     finally:
         group.stop_all()
