@@ -58,6 +58,10 @@ _FALLBACKS = {
 }
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.*)$", re.S)
 MAX_ATTEMPTS = 3
+# A scheduler that is not there at all (connections refused: it died and its supervisor
+# restarts it within ~1-2 s) is waited for this long before the first token, beyond
+# MAX_ATTEMPTS; a scheduler that answers (overload, draining, no executor) is not.
+SCHEDULER_OUTAGE_S = 5.0
 LOST_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
                         grpc.StatusCode.UNKNOWN})
 
@@ -184,9 +188,17 @@ class SchedulerClient:
         Retried with tenacity (bounded, jittered, at least the server's retry-after hint,
         capped at 0.5 s) only on UNAVAILABLE / RESOURCE_EXHAUSTED, and only here, before
         anything was generated, so a retry is invisible to the client; also on a CANCELLED no
-        Weft server chose (``retry_opening``)."""
+        Weft server chose (``retry_opening``). A scheduler that cannot be reached at all is
+        retried past MAX_ATTEMPTS for up to ``SCHEDULER_OUTAGE_S`` (a supervised restart)."""
+        outage_s = min(SCHEDULER_OUTAGE_S, timeout_s / 2)
+
+        def stop(state) -> bool:
+            if state.attempt_number < MAX_ATTEMPTS:
+                return False
+            return not (self._not_connected(state.outcome.exception()) and state.seconds_since_start < outage_s)
+
         policy = rpc_retrying(max_attempts=MAX_ATTEMPTS, initial_s=0.05, max_wait_s=0.5)
-        async for attempt in policy.copy(retry=retry_if_exception(retry_opening)):
+        async for attempt in policy.copy(retry=retry_if_exception(retry_opening), stop=stop):
             with attempt:
                 if attempt.retry_state.attempt_number > 1:
                     log.warning("scheduler_retry", request_id=request_id, attempt=attempt.retry_state.attempt_number)
@@ -212,6 +224,13 @@ class SchedulerClient:
         return [{"name": e.heartbeat.name, "address": e.heartbeat.address, "model_id": e.heartbeat.model_id,
                  "max_model_len": e.heartbeat.max_model_len, "state": _state_name(e.heartbeat.state)}
                 for e in resp.executors]
+
+    def _not_connected(self, exc: BaseException | None) -> bool:
+        """``exc`` is the transport failing to reach the scheduler (no server chose it, and
+        the channel is not connected): the scheduler is down or restarting, not busy."""
+        return (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+                and error_origin_of(exc) is None
+                and self._channel.get_state(try_to_connect=False) != grpc.ChannelConnectivity.READY)
 
     def unreachable(self) -> bool:
         """The channel already knows the scheduler is down (a connect failed; it is backing off)."""

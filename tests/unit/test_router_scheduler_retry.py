@@ -78,3 +78,45 @@ def test_failure_after_the_first_chunk_is_not_retried():
     with pytest.raises(UpstreamUnavailable):
         asyncio.run(_collect(servicer))
     assert servicer.num_calls == 1
+
+
+def test_a_scheduler_that_is_down_is_waited_for_beyond_the_attempt_bound_until_it_is_back():
+    """kill -9 of the scheduler: its supervisor brings it back on the same port within a
+    second or two. A new request arriving meanwhile finds no listener; it is retried past
+    MAX_ATTEMPTS (up to SCHEDULER_OUTAGE_S) and served once the scheduler listens again,
+    where it used to get 503 'failed to connect to all addresses'."""
+    from services.mesh.nats_server import free_port
+
+    async def main():
+        port = free_port()
+        client = SchedulerClient(f"127.0.0.1:{port}")
+        attempts = 0
+        came_back = asyncio.Event()
+        generate = client._stub.Generate
+
+        def counting(*args, **kwargs):
+            nonlocal attempts
+            attempts += 1
+            if attempts == MAX_ATTEMPTS + 1:  # the old bound is spent: the scheduler now returns
+                came_back.set()
+            return generate(*args, **kwargs)
+
+        client._stub.Generate = counting
+        server = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(FlakyScheduler([]), server)
+
+        async def restart_later():
+            await came_back.wait()
+            server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+
+        restarter = asyncio.create_task(restart_later())
+        try:
+            return [c async for c in client.generate(_request(), timeout_s=30)], attempts
+        finally:
+            restarter.cancel()
+            await client.close()
+            await server.stop(0)
+
+    chunks, attempts = asyncio.run(main())
+    assert [c.token_ids for c in chunks] == [(1,), (2,)] and attempts > MAX_ATTEMPTS
