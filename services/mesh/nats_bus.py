@@ -249,8 +249,10 @@ class EventBus:
 
     def _note_failed_attempt(self, exc: BaseException) -> None:
         """A connect attempt failed (raised by connect, or reported to the error callback
-        while nats-py retries inside it): refused login or unreachable server."""
-        self.login_refused = _is_authorization_error(self._error_text(exc))
+        while nats-py retries inside it): refused login or unreachable server. A refusal
+        stays noted until a connect succeeds: nats-py reports it to the error callback and
+        then raises a generic "no servers" error for the same attempt."""
+        self.login_refused = self.login_refused or _is_authorization_error(self._error_text(exc))
         self._first_attempt.set()
 
     def _log_connect_failure(self, exc: BaseException) -> None:
