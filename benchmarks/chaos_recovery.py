@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint dir; default: the tiny random model")
     parser.add_argument("--executors", type=int, default=2, help="at least 2 (executor-1 is killed)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="kills per service; the table shows their median and range (default: 3)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one recovery may take")
     args = parser.parse_args(argv)
     from services.mesh.logging import configure_logging

@@ -15,13 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from services.executor.errors import CheckpointError, ModelLoadError, UnsupportedModelError
+from services.mesh.file_access import unreadable_reason
 
 Architecture = Literal["llama", "qwen2", "mistral"]
 
@@ -195,28 +194,11 @@ class ModelConfig:
 
 
 def require_readable(path: Path) -> None:
-    """Raise CheckpointError saying "permission denied" when this process may not read
-    ``path`` (a directory: list and enter it).
-
-    Why check up front: the loaders downstream misreport it. safetensors says "No such
-    file or directory" for a file it may not open, a directory we may not enter makes
-    every file in it look absent, and a JSON reader's error reads like a parse failure.
-    A container running as a non-root uid over files the image left 0600 root is the
-    usual cause, so the message carries the mode, the owner and our uid."""
-    want = os.R_OK | os.X_OK if path.is_dir() else os.R_OK
-    effective = os.access in os.supports_effective_ids
-    if os.access(path, want, effective_ids=effective):
-        return
-    try:
-        st = path.stat()
-        detail = f"mode {oct(stat.S_IMODE(st.st_mode))}, owner uid {st.st_uid}, "
-    except FileNotFoundError:
-        return  # absent, not forbidden: the caller reports what is missing
-    except OSError:  # not even stat-able: a directory above it is closed to us
-        detail = ""
-    raise CheckpointError(
-        f"{path.name} in {path.parent} cannot be read: permission denied ({detail}running as uid {os.geteuid()})"
-    )
+    """Raise CheckpointError saying "permission denied" (mode, owner, our uid) when this
+    process may not read ``path`` (services/mesh/file_access.py says why this is checked)."""
+    reason = unreadable_reason(path)
+    if reason is not None:
+        raise CheckpointError(reason)
 
 
 def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:

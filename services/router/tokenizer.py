@@ -16,8 +16,6 @@ It reproduces what ``transformers.AutoTokenizer`` (v5) returns for the same dire
 from __future__ import annotations
 
 import json
-import os
-import stat
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -28,6 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
+from services.mesh.file_access import unreadable_reason
 from services.router.prompt_budget import CharBudget, char_budget
 
 # transformers' named special tokens; the chat template sees each one that is set.
@@ -255,23 +254,8 @@ def _read_json_object(path: Path) -> dict[str, Any] | None:
 
 
 def _require_readable(path: Path) -> None:
-    """Raise PermissionError saying "permission denied" (with mode, owner and our uid)
-    when this process may not read ``path`` (a directory: list and enter it).
-
-    Checked up front because the loaders misreport it ("cannot be parsed", or a file
-    that looks absent inside a directory we may not enter); the usual cause is a
-    container running as a non-root uid over files an image left 0600 root. The
-    executor's ``model_config.require_readable`` says the same for the weights."""
-    want = os.R_OK | os.X_OK if path.is_dir() else os.R_OK
-    if os.access(path, want, effective_ids=os.access in os.supports_effective_ids):
-        return
-    try:
-        st = path.stat()
-        detail = f"mode {oct(stat.S_IMODE(st.st_mode))}, owner uid {st.st_uid}, "
-    except FileNotFoundError:
-        return  # absent, not forbidden: the caller reports what is missing
-    except OSError:  # not even stat-able: a directory above it is closed to us
-        detail = ""
-    raise PermissionError(
-        f"{path.name} in {path.parent} cannot be read: permission denied ({detail}running as uid {os.geteuid()})"
-    )
+    """Raise PermissionError saying "permission denied" (mode, owner, our uid) when this
+    process may not read ``path`` (services/mesh/file_access.py says why this is checked)."""
+    reason = unreadable_reason(path)
+    if reason is not None:
+        raise PermissionError(reason)
