@@ -76,6 +76,27 @@ def markdown(times: dict[str, list[float]]) -> str:
     return "\n".join(rows)
 
 
+def plot(times: dict[str, list[float]], path: Path) -> None:
+    """Median recovery per service with the range of the runs as an error bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(times)
+    medians = [statistics.median(times[n]) for n in names]
+    low = [m - min(times[n]) for m, n in zip(medians, names)]
+    high = [max(times[n]) - m for m, n in zip(medians, names)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar(names, medians, yerr=[low, high], capsize=4)
+    ax.bar_label(bars, labels=[f"{m:.2f}" for m in medians], fontsize=8)
+    ax.set_ylabel("kill -9 until healthy again (s)")
+    ax.set_title(f"Supervised restart after kill -9 (median of {len(times[names[0]])}, range)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint dir; default: the tiny random model")
@@ -83,13 +104,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3,
                         help="kills per service; the table shows their median and range (default: 3)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one recovery may take")
+    parser.add_argument("--output", type=Path, default=Path(__file__).resolve().parent / "results" / "chaos_recovery.md",
+                        help="where the Markdown table is written; a PNG chart goes beside it (.png)")
     args = parser.parse_args(argv)
     from services.mesh.logging import configure_logging
 
     configure_logging("launcher", "warning")  # the launcher's start/stop lines stay out of the table
     if args.executors < 2 or args.repeats < 1:
         parser.error("--executors must be >= 2 and --repeats >= 1")
-    print(markdown(asyncio.run(measure(args.model, args.executors, args.repeats, args.timeout))))
+    times = asyncio.run(measure(args.model, args.executors, args.repeats, args.timeout))
+    table = markdown(times)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(table + "\n")
+    plot(times, args.output.with_suffix(".png"))
+    print(table)
     return 0
 
 
