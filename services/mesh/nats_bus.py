@@ -16,14 +16,11 @@ to a stamped event before sending it (by default: heartbeats are signed when the
 has a mesh secret), and drops a received event whose header names a source other than
 its subject's, so a subject permission bounds whom a publisher can speak for.
 
-NOTE (ordering): NATS core delivers one publisher's messages to one subscriber in
-order, so per stream a sequence <= the last one seen is a duplicate, one more is in
-order, anything larger is a gap; a new ``epoch`` means the source restarted.
+Ordering (dedupe, gaps, restarts) is event_sequence.py.
 """
 from __future__ import annotations
 
 import asyncio
-import enum
 import inspect
 import os
 import re
@@ -38,6 +35,7 @@ from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client as NatsClient
 
 from services.mesh import mesh_auth, metrics, nats_auth
+from services.mesh.event_sequence import Delivery, SequenceTracker  # noqa: F401  (re-exported)
 
 log = structlog.get_logger(__name__)
 
@@ -60,47 +58,6 @@ def subject(kind: str, source: str) -> str:
         if not _NAME_RE.match(value):
             raise ValueError(f"{part} {value!r} must match {_NAME_RE.pattern}")
     return f"weft.{kind}.{source}"
-
-
-# -- ordering -------------------------------------------------------------------------
-class Delivery(enum.Enum):
-    """How an event relates to what was seen before on its stream."""
-
-    FIRST = "first"  # first event of this stream (earlier ones, if any, were never seen)
-    IN_ORDER = "in_order"
-    GAP = "gap"  # newer than expected: events were lost
-    RESTARTED = "restarted"  # the source restarted (new epoch); its old state is void
-    DUPLICATE = "duplicate"  # already seen: not delivered to handlers
-
-    @property
-    def needs_resync(self) -> bool:
-        """Whether the consumer's state for this source may be stale."""
-        return self in (Delivery.GAP, Delivery.RESTARTED)
-
-
-class SequenceTracker:
-    """Dedupe and gap detection per stream. Pure bookkeeping, no I/O."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, tuple[str, int]] = {}  # stream -> (epoch, last sequence)
-
-    def observe(self, stream: str, epoch: str, sequence: int) -> Delivery:
-        """Classify an event and record it (duplicates are not recorded)."""
-        prev = self._last.get(stream)
-        if prev is None:
-            self._last[stream] = (epoch, sequence)
-            return Delivery.FIRST
-        prev_epoch, last = prev
-        if epoch != prev_epoch:
-            self._last[stream] = (epoch, sequence)
-            return Delivery.RESTARTED
-        if sequence <= last:
-            return Delivery.DUPLICATE
-        self._last[stream] = (epoch, sequence)
-        return Delivery.IN_ORDER if sequence == last + 1 else Delivery.GAP
-
-    def forget(self, stream: str) -> None:
-        self._last.pop(stream, None)
 
 
 Handler = Callable[[Message, Delivery], Awaitable[None] | None]
