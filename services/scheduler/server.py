@@ -281,12 +281,12 @@ class SchedulerServicer(AgentHooks, DegradeHooks, scheduler_pb2_grpc.SchedulerSe
                     executor = chunk.executor or executor
                     yield Piece(tuple(chunk.token_ids_delta), chunk.executor, chunk.finish_reason != 0, chunk)
             except ExecutorLostError as exc:
-                raise ExecutorFailed(executor, str(exc), is_engine_failure(str(exc))) from exc
+                raise ExecutorFailed(executor, str(exc), is_engine_failure(exc)) from exc
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
                     raise
                 details = exc.details() or ""
-                raise ExecutorFailed(executor, f"{exc.code().name}: {details}", is_engine_failure(details)) from exc
+                raise ExecutorFailed(executor, f"{exc.code().name}: {details}", is_engine_failure(exc)) from exc
 
         first = True
         trace = relay_args[0] if relay_args else None

@@ -19,15 +19,23 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-# What an executor says when its engine (not its process) fails; see
-# services/executor/app.py (take_out_of_service) and its AsyncEngine errors.
-ENGINE_FAILURE_MARKERS = ("engine thread", "engine stopped", "engine made no progress")
+import grpc
+
+from services.mesh.grpc_server import error_origin_of
+
+# The executor's domain error for a dead or wedged engine (services/executor/async_engine.py;
+# every stream it ends then, and every call it refuses, carries it in the weft-error trailer).
+ENGINE_FAILURE_ORIGIN = "EngineDeadError"
 
 
-def is_engine_failure(details: str) -> bool:
-    """Whether an executor's error ``details`` report its engine failing (a killed or
-    unreachable process reports transport errors instead)."""
-    return any(marker in details for marker in ENGINE_FAILURE_MARKERS)
+def is_engine_failure(error: BaseException | None) -> bool:
+    """Whether an executor call failed because its ENGINE died or wedged: the executor
+    chose that status and named EngineDeadError, as opposed to a transport failure (a killed
+    or unreachable process) or another refusal. Looks through ``raise ... from`` chains to
+    the gRPC error; never parses the message."""
+    while error is not None and not isinstance(error, grpc.aio.AioRpcError):
+        error = error.__cause__
+    return error is not None and error_origin_of(error) == ENGINE_FAILURE_ORIGIN
 
 
 class SuspectedPoison(Exception):

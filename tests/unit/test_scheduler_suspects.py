@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
+from services.scheduler.errors import ExecutorLostError
 from services.scheduler.migration import (
     Attempt, ExecutorFailed, MigrationExhausted, MigrationPolicy, NoReplacement, Piece, StreamProgress,
     migrating_stream,
@@ -55,12 +57,25 @@ def test_killed_processes_still_use_every_attempt():
     assert calls == ["a", "b", "c", "d"]
 
 
-def test_engine_failure_markers_match_what_executors_say():
-    for details in ("executor executor-0: engine thread died", "engine thread is not running", "engine stopped",
-                    "executor e: engine made no progress for 60 s"):
-        assert is_engine_failure(details)
-    for details in ("Socket closed", "failed to connect to all addresses", "executor e is draining"):
-        assert not is_engine_failure(details)
+def _rpc_error(details: str, origin: str | None) -> grpc.aio.AioRpcError:
+    trailers = grpc.aio.Metadata(*((("weft-error", origin),) if origin else ()))
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), trailers, details)
+
+
+def test_engine_failures_are_told_by_the_error_the_executor_chose_not_by_its_words():
+    engine_dead = [_rpc_error(d, "EngineDeadError") for d in (
+        "executor executor-0: engine thread died", "engine thread is not running", "engine stopped",
+        "executor e: engine made no progress for 60 s")]
+    for error in engine_dead:
+        assert is_engine_failure(error)
+    lost = ExecutorLostError("executor e failed mid-stream: engine stopped")
+    lost.__cause__ = engine_dead[0]  # the relay raises ExecutorLostError from the gRPC error
+    assert is_engine_failure(lost)
+    for error in (_rpc_error("Socket closed", None), _rpc_error("failed to connect to all addresses", None),
+                  _rpc_error("executor e is draining", "DrainingError"),
+                  _rpc_error("engine stopped", None),  # the words alone, from no Weft server
+                  ExecutorLostError("engine thread died")):  # no gRPC error behind it
+        assert not is_engine_failure(error)
 
 
 def test_the_registry_is_bounded_in_count_and_age():
