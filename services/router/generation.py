@@ -23,7 +23,6 @@ import structlog
 from services.router.detokenizer import IncrementalDetokenizer
 from services.router.intent import prescreen
 from services.router.errors import InvalidRequestError, UpstreamError
-from services.router.request_ids import new_request_id  # noqa: F401  (re-exported)
 from services.router.request_trace import RequestRecorder
 from services.router.schema import ChatRequest, Delta, Sampling, Session, TokenChunk, TokenRequest, Usage
 from services.router.stop_strings import StopStringMatcher
