@@ -132,7 +132,7 @@ class Launcher:
         self.supervision = Supervision(self, options.restart)  # restarts unplanned deaths once up
         # NATS logins, one per role, fixed for the launcher's life so a restarted service (or
         # NATS itself) keeps them: derived from WEFT_NATS_SECRET when set, else random.
-        nats_secret = options.extra_env.get(NATS_SECRET_ENV, os.environ.get(NATS_SECRET_ENV, ""))
+        nats_secret = self._env(NATS_SECRET_ENV)
         self.nats_passwords = (nats_auth.derive_passwords(nats_secret) if nats_secret
                                else nats_auth.random_passwords())
         self.nats_config = self.state_dir / "nats.conf"
