@@ -107,12 +107,12 @@ def slope_per_k(points: list[tuple[int, float]]) -> float:
 
 
 async def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], list[str], int]:
-    from services.executor.async_engine import AsyncEngine
-    from services.executor.engine import LLMEngine
-    from services.executor.engine_config import EngineConfig
+    from services.executor.engine.async_engine import AsyncEngine
+    from services.executor.engine.engine import LLMEngine
+    from services.executor.engine.config import EngineConfig
     from services.executor.events import KvChange
     from services.executor.server import ExecutorServicer, encode_event
-    from services.executor.step_trace import StepTrace
+    from services.executor.engine.step_trace import StepTrace
     from weft.v1 import common_pb2, executor_pb2
 
     config = EngineConfig(num_threads=1, num_kv_blocks=args.num_kv_blocks,

@@ -94,15 +94,15 @@ class Timings:
 # -- the three paths -------------------------------------------------------------------
 class InProcess:
     def __init__(self, model_dir: Path) -> None:
-        from services.executor.async_engine import AsyncEngine
-        from services.executor.engine import LLMEngine
-        from services.executor.engine_config import EngineConfig
+        from services.executor.engine.async_engine import AsyncEngine
+        from services.executor.engine.engine import LLMEngine
+        from services.executor.engine.config import EngineConfig
 
         self.engine = AsyncEngine(LLMEngine(model_dir, EngineConfig(enable_prefix_caching=False)))
         self.n = 0
 
     async def run(self, prompt: list[int], max_tokens: int) -> tuple[float, list[tuple[float, int]], int]:
-        from services.executor.sampling_params import SamplingParams
+        from services.executor.engine.sampling_params import SamplingParams
 
         self.n += 1
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         model_dir = args.cache_dir / f"{args.preset}-llama"
         if not (model_dir / "config.json").exists():
             make_tiny_checkpoint(model_dir, preset=args.preset, arch="llama")
-    from services.executor.model_config import ModelConfig
+    from services.executor.model.config import ModelConfig
 
     workloads = make_workloads(ModelConfig.from_dir(model_dir).vocab_size, args)
     results: dict[tuple[str, str], float] = {}

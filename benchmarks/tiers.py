@@ -85,17 +85,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def ttft_run(args, model_dir: Path, disk_dir: Path) -> dict:
     import grpc
 
-    from services.cachestore.demotion import AgeDemotion
+    from services.cachestore.disk_demotion import AgeDemotion
     from services.cachestore.disk_tier import DiskTier
     from services.cachestore.errors import ERROR_RULES as STORE_RULES
     from services.cachestore.host_tier import HostTier
     from services.cachestore.server import CacheStoreServicer
     from services.cachestore.tiers import TieredStore, TierPolicyName, make_tier_policy
-    from services.executor.async_engine import AsyncEngine
-    from services.executor.engine import LLMEngine
-    from services.executor.engine_config import EngineConfig
+    from services.executor.engine.async_engine import AsyncEngine
+    from services.executor.engine.engine import LLMEngine
+    from services.executor.engine.config import EngineConfig
     from services.executor.server import ERROR_RULES, ExecutorServicer
-    from services.executor.tier_ops import build_tier_ops
+    from services.executor.tiers.tier_ops import build_tier_ops
     from services.mesh.grpc_server import GrpcServer, channel_options
     from weft.v1 import cachestore_pb2_grpc, common_pb2, executor_pb2, executor_pb2_grpc
 
@@ -190,12 +190,12 @@ async def ttft_run(args, model_dir: Path, disk_dir: Path) -> dict:
 # -- part 2: trace replay ----------------------------------------------------------------
 def trace_run(args, disk_dir: Path) -> dict | None:
     from services.cachestore.blocks import Block, BlockMeta, checksum
-    from services.cachestore.demotion import PauseAwareDemotion
+    from services.cachestore.disk_demotion import PauseAwareDemotion
     from services.cachestore.disk_tier import DiskTier
     from services.cachestore.host_tier import HostTier
     from services.cachestore.tiers import Tier, TieredStore, TierPolicyName, make_tier_policy
-    from services.executor.block_hash import hash_block
-    from services.executor.block_pool import BlockPool, BlockRemoved
+    from services.shared.block_hash import hash_block
+    from services.executor.kv.block_pool import BlockPool, BlockRemoved
 
     if not args.trace.is_file():
         print(f"trace {args.trace} not found: skipping the replay", file=sys.stderr)

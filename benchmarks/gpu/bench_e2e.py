@@ -197,7 +197,7 @@ def engine_options(args, torch, device: str, max_batch: int) -> dict:
     try:  # pass only what this engine version knows
         from dataclasses import fields
 
-        from services.executor.engine_config import EngineConfig
+        from services.executor.engine.config import EngineConfig
 
         known = {f.name for f in fields(EngineConfig)}
         options = {k: v for k, v in options.items() if k in known}

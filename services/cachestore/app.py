@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import structlog
 
 from services.cachestore.config import DESCRIPTION, CacheStoreConfig
-from services.cachestore.demotion import make_demotion_policy
+from services.cachestore.disk_demotion import make_demotion_policy
 from services.cachestore.disk_tier import DiskTier
 from services.cachestore.errors import ERROR_RULES
 from services.cachestore.host_tier import HostTier

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.cachestore.demotion import DemotionPolicyName
+from services.cachestore.disk_demotion import DemotionPolicyName
 from services.cachestore.semantic import DEFAULT_THRESHOLD
 from services.cachestore.tiers import TierPolicyName
 from services.mesh.env_config import option

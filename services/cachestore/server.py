@@ -19,7 +19,7 @@ from services.cachestore.errors import InvalidBlockError, InvalidQueryError, Sto
 from services.cachestore.semantic import SemanticKind
 from services.cachestore.semantic_service import SemanticService
 from services.cachestore.tiers import Tier, TieredStore
-from services.executor.block_hash import extra_keys_for, hash_block_chain
+from services.shared.block_hash import extra_keys_for, hash_block_chain
 from services.mesh import metrics
 from weft.v1 import cachestore_pb2, cachestore_pb2_grpc, events_pb2
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import structlog
 
 from services.cachestore.blocks import Block
-from services.cachestore.demotion import DemotionPolicy, NeverDemote, SleepingBlock
+from services.cachestore.disk_demotion import DemotionPolicy, NeverDemote, SleepingBlock
 from services.cachestore.disk_tier import DiskTier
 from services.cachestore.host_tier import HostTier
 from services.mesh.rate_limited_log import RateLimitedLog

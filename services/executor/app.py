@@ -50,11 +50,11 @@ async def main(argv: Sequence[str] | None = None) -> None:
     configure_logging("executor", config.log_level, config.log_format)
     name = config.resolved_name
     # Imported here so `--help` stays fast (no torch import).
-    from services.executor.async_engine import AsyncEngine
-    from services.executor.engine import LLMEngine
-    from services.executor.engine_watchdog import EngineVerdict, EngineWatchdog, WatchdogPolicy
+    from services.executor.engine.async_engine import AsyncEngine
+    from services.executor.engine.engine import LLMEngine
+    from services.executor.engine.watchdog import EngineVerdict, EngineWatchdog, WatchdogPolicy
     from services.executor.server import ENGINE_REQUESTS, ERROR_RULES, ExecutorServicer, encode_event
-    from services.executor.step_trace import StepTrace
+    from services.executor.engine.step_trace import StepTrace
     from services.mesh import metric_catalogue as catalogue
     from weft.v1 import executor_pb2_grpc
 
@@ -90,7 +90,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     async_engine = AsyncEngine(engine, on_kv_events=events.on_kv_events)
     audit = None
     if config.partitions and config.credit_audit_period_s:
-        from services.executor.quota_audit import CreditAuditor
+        from services.executor.policy.credit_audit import CreditAuditor
 
         audit = asyncio.create_task(_audit_credit_forever(
             async_engine, CreditAuditor(config.partitions), config.credit_audit_period_s), name="credit-audit")
@@ -103,7 +103,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
         servicer.no_tiers_reason = "its KV cache is int8 (kv_cache_dtype), which does not transfer"
         log.warning("tier_transfer_disabled", executor=name, kv_cache_dtype=config.kv_cache_dtype)
     elif config.cachestore_address:
-        from services.executor.tier_ops import build_tier_ops
+        from services.executor.tiers.tier_ops import build_tier_ops
 
         servicer.tiers = build_tier_ops(async_engine, config.cachestore_address, engine.model_id, config.block_size,
                                         config.demote_on_finish, config.promote_before_prefill)

@@ -6,8 +6,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.executor.engine_config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig
-from services.executor.kv_compress import KV_COMPRESS_POLICIES
+from services.executor.engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig
+from services.executor.policy.kv_compress import KV_COMPRESS_POLICIES
 from services.mesh.env_config import option
 from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
 from services.mesh.nats_bus import subject
@@ -140,7 +140,7 @@ class ExecutorConfig:
 
     @property
     def partitions(self):
-        from services.executor.quota_audit import parse_partitions
+        from services.executor.policy.credit_audit import parse_partitions
 
         return parse_partitions(self.tenant_partitions)
 

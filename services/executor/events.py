@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.executor.block_pool import KVEvent
+from services.executor.kv.block_pool import KVEvent
 
 log = structlog.get_logger(__name__)
 

@@ -15,14 +15,14 @@ import time
 import grpc
 import structlog
 
-from services.executor.async_engine import AsyncEngine, EngineDeadError
-from services.executor.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-from services.executor.engine import StepOutput
+from services.executor.engine.async_engine import AsyncEngine, EngineDeadError
+from services.executor.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+from services.executor.engine.engine import StepOutput
 from services.executor.errors import CapacityError, InvalidRequestError
 from services.executor.events import ExecutorState, Heartbeat, KvChange, LoadSnapshot
-from services.executor.sampling_params import SamplingParams
-from services.executor.sequence import FinishReason, SessionOptions
-from services.executor.step_trace import RequestSteps, add_executor_spans
+from services.executor.engine.sampling_params import SamplingParams
+from services.executor.engine.sequence import FinishReason, SessionOptions
+from services.executor.engine.step_trace import RequestSteps, add_executor_spans
 from services.mesh import metric_catalogue as catalogue
 from services.mesh import metrics
 from services.mesh.grpc_server import DrainingError, ErrorRule

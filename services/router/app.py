@@ -18,7 +18,7 @@ from services.router.generation import Generator, model_limits
 from services.router.http_api import HttpApi
 from services.router.scheduler_client import SchedulerClient
 from services.router.server import ROUTER_ERROR_RULES, RouterServicer
-from services.router.tokenizer import Tokenizer
+from services.shared.tokenizer import Tokenizer
 from weft.v1 import router_pb2_grpc
 
 log = structlog.get_logger(__name__)

@@ -20,13 +20,13 @@ from typing import Protocol
 import jinja2
 import structlog
 
-from services.router.detokenizer import IncrementalDetokenizer
+from services.shared.detokenizer import IncrementalDetokenizer
 from services.router.intent import prescreen
 from services.router.errors import InvalidRequestError, UpstreamError
 from services.router.request_trace import RequestRecorder
 from services.router.schema import ChatRequest, Delta, Sampling, Session, TokenChunk, TokenRequest, Usage
 from services.router.stop_strings import StopStringMatcher
-from services.router.tokenizer import Tokenizer
+from services.shared.tokenizer import Tokenizer
 from services.router.validation import Limits, resolve_max_tokens
 
 log = structlog.get_logger(__name__)

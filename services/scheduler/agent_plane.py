@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.scheduler.contracts import ContractBook, ContractTerms, Fallback, FallbackChoice
-from services.scheduler.degradation import Rung
-from services.scheduler.intent_shift import IntentShiftDetector
-from services.scheduler.pause_policy import PauseDecision, PauseInputs, PausePlan, PausePolicy
-from services.scheduler.priority import PriorityInputs, Prioritizer, RequestClassName
-from services.scheduler.sessions import HopContext, SessionState, SessionTable
+from services.scheduler.policy.contracts import ContractBook, ContractTerms, Fallback, FallbackChoice
+from services.scheduler.policy.degradation import Rung
+from services.scheduler.policy.intent_shift import IntentShiftDetector
+from services.scheduler.policy.pause import PauseDecision, PauseInputs, PausePlan, PausePolicy
+from services.scheduler.policy.priority import PriorityInputs, Prioritizer, RequestClassName
+from services.scheduler.state.sessions import HopContext, SessionState, SessionTable
 
 log = structlog.get_logger(__name__)
 

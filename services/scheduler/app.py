@@ -13,21 +13,21 @@ from services.mesh import metric_catalogue as catalogue
 from services.mesh.logging import configure_logging
 from services.mesh.metrics import MetricsServer
 from services.mesh.nats_bus import EventBus
-from services.scheduler.admission import Admission
-from services.scheduler.degradation import DegradationLadder
+from services.scheduler.policy.admission import Admission
+from services.scheduler.policy.degradation import DegradationLadder
 from services.scheduler.config import DESCRIPTION, SchedulerConfig
 from services.scheduler.errors import ERROR_RULES
-from services.scheduler.kv_index import KvIndex
-from services.scheduler.membership import Membership
-from services.scheduler.placement import make_placer
+from services.scheduler.state.kv_index import KvIndex
+from services.scheduler.state.membership import Membership
+from services.scheduler.policy.placement import make_placer
 from services.scheduler.server import ChannelPool, MeshView, SchedulerServicer
 from services.scheduler.agent_plane import AgentPlane
-from services.scheduler.contracts import ContractBook, parse_tenant_quotas
-from services.scheduler.intent_shift import IntentShiftDetector
-from services.scheduler.pause_policy import make_pause_policy
-from services.scheduler.priority import make_prioritizer
-from services.scheduler.sessions import SessionTable
-from services.scheduler.tenant_limits import TenantAdmission
+from services.scheduler.policy.contracts import ContractBook, parse_tenant_quotas
+from services.scheduler.policy.intent_shift import IntentShiftDetector
+from services.scheduler.policy.pause import make_pause_policy
+from services.scheduler.policy.priority import make_prioritizer
+from services.scheduler.state.sessions import SessionTable
+from services.scheduler.policy.tenant_limits import TenantAdmission
 from weft.v1 import scheduler_pb2_grpc
 
 log = structlog.get_logger(__name__)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from services.mesh.env_config import option
 from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
 from services.mesh.nats_bus import subject
-from services.scheduler.degradation import LadderConfig, Rung, parse_thresholds
+from services.scheduler.policy.degradation import LadderConfig, Rung, parse_thresholds
 from services.scheduler.migration import MigrationPolicy
-from services.scheduler.placement import PlacementPolicy
+from services.scheduler.policy.placement import PlacementPolicy
 
 DESCRIPTION = (
     "Weft scheduler: admits token-level requests (bounded in-flight and queue, "
@@ -113,7 +113,7 @@ class SchedulerConfig:
         if self.kv_index_max_store_blocks < 0:
             raise ValueError(f"kv_index_max_store_blocks must be >= 0, got {self.kv_index_max_store_blocks}")
         self.pause_costs  # validates the cost model
-        from services.scheduler.contracts import parse_tenant_quotas
+        from services.scheduler.policy.contracts import parse_tenant_quotas
 
         parse_tenant_quotas(self.tenant_quotas)
         if self.priority_interval_s <= 0:
@@ -136,7 +136,7 @@ class SchedulerConfig:
 
     @property
     def pause_costs(self):
-        from services.scheduler.pause_policy import PauseCosts
+        from services.scheduler.policy.pause import PauseCosts
 
         return PauseCosts(prefill_ms_per_token=self.prefill_ms_per_token, block_second_ms=self.block_second_ms,
                           transfer_ms_per_block=self.transfer_ms_per_block, default_pause_ms=self.default_tool_ms,

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.scheduler.suspects import SuspectedPoison
+from services.scheduler.policy.suspects import SuspectedPoison
 
 log = structlog.get_logger(__name__)
 

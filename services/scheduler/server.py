@@ -15,19 +15,19 @@ from collections.abc import Sequence
 import grpc
 import structlog
 
-from services.executor.block_hash import extra_keys_for, hash_block_chain
+from services.shared.block_hash import extra_keys_for, hash_block_chain
 from services.mesh import metric_catalogue as catalogue
 from services.mesh import metrics
 from services.mesh.grpc_server import DrainingError
 from services.mesh.timeline import TRACEPARENT_KEY, Trace, context_from_metadata, downstream_spans, spans_metadata
 from services.mesh.logging import request_context
-from services.scheduler.admission import Admission
+from services.scheduler.policy.admission import Admission
 from services.scheduler.agent_plane import AgentPlane, HopPlan
-from services.scheduler.degradation import DegradationLadder, Rung
+from services.scheduler.policy.degradation import DegradationLadder, Rung
 from services.scheduler.errors import (
     DeadlineError, ExecutorLostError, InvalidScheduleRequest, NoExecutorError, OverloadedError, SuspectedPoisonError,
 )
-from services.scheduler.suspects import SuspectedPoison, SuspectRegistry, is_engine_failure
+from services.scheduler.policy.suspects import SuspectedPoison, SuspectRegistry, is_engine_failure
 from services.scheduler.server_agent import AgentHooks
 from services.scheduler.server_degrade import DegradeHooks
 from services.scheduler.server_view import _STATES_BACK, ChannelPool, MeshView, rung_to_pb
@@ -35,10 +35,10 @@ from services.scheduler.migration import (
     ExecutorFailed, MigrationExhausted, MigrationPolicy, NoReplacement, Piece, StreamProgress, migrating_stream,
     placement_marker,
 )
-from services.scheduler.membership import ExecutorLoad
-from services.scheduler.placement import Candidate, InflightTracker, Placement, Placer
-from services.scheduler.sessions import executor_session_id
-from services.scheduler.tenant_limits import TenantAdmission
+from services.scheduler.state.membership import ExecutorLoad
+from services.scheduler.policy.placement import Candidate, InflightTracker, Placement, Placer
+from services.scheduler.state.sessions import executor_session_id
+from services.scheduler.policy.tenant_limits import TenantAdmission
 from weft.v1 import common_pb2, events_pb2, executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = structlog.get_logger(__name__)

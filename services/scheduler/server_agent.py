@@ -10,14 +10,14 @@ import structlog
 
 from services.mesh import metric_catalogue as catalogue
 from services.scheduler.agent_plane import HopPlan, HopRequest
-from services.scheduler.contracts import ContractTerms, Fallback
-from services.scheduler.pause_policy import PauseDecision
-from services.scheduler.placement import Placement
-from services.scheduler.priority import RequestClassName
+from services.scheduler.policy.contracts import ContractTerms, Fallback
+from services.scheduler.policy.pause import PauseDecision
+from services.scheduler.policy.placement import Placement
+from services.scheduler.policy.priority import RequestClassName
 from services.scheduler.server_degrade import degradation_contract
-from services.scheduler.sessions import executor_session_id
-from services.executor.block_hash import extra_keys_for, hash_block_chain
-from services.scheduler.membership import ExecutorLoad, ExecutorRecord
+from services.scheduler.state.sessions import executor_session_id
+from services.shared.block_hash import extra_keys_for, hash_block_chain
+from services.scheduler.state.membership import ExecutorLoad, ExecutorRecord
 from weft.v1 import common_pb2 as common_v1, executor_pb2, scheduler_pb2
 
 log = structlog.get_logger(__name__)

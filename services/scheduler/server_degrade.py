@@ -13,7 +13,7 @@ limits placement to the executors serving exactly that rung.
 from __future__ import annotations
 
 from services.mesh import metric_catalogue as catalogue
-from services.scheduler.degradation import DegradationContract, LoadSignal, Rung, served_rung
+from services.scheduler.policy.degradation import DegradationContract, LoadSignal, Rung, served_rung
 from services.scheduler.errors import InvalidScheduleRequest, OverloadedError
 from weft.v1 import common_pb2, scheduler_pb2
 

@@ -25,9 +25,9 @@ from services.mesh.heartbeat_signing import Verdict, signer_for
 from services.mesh.mesh_auth import MeshSecurity, mesh_channel
 from services.mesh.nats_bus import Delivery, EventBus
 from services.mesh.rate_limited_log import RateLimitedLog
-from services.scheduler.degradation import Rung
-from services.scheduler.kv_index import KvIndex
-from services.scheduler.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
+from services.scheduler.policy.degradation import Rung
+from services.scheduler.state.kv_index import KvIndex
+from services.scheduler.state.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
 from weft.v1 import common_pb2, events_pb2, executor_pb2_grpc
 
 log = structlog.get_logger(__name__)

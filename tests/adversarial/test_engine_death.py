@@ -112,7 +112,7 @@ def test_an_executor_whose_engine_dies_or_wedges_leaves_the_mesh_and_exits(tmp_p
 def _run_faulty_executor() -> None:
     fault = os.environ[FAULT_ENV]
     from services.executor.app import main
-    from services.executor.engine import LLMEngine
+    from services.executor.engine.engine import LLMEngine
 
     real_step = LLMEngine.step
 

@@ -51,7 +51,7 @@ def test_compose_has_no_keys_that_docker_compose_1_29_rejects():
             assert "required" not in dep, name
 
 
-# Monitoring runs beside the mesh in compose only (tests/unit/test_monitoring_deploy.py).
+# Monitoring runs beside the mesh in compose only (tests/unit/weft/test_monitoring_deploy.py).
 MONITORING_SERVICES = {"prometheus", "grafana"}
 
 

@@ -11,19 +11,19 @@ import contextlib
 import grpc
 import pytest
 
-from services.cachestore.demotion import DemotionPolicyName, make_demotion_policy
+from services.cachestore.disk_demotion import DemotionPolicyName, make_demotion_policy
 from services.cachestore.disk_tier import DiskTier
 from services.cachestore.errors import ERROR_RULES as STORE_RULES
 from services.cachestore.host_tier import HostTier
 from services.cachestore.server import CacheStoreServicer
 from services.cachestore.tiers import TieredStore, TierPolicyName, make_tier_policy
-from services.executor.async_engine import AsyncEngine
-from services.executor.engine import LLMEngine
-from services.executor.engine_config import EngineConfig
-from services.executor.kv_transfer import export_blocks
+from services.executor.engine.async_engine import AsyncEngine
+from services.executor.engine.engine import LLMEngine
+from services.executor.engine.config import EngineConfig
+from services.executor.tiers.kv_transfer import export_blocks
 from services.executor.server import ERROR_RULES as EXECUTOR_RULES
 from services.executor.server import ExecutorServicer
-from services.executor.tier_ops import build_tier_ops
+from services.executor.tiers.tier_ops import build_tier_ops
 from services.mesh.grpc_server import GrpcServer, channel_options
 from weft.tiny_model import make_tiny_checkpoint
 from weft.v1 import cachestore_pb2_grpc, common_pb2, executor_pb2, executor_pb2_grpc

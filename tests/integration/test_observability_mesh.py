@@ -148,7 +148,7 @@ def test_a_saturated_pool_shows_as_kv_contention_of_the_tail(mesh, before):
     # 48-block pool: both get in, and as they grow one is preempted and waits until the
     # other is done. The scheduler lets both through (2 in flight), so what the slower one
     # paid for is KV, not queueing. (That the verdict then *names* KV contention is
-    # asserted on synthetic timelines in tests/unit/test_p99_attribution.py: with two
+    # asserted on synthetic timelines in tests/unit/router/test_p99_attribution.py: with two
     # requests on a shared 2-core box, decode jitter of hundreds of ms can outweigh it.)
     t0 = time.time()
     assert burst(mesh, [prompt(20, 300), prompt(20, 500)], max_tokens=400) == [200, 200]

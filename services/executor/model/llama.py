@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from services.executor.attention.base import AttentionBackend, AttentionMetadata
 from services.executor.errors import CheckpointError
 from services.executor.model.linear import Linear, make_linear, onednn_usable
-from services.executor.model_config import ModelConfig
-from services.executor.rope import rope_inv_freq
+from services.executor.model.config import ModelConfig
+from services.executor.model.rope import rope_inv_freq
 
 
 @dataclass

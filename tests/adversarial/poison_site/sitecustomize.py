@@ -12,7 +12,7 @@ POISON = [1001, 1002, 1003]
 
 class _PatchEngine(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "services.executor.engine":
+        if name != "services.executor.engine.engine":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

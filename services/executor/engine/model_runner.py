@@ -1,0 +1,123 @@
+"""Turns a step plan into tensors, runs the model, samples. Owns the KV cache tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.executor.attention.base import AttentionMetadata, QuantizedKVCache
+from services.executor.engine.batch_scheduler import ScheduledSeq, StepPlan
+from services.executor.model.llama import LlamaModel
+from services.executor.model.sampler import SampledTokens, sample
+
+
+@dataclass(frozen=True)
+class StepResult:
+    sampled: list[ScheduledSeq]  # rows that picked a token, in order
+    tokens: SampledTokens
+    # [len(plan.decodes) + len(plan.prefills), max_blocks] float32 attention mass per
+    # block-table entry (decodes first, then prefills), or None when not tracked
+    block_scores: torch.Tensor | None = None
+
+
+def _block_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
+
+
+class ModelRunner:
+    # Set by the engine when KV compression is on: steps then carry a block_scores
+    # accumulator (when the back end fills one); off, the default path pays nothing.
+    track_block_scores: bool = False
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = model.device
+        self.kv_caches: list[torch.Tensor | QuantizedKVCache]
+        if kv_cache_dtype == "int8":
+            # one per layer: int8 [2, num_blocks, block_size, kvh, d] + float32 scales [2, num_blocks, block_size, kvh]
+            self.kv_caches = [
+                QuantizedKVCache.zeros(num_blocks, block_size, model.num_kv_heads, model.head_dim, model.dtype, self.device)
+                for _ in range(model.num_layers)
+            ]
+        else:
+            shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+            # one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+            self.kv_caches = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
+
+    @staticmethod
+    def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
+        """Bytes one KV block takes over all layers (int8: data plus its float32 scales)."""
+        if kv_cache_dtype == "int8":
+            per_layer = QuantizedKVCache.bytes_per_block(block_size, model.num_kv_heads, model.head_dim)
+            return per_layer * model.num_layers
+        return 2 * block_size * model.num_kv_heads * model.head_dim * model.num_layers * model.dtype.itemsize
+
+    def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        for item in plan.decodes + plan.prefills:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))  # absolute: RoPE sees the true position
+            # Cache index = position - evicted (compression dropped whole blocks before it):
+            #   position  0 .. ev-1 | ev .. start+n-1
+            #   cache       (gone)  | 0  .. start+n-1-ev   -> blocks[idx // bs], offset idx % bs
+            ids, ev = seq.block_ids(), seq.num_evicted_tokens
+            slots.extend(ids[i // bs] * bs + i % bs for i in range(start - ev, start + n - ev))
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+        dev = self.device
+        decode_lens = tuple(s.seq.num_cached_kv_tokens + 1 for s in plan.decodes)
+        q_lens = tuple(s.num_new_tokens for s in plan.prefills)
+        ctx_lens = tuple(s.seq.num_cached_kv_tokens for s in plan.prefills)
+        items = plan.decodes + plan.prefills
+        block_scores = None
+        if self.track_block_scores and self.model.attn.produces_block_scores:
+            width = max(len(s.seq.blocks) for s in items)
+            block_scores = torch.zeros((len(items), width), dtype=torch.float32, device=dev)
+        empty_table = torch.zeros((0, 1), dtype=torch.int32, device=dev)
+        starts = [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decodes=len(plan.decodes),
+            decode_block_tables=_block_table([s.seq.block_ids() for s in plan.decodes], dev)
+            if plan.decodes else empty_table,
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            num_prefills=len(plan.prefills),
+            prefill_query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            prefill_seq_lens=torch.tensor([c + q for c, q in zip(ctx_lens, q_lens)], dtype=torch.int32, device=dev),
+            prefill_block_tables=_block_table([s.seq.block_ids() for s in plan.prefills], dev)
+            if plan.prefills else empty_table,
+            prefill_query_lens_host=q_lens,
+            prefill_context_lens_host=ctx_lens,
+            decode_seq_lens_host=decode_lens,
+            block_scores=block_scores,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            sample_rows,
+        )
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. Writes the new tokens' K/V into the cache; does not touch
+        sequence state (the engine applies the result)."""
+        input_ids, positions, meta, sample_rows = self._prepare(plan)
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        sampled = [s for s in plan.decodes + plan.prefills if s.samples]
+        if not sampled:
+            return StepResult([], SampledTokens([], None), meta.block_scores)
+        logits = self.model.compute_logits(hidden[sample_rows])  # [rows, vocab]
+        tokens = sample(logits, [s.seq.params for s in sampled], [s.seq.generator for s in sampled],
+                        [s.seq.session.track_entropy for s in sampled])
+        return StepResult(sampled, tokens, meta.block_scores)

@@ -1,0 +1,75 @@
+"""Demotion from the executor: copy cached blocks to the cachestore (its sleeping tier).
+
+Used three ways: the ``DemoteBlocks`` RPC (the scheduler's pause policy, explicit
+demand), and automatically when a request finishes (``DemoteOnFinish``: a session's
+blocks, or every request's, are written back so a later hop finds them even after the
+local pool evicted them under pressure). Only blocks the store does not already hold
+are sent; exporting copies the bytes on the engine thread, the upload runs outside it.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from services.shared.block_hash import extra_keys_for, hash_block_chain
+from services.executor.tiers.kv_transfer import KvTransfer
+from services.executor.tiers.tier_client import TierClient
+from services.mesh import metrics
+
+log = structlog.get_logger(__name__)
+
+DEMOTED_BLOCKS = metrics.counter("weft_executor_demoted_blocks_total", "Blocks written to the cachestore.")
+
+
+class DemoteOnFinish(enum.Enum):
+    NEVER = "never"
+    SESSIONS = "sessions"  # requests that carry a session id
+    ALL = "all"
+
+
+@dataclass(frozen=True)
+class DemotionResult:
+    num_demoted_blocks: int
+    num_already_stored_blocks: int
+    num_missing_blocks: int
+    demoted_bytes: int
+    num_evicted_blocks: int
+
+
+class Demoter:
+    def __init__(self, transfer: KvTransfer, client: TierClient, model_id: str, block_size: int) -> None:
+        self.transfer = transfer
+        self.client = client
+        self.model_id = model_id
+        self.block_size = block_size
+
+    def sequence_hashes(self, token_ids: Sequence[int], tenant_salt: str) -> list[int]:
+        return hash_block_chain(list(token_ids), self.block_size, extra_keys_for(self.model_id, tenant_salt))
+
+    async def demote(self, block_hashes: Sequence[int] = (), token_ids: Sequence[int] = (), tenant_salt: str = "",
+                     priority: float = 0.0, expected_pause_ms: int = 0, evict_local: bool = False) -> DemotionResult:
+        """Send the named blocks the store lacks. Raises the store's gRPC error when the
+        upload fails (the local copies are then kept, whatever ``evict_local`` says)."""
+        hashes = list(dict.fromkeys([*block_hashes, *self.sequence_hashes(token_ids, tenant_salt)]))
+        if not hashes:
+            return DemotionResult(0, 0, 0, 0, 0)
+        tiers = await self.client.contains(hashes)
+        stored = [h for h, t in zip(hashes, tiers) if t is not None]
+        todo = [h for h, t in zip(hashes, tiers) if t is None]
+        payloads = await self.transfer.export(todo)
+        missing = len(todo) - len(payloads)
+        sent_bytes = 0
+        if payloads:
+            await self.client.put_blocks(payloads, priority, expected_pause_ms)
+            sent_bytes = sum(p.size_bytes for p in payloads)
+            DEMOTED_BLOCKS.inc(len(payloads))
+        evicted = 0
+        if evict_local:
+            safe = stored + [p.block_hash for p in payloads]
+            evicted = await self.transfer.engine.call(lambda e: e.pool.evict_cached(safe))
+        log.info("blocks_demoted", num_demoted=len(payloads), num_already_stored=len(stored),
+                 num_missing=missing, num_evicted=evicted)
+        return DemotionResult(len(payloads), len(stored), missing, sent_bytes, evicted)
