@@ -14,7 +14,7 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 def __getattr__(name: str):
     if name == "SamplingParams":
-        from services.executor.sampling_params import SamplingParams
+        from services.executor.engine.sampling_params import SamplingParams
 
         return SamplingParams
     if name in ("LLM", "RequestOutput"):

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from services.executor.engine import LLMEngine
-from services.executor.engine_config import EngineConfig
-from services.executor.sampling_params import SamplingParams
-from services.router.detokenizer import IncrementalDetokenizer
-from services.router.tokenizer import Tokenizer
+from services.executor.engine.engine import LLMEngine
+from services.executor.engine.config import EngineConfig
+from services.executor.engine.sampling_params import SamplingParams
+from services.shared.detokenizer import IncrementalDetokenizer
+from services.shared.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

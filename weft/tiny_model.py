@@ -25,8 +25,8 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
-from services.executor.checkpoint import INDEX_FILE, SINGLE_FILE, expected_tensor_shapes
-from services.executor.model_config import ModelConfig
+from services.executor.model.checkpoint import INDEX_FILE, SINGLE_FILE, expected_tensor_shapes
+from services.executor.model.config import ModelConfig
 from weft import tiny_tokenizer as tt
 
 Arch = Literal["llama", "qwen2", "mistral"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.scheduler.degradation import Rung
+from services.scheduler.policy.degradation import Rung
 
 Samples = list[tuple[str, dict[str, str], float]]  # (sample name, labels, value)
 
