@@ -27,7 +27,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
 from services.mesh.file_access import unreadable_reason
-from services.router.prompt_budget import CharBudget, char_budget
+from services.shared.prompt_budget import CharBudget, char_budget
 
 # transformers' named special tokens; the chat template sees each one that is set.
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",

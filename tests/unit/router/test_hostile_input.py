@@ -9,7 +9,7 @@ import json
 import grpc
 import pytest
 
-from services.router.prompt_budget import CharBudget, char_budget
+from services.shared.prompt_budget import CharBudget, char_budget
 from services.shared.tokenizer import Tokenizer
 from tests.unit.router.test_grpc import KEY, _serve
 from tests.unit.router.test_http import MODEL, _client, run
