@@ -1,4 +1,10 @@
-"""CacheStoreConfig: everything a cachestore process is told, from flags / WEFT_ env."""
+"""CacheStoreConfig: everything a cachestore process is told, from flags / WEFT_ env.
+
+The options every service takes (host, grace, message size, metrics port, secret file,
+logging) come from ``services/mesh/service_options.py``; only ``max_message_bytes`` is
+redeclared, because a cachestore frames block chunks of ``chunk_bytes`` and 8 MiB is
+plenty (the base allows 64 MiB).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,7 +13,7 @@ from services.cachestore.disk_demotion import DemotionPolicyName
 from services.cachestore.semantic import DEFAULT_THRESHOLD
 from services.cachestore.tiers import TierPolicyName
 from services.mesh.env_config import option
-from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
+from services.mesh.service_options import ServiceOptions, check_port
 
 DESCRIPTION = (
     "Weft cachestore: a tiered KV block store (host RAM, then disk) keyed by block hash. "
@@ -17,8 +23,8 @@ DESCRIPTION = (
 
 
 @dataclass(frozen=True)
-class CacheStoreConfig:
-    host: str = option("Address the gRPC server binds.", default="127.0.0.1")
+class CacheStoreConfig(ServiceOptions):
+    max_message_bytes: int = option("Largest gRPC message sent or received.", default=8 << 20)
     port: int = option("gRPC port.", default=50071)
     host_capacity_bytes: int = option("Bytes of host RAM for the sleeping tier.", default=1 << 30)
     disk_dir: str = option("Directory of the archived tier; empty disables the disk tier.", default=".weft/cachestore")
@@ -38,28 +44,18 @@ class CacheStoreConfig:
     semantic_max_entries: int = option("Semantic entries kept per (tenant, kind, scope).", default=10_000)
     max_block_bytes: int = option("Largest block payload accepted.", default=64 << 20)
     chunk_bytes: int = option("Data chunk size of GetBlocks streams (a request may ask for less).", default=1 << 20)
-    grace_s: float = option("On SIGTERM, seconds in-flight calls get to finish.", default=10.0)
-    max_message_bytes: int = option("Largest gRPC message sent or received.", default=8 << 20)
-    metrics_port: int = option("Port of the Prometheus /metrics endpoint; 0 disables it.", default=0)
-    mesh_secret_file: str = option(
-        "File holding the mesh shared secret (Docker secrets style, e.g. /run/secrets/weft_mesh); stripped; "
-        "unreadable or empty is an error; empty: WEFT_MESH_SECRET, or no peer authentication.",
-        default="", shared=True)
-    log_level: str = option("Log level.", default="info", choices=LOG_LEVELS, shared=True)
-    log_format: str = option("Log format (auto: JSON unless stderr is a terminal).", default="auto",
-                             choices=LOG_FORMATS, shared=True)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
-            raise ValueError("port and metrics_port must be in [0, 65535]")
-        for name in ("host_capacity_bytes", "disk_capacity_bytes", "grace_s"):
+        super().__post_init__()  # host, grace_s, max_message_bytes, metrics_port
+        check_port("port", self.port)
+        for name in ("host_capacity_bytes", "disk_capacity_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_idle_s <= 0 or self.sweep_interval_s <= 0:
             raise ValueError("max_idle_s and sweep_interval_s must be > 0")
         if not -1.0 <= self.semantic_threshold <= 1.0:
             raise ValueError(f"semantic_threshold must be in [-1, 1], got {self.semantic_threshold}")
-        for name in ("max_block_bytes", "chunk_bytes", "max_message_bytes", "semantic_max_entries"):
+        for name in ("max_block_bytes", "chunk_bytes", "semantic_max_entries"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.chunk_bytes + 4096 > self.max_message_bytes:
