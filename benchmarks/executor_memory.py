@@ -117,8 +117,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], li
 
     config = EngineConfig(num_threads=1, num_kv_blocks=args.num_kv_blocks,
                           enable_prefix_caching=not args.no_prefix_caching)
-    engine = LLMEngine(model_dir, config)
-    engine.step_trace = StepTrace("mem")
+    engine = LLMEngine(model_dir, config, step_trace=StepTrace("mem"))
     num_events = [0]
 
     def on_kv_events(events) -> None:  # what the executor publishes, minus the bus
@@ -127,7 +126,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], li
         num_events[0] += len(events)
 
     async_engine = AsyncEngine(engine, on_kv_events=on_kv_events)
-    servicer = ExecutorServicer(async_engine, "mem", engine.model_id, config.block_size)
+    servicer = ExecutorServicer(async_engine, "mem", engine.model_id, config.block_size, step_trace=engine.step_trace)
     vocab = engine.model_config.vocab_size
     rng = random.Random(args.seed)
     proc = psutil.Process()
@@ -193,7 +192,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
-            from weft.tiny_model import make_tiny_checkpoint
+            from weft.testing.tiny_model import make_tiny_checkpoint
 
             model_dir = make_tiny_checkpoint(Path(tmp) / "tiny", preset="tiny")
         samples, top, num_blocks = asyncio.run(run(args, model_dir))

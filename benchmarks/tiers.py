@@ -114,8 +114,8 @@ async def ttft_run(args, model_dir: Path, disk_dir: Path) -> dict:
     engine = LLMEngine(model_dir, EngineConfig(num_kv_blocks=num_kv_blocks, block_size=bs, num_threads=args.threads,
                                                max_num_batched_tokens=4096, max_prefill_chunk=4096))
     async_engine = AsyncEngine(engine)
-    servicer = ExecutorServicer(async_engine, "executor-bench", engine.model_id, bs)
-    servicer.tiers = tiers = build_tier_ops(async_engine, f"127.0.0.1:{store_port}", engine.model_id, bs, "sessions")
+    tiers = build_tier_ops(async_engine, f"127.0.0.1:{store_port}", engine.model_id, bs, "sessions")
+    servicer = ExecutorServicer(async_engine, "executor-bench", engine.model_id, bs, tiers=tiers)
     exec_server = GrpcServer("weft.v1.Executor", "127.0.0.1", 0, rules=ERROR_RULES, grace_s=0.1,
                              max_message_bytes=64 << 20)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, exec_server.server)
@@ -334,7 +334,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="weft-tiers-") as tmp:
         if not args.skip_ttft:
             if args.model is None:
-                from weft.tiny_model import make_tiny_checkpoint
+                from weft.testing.tiny_model import make_tiny_checkpoint
 
                 model_dir = args.cache_dir / args.preset
                 if not (model_dir / "config.json").is_file():

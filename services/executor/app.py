@@ -76,15 +76,15 @@ async def main(argv: Sequence[str] | None = None) -> None:
         await bus.require_login()
         await events.start()
         await metrics_server.start()
-        engine = await asyncio.to_thread(LLMEngine, config.model_dir, config.engine_config)
+        step_trace = StepTrace(name)
+        engine = await asyncio.to_thread(LLMEngine, config.model_dir, config.engine_config, step_trace)
     except BaseException:
         await events.stop()
         await metrics_server.stop()
         await bus.close()
         raise
     catalogue.register("executor")
-    engine.step_trace = StepTrace(name)
-    engine.step_trace.update_gauges(engine)
+    step_trace.update_gauges(engine)
     if config.partitions:
         engine.set_partitions(config.partitions)
     async_engine = AsyncEngine(engine, on_kv_events=events.on_kv_events)
@@ -94,19 +94,21 @@ async def main(argv: Sequence[str] | None = None) -> None:
 
         audit = asyncio.create_task(_audit_credit_forever(
             async_engine, CreditAuditor(config.partitions), config.credit_audit_period_s), name="credit-audit")
-    events.read_load = lambda: async_engine.call(_stats_and_gauges)
+    events.set_load_reader(lambda: async_engine.call(_stats_and_gauges))
     ENGINE_REQUESTS.set_function(lambda: async_engine.num_active)
-    servicer = ExecutorServicer(async_engine, name, engine.model_id, config.block_size)
+    tiers, no_tiers_reason = None, "no cachestore configured"
     if config.cachestore_address and config.kv_cache_dtype == "int8":
         # Payloads carry one model-dtype tensor per block; the int8 cache's scales have no
         # place in them (kv_transfer.py), so this executor neither demotes nor promotes.
-        servicer.no_tiers_reason = "its KV cache is int8 (kv_cache_dtype), which does not transfer"
+        no_tiers_reason = "its KV cache is int8 (kv_cache_dtype), which does not transfer"
         log.warning("tier_transfer_disabled", executor=name, kv_cache_dtype=config.kv_cache_dtype)
     elif config.cachestore_address:
         from services.executor.tiers.tier_ops import build_tier_ops
 
-        servicer.tiers = build_tier_ops(async_engine, config.cachestore_address, engine.model_id, config.block_size,
-                                        config.demote_on_finish, config.promote_before_prefill)
+        tiers = build_tier_ops(async_engine, config.cachestore_address, engine.model_id, config.block_size,
+                               config.demote_on_finish, config.promote_before_prefill)
+    servicer = ExecutorServicer(async_engine, name, engine.model_id, config.block_size, tiers=tiers,
+                                no_tiers_reason=no_tiers_reason, step_trace=step_trace)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, grpc_server.server)
 
     async def announce_draining() -> None:

@@ -111,6 +111,11 @@ class ExecutorEvents:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
 
+    def set_load_reader(self, read_load: Callable[[], Awaitable[dict]]) -> None:
+        """The engine is ready: load reports read it from now on (a joining executor,
+        still loading its checkpoint, has no load to report)."""
+        self.read_load = read_load
+
     def set_identity(self, identity: Identity) -> None:
         self.identity = identity
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -22,13 +23,17 @@ from services.executor.errors import CapacityError, InvalidRequestError
 from services.executor.events import ExecutorState, Heartbeat, KvChange, LoadSnapshot
 from services.executor.engine.sampling_params import SamplingParams
 from services.executor.engine.sequence import FinishReason, SessionOptions
-from services.executor.engine.step_trace import RequestSteps, add_executor_spans
+from services.executor.engine.step_trace import RequestSteps, StepTrace, add_executor_spans
 from services.mesh import metric_catalogue as catalogue
 from services.mesh import metrics
 from services.mesh.grpc_server import DrainingError, ErrorRule
 from services.mesh.timeline import Trace, context_from_metadata, spans_metadata
 from services.mesh.logging import request_context
+from services.shared.vocabulary import partition_of
 from weft.v1 import common_pb2, events_pb2, executor_pb2, executor_pb2_grpc
+
+if TYPE_CHECKING:  # tier_ops imports the cachestore client, loaded only with a cachestore
+    from services.executor.tiers.tier_ops import TierOps
 
 log = structlog.get_logger(__name__)
 
@@ -144,10 +149,17 @@ def encode_event(item: Heartbeat | LoadSnapshot | KvChange):
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, engine: AsyncEngine, name: str, model_id: str, block_size: int) -> None:
+    def __init__(self, engine: AsyncEngine, name: str, model_id: str, block_size: int, *,
+                 tiers: TierOps | None = None, no_tiers_reason: str = "no cachestore configured",
+                 step_trace: StepTrace | None = None) -> None:
+        """``tiers``: the cachestore operations when one is configured, else None and
+        ``no_tiers_reason`` says why (in the RPC error). ``step_trace``: the engine's step
+        record (the same object the engine writes), whose entries become a finished
+        request's executor spans; None: no step spans."""
         self.engine = engine
-        self.tiers = None  # TierOps (tier_ops.py) when a cachestore is configured; set by app.py
-        self.no_tiers_reason = "no cachestore configured"  # why tiers is None, for the RPC error
+        self.tiers = tiers
+        self.no_tiers_reason = no_tiers_reason
+        self.step_trace = step_trace
         self.name = name
         self.model_id = model_id
         self.block_size = block_size
@@ -226,8 +238,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     log.info("request_cancelled", executor=self.name)
 
     def _steps(self, request_id: str) -> RequestSteps:
-        step_trace = getattr(self.engine.engine, "step_trace", None)
-        return step_trace.pop(request_id) if step_trace is not None else RequestSteps()
+        return self.step_trace.pop(request_id) if self.step_trace is not None else RequestSteps()
 
     def _finish_trace(self, trace: Trace, out: StepOutput, first_token_ns: int | None) -> list:
         """Close this request's executor spans (returned to the scheduler in the trailers)."""
@@ -249,9 +260,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             async for out in self.engine.generate(
                 request.request_id, list(request.prompt_token_ids), params,
                 # Each tenant is charged to its own partition (its quota, when one is configured).
-                partition=request.partition or request.tenant_salt or "default", tenant_salt=request.tenant_salt,
-                # The wire says "higher runs first"; the engine's sequences "lower runs first".
-                priority=-request.priority, session=session,
+                partition=partition_of(request.partition, request.tenant_salt), tenant_salt=request.tenant_salt,
+                priority=request.priority, session=session,  # higher runs first, on the wire and in the engine
             ):
                 queue.put_nowait(out)
                 if self.tiers is not None:
@@ -297,7 +307,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if self.tiers is None:
             raise InvalidRequestError("cachestore_address", f"executor {self.name}: {self.no_tiers_reason}")
         r = await self.tiers.promoter.promote(
-            list(request.token_ids), request.tenant_salt, request.partition or request.tenant_salt or "default",
+            list(request.token_ids), request.tenant_salt, partition_of(request.partition, request.tenant_salt),
             force=request.force)
         return executor_pb2.PromoteBlocksResponse(
             num_local_blocks=r.num_local_blocks, num_promoted_blocks=r.num_promoted_blocks,
@@ -308,8 +318,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                                context) -> executor_pb2.UpdatePrioritiesResponse:
         if len(request.request_ids) != len(request.priorities):
             raise InvalidRequestError("priorities", "must have one entry per request id")
-        # The wire says "higher runs first"; the engine's sequences "lower runs first".
-        new = {rid: -p for rid, p in zip(request.request_ids, request.priorities)}
+        new = dict(zip(request.request_ids, request.priorities))  # higher runs first, as in the engine
         n = await self.engine.call(lambda e: e.update_priorities(new))
         return executor_pb2.UpdatePrioritiesResponse(num_updated=n)
 

@@ -25,7 +25,7 @@ from services.executor.server import ERROR_RULES as EXECUTOR_RULES
 from services.executor.server import ExecutorServicer
 from services.executor.tiers.tier_ops import build_tier_ops
 from services.mesh.grpc_server import GrpcServer, channel_options
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 from weft.v1 import cachestore_pb2_grpc, common_pb2, executor_pb2, executor_pb2_grpc
 
 BLOCK_SIZE = 16
@@ -50,10 +50,8 @@ async def stack(checkpoint, disk_dir, host_capacity_bytes=1 << 20, demote_on_fin
     store_port = await store_server.start()
     engine = LLMEngine(checkpoint, EngineConfig(num_kv_blocks=32, block_size=BLOCK_SIZE, num_threads=1))
     async_engine = AsyncEngine(engine)
-    servicer = ExecutorServicer(async_engine, "executor-t", engine.model_id, BLOCK_SIZE)
-    servicer.tiers = build_tier_ops(async_engine, f"127.0.0.1:{store_port}", engine.model_id, BLOCK_SIZE,
-                                    demote_on_finish)
-    tiers = servicer.tiers
+    tiers = build_tier_ops(async_engine, f"127.0.0.1:{store_port}", engine.model_id, BLOCK_SIZE, demote_on_finish)
+    servicer = ExecutorServicer(async_engine, "executor-t", engine.model_id, BLOCK_SIZE, tiers=tiers)
     tiers.promoter.client.chunk_bytes = 1 << 12  # several data chunks per block
     exec_server = GrpcServer("weft.v1.Executor", "127.0.0.1", 0, rules=EXECUTOR_RULES, grace_s=0.1)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, exec_server.server)

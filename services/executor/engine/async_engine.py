@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.executor.kv.block_pool import DEFAULT_PARTITION, KVEvent
+from services.executor.kv.block_pool import KVEvent
+from services.shared.vocabulary import DEFAULT_PARTITION
 from services.executor.engine.engine import LLMEngine, StepOutput
 from services.executor.engine.watchdog import EngineProbe
 from services.executor.engine.sampling_params import SamplingParams

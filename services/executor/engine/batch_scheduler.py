@@ -6,15 +6,24 @@ prefill), then waiting sequences are admitted, longest cached prefix skipped, wh
 budget, sequence slots and KV blocks last. When a running sequence cannot get a
 block, a victim chosen by the preemption policy gives all of its blocks back and is
 recomputed later (its full blocks stay in the prefix cache, so that is usually cheap).
+
+The scheduler also owns what a step's result does to its sequences (``update``: advance,
+append, stop, finish; nano-vllm's ``postprocess``, vLLM's ``update_from_output``), so
+nobody else edits its queues: the engine asks it to ``requeue`` or ``finish`` a sequence.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from services.executor.engine.sequence import FinishReason, Sequence, SequenceStatus
 from services.executor.kv.manager import KVCacheManager
 from services.executor.policy.preemption import PreemptionPolicy
-from services.executor.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # the runner imports this module for the plan it executes
+    from services.executor.engine.model_runner import StepResult
 
 
 @dataclass(frozen=True)
@@ -56,17 +65,30 @@ class BatchScheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_prefill_chunk: int,
+        eos_token_ids: Iterable[int] = (),
+        on_finish: Callable[[Sequence], None] | None = None,
     ) -> None:
+        """``on_finish`` sees each sequence that stops in ``update`` while it still holds
+        its blocks (the engine pins a session's blocks there)."""
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.on_finish = on_finish
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Put a sequence the scheduler took out of the queues (an unservable one whose
+        room was freed since) back at the head of the waiting queue, in the state it had:
+        waiting, or preempted when it ran before."""
+        seq.status = SequenceStatus.WAITING if not seq.num_preemptions else SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out of the queues and give its blocks back (finish or abort)."""
@@ -75,6 +97,13 @@ class BatchScheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End ``seq`` now (abort, or unservable: a length stop): out of the queues, its
+        blocks given back. ``on_finish`` is not called: nothing of it is kept."""
+        self.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
 
     @property
     def has_work(self) -> bool:
@@ -92,12 +121,11 @@ class BatchScheduler:
         """Running sequences whose blocks ``seq`` could actually use: its own partition's
         when its quota is what blocks it, else its own or a borrower's (others'
         reserved blocks stay protected even when freed). ``seq`` itself as a last resort."""
-        pool = self.kv.pool
         unscheduled = [s for s in self.running if s.request_id not in scheduled_ids]
-        if not pool.usage_allows(self.kv.num_blocks_needed(seq, n), seq.partition):
+        if not self.kv.partition_allows(seq, n):
             useful = [s for s in unscheduled if s.partition == seq.partition]
         else:
-            useful = [s for s in unscheduled if s.partition == seq.partition or pool.borrowed_blocks(s.partition) > 0]
+            useful = [s for s in unscheduled if s.partition == seq.partition or self.kv.is_borrowing(s.partition)]
         return useful or [seq]
 
     def schedule(self) -> StepPlan:
@@ -112,7 +140,7 @@ class BatchScheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget, self.max_prefill_chunk)
             while not self.kv.allocate_slots(seq, n):
-                victim = self.policy.pick_victim(self._useful_victims(seq, n, scheduled_ids), self.kv.pool)
+                victim = self.policy.pick_victim(self._useful_victims(seq, n, scheduled_ids), self.kv)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -149,3 +177,45 @@ class BatchScheduler:
                 (decodes if n == 1 else prefills).append(ScheduledSeq(seq, n))
                 budget -= n
         return StepPlan(decodes, prefills, preempted, unservable)
+
+    # -- a step's result --------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+        """Apply an executed ``plan``: every scheduled sequence advances by its chunk and
+        registers the blocks that became full; each sampled row appends its token (and
+        logprob / entropy when asked) and is checked for a stop. A sequence that stops is
+        shown to ``on_finish`` while it holds its blocks, then leaves the running set and
+        gives them back. Returns the sequences that got a token, in row order."""
+        for item in plan.decodes + plan.prefills:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_computed_blocks(item.seq)
+        tokens = result.tokens
+        sampled: list[Sequence] = []
+        for row, item in enumerate(result.sampled):
+            seq = item.seq
+            logprob = tokens.logprobs[row] if tokens.logprobs is not None and seq.params.logprobs else None
+            seq.append_token(tokens.token_ids[row], logprob)
+            if tokens.entropies is not None:
+                seq.entropy_sum += tokens.entropies[row]
+            self._check_stop(seq)
+            if seq.is_finished:
+                if self.on_finish is not None:
+                    self.on_finish(seq)
+                self.remove(seq)
+            sampled.append(seq)
+        return sampled
+
+    def _check_stop(self, seq: Sequence) -> None:
+        """STOP on an EOS / stop token once ``min_tokens`` are out; LENGTH at
+        ``max_tokens`` or the sequence's context cap."""
+        p = seq.params
+        tok = seq.output_token_ids[-1]
+        reason = None
+        if seq.num_output_tokens >= p.min_tokens and (
+            (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
+        ):
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= seq.max_num_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason

@@ -15,7 +15,8 @@ import torch
 from services.executor.attention.selector import backend_class
 from services.executor.engine.batch_scheduler import BatchScheduler, StepPlan
 from services.shared.block_hash import extra_keys_for
-from services.executor.kv.block_pool import DEFAULT_PARTITION, BlockPool, KVEvent, PartitionSpec
+from services.executor.kv.block_pool import BlockPool, KVEvent, PartitionSpec
+from services.shared.vocabulary import DEFAULT_PARTITION
 from services.executor.model.checkpoint import load_state_dict
 from services.executor.engine.config import EngineConfig
 from services.executor.errors import InvalidRequestError
@@ -27,7 +28,8 @@ from services.executor.engine.model_runner import ModelRunner
 from services.executor.policy.preemption import make_preemption_policy
 from services.executor.engine.sampling_params import SamplingParams
 from services.executor.kv.pinning import PinTable
-from services.executor.engine.sequence import NO_SESSION, FinishReason, Sequence, SequenceStatus, SessionOptions
+from services.executor.engine.sequence import NO_SESSION, FinishReason, Sequence, SessionOptions
+from services.executor.engine.step_trace import StepTrace
 
 log = structlog.get_logger(__name__)
 
@@ -48,7 +50,9 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig(),
+                 step_trace: StepTrace | None = None) -> None:
+        """``step_trace``: optional per-request step timings and KV gauges (step_trace.py)."""
         self.config = config
         self.model_dir = Path(model_dir)
         if config.num_threads and config.device == "cpu":
@@ -74,16 +78,18 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         self.pins = PinTable(self.pool)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.scheduler = BatchScheduler(
             self.kv,
             make_preemption_policy(config.preemption_policy),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk,
+            eos_token_ids=self.eos_token_ids,
+            on_finish=self._finish_session,
         )
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.kv_cache_dtype)
         self.model_id = config.model_id or self.model_dir.name
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_preemptions = 0
@@ -91,7 +97,7 @@ class LLMEngine:
         # scores only feed the attention policy; "oldest" needs none (all-equal scores)
         self.runner.track_block_scores = (config.kv_compress_budget_blocks > 0
                                           and config.kv_compress_policy == CompressPolicy.ATTENTION.value)
-        self.step_trace = None  # optional StepTrace (step_trace.py): per-request step timings, KV gauges
+        self.step_trace = step_trace
         log.info(
             "engine_ready", model=str(self.model_dir), num_kv_blocks=self.num_blocks,
             block_size=config.block_size, attention=config.resolved_attention_backend,
@@ -126,7 +132,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 "prompt", f"{len(prompt_token_ids)} tokens leave no room in the context of {self.max_model_len}"
             )
-        need_blocks = -(-len(prompt_token_ids) // self.config.block_size) + 1
+        need_blocks = self.kv.num_blocks_to_run(len(prompt_token_ids))
         limit = min(self.num_blocks, self.pool.spec(partition).limit_blocks)
         if session.kv_quota_blocks and need_blocks > session.kv_quota_blocks:
             raise InvalidRequestError(
@@ -156,9 +162,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = FinishReason.ABORT
+        self.scheduler.finish(seq, FinishReason.ABORT)
         return True
 
     @property
@@ -175,7 +179,7 @@ class LLMEngine:
         return unpinned, self.pool.evict_cached(evict_block_hashes)
 
     def update_priorities(self, priorities: dict[str, float]) -> int:
-        """Set new priorities (lower runs first) of known requests; returns how many.
+        """Set new priorities (higher runs first) of known requests; returns how many.
         The waiting order and preemption victims follow from the next step on."""
         n = 0
         for rid, priority in priorities.items():
@@ -201,8 +205,7 @@ class LLMEngine:
         for seq in self._requeue_if_pins_yield(plan.unservable):
             # It outgrew the pool (or its partition's quota): end it as a length stop.
             log.warning("request_outgrew_kv_pool", request_id=seq.request_id, num_tokens=seq.num_tokens)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = FinishReason.LENGTH
+            self.scheduler.finish(seq, FinishReason.LENGTH)
             self.requests.pop(seq.request_id, None)
             outputs.append(self._output(seq, 0))
         if not plan.decodes and not plan.prefills:
@@ -211,34 +214,18 @@ class LLMEngine:
         result = self.runner.execute(plan)
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted)
-        self._advance(plan)
         if result.block_scores is not None:
             self._fold_block_scores(plan, result.block_scores)
-        if self.step_trace is not None:
+        if self.step_trace is not None:  # before update: it sees the pool as the step left it
             self.step_trace.on_step(self, plan, start_ns, time.time_ns())
-        logprobs = result.tokens.logprobs
-        entropies = result.tokens.entropies
-        for row, item in enumerate(result.sampled):
-            seq = item.seq
-            lp = logprobs[row] if logprobs is not None and seq.params.logprobs else None
-            seq.append_token(result.tokens.token_ids[row], lp)
-            if entropies is not None:
-                seq.entropy_sum += entropies[row]
-            self._check_stop(seq)
+        for seq in self.scheduler.update(plan, result):
             outputs.append(self._output(seq, 1))
             if seq.is_finished:
-                self._finish_session(seq)
-                self.scheduler.remove(seq)
                 self.requests.pop(seq.request_id, None)
         if self.config.kv_compress_budget_blocks:
             for item in plan.decodes + plan.prefills:
                 self._compress(item.seq)
         return outputs
-
-    def _advance(self, plan: StepPlan) -> None:
-        for item in plan.decodes + plan.prefills:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_computed_blocks(item.seq)
 
     @staticmethod
     def _fold_block_scores(plan: StepPlan, block_scores: torch.Tensor) -> None:
@@ -274,10 +261,9 @@ class LLMEngine:
             return unservable
         left = []
         for seq in unservable:
-            need = -(-seq.num_tokens // self.config.block_size) + 1
+            need = self.kv.num_blocks_to_run(seq.num_tokens)
             if self.pins.release_for(seq.partition, need) or self.pins.release_for(None, need):
-                seq.status = SequenceStatus.WAITING if not seq.num_preemptions else SequenceStatus.PREEMPTED
-                self.scheduler.waiting.appendleft(seq)
+                self.scheduler.requeue(seq)
             else:
                 left.append(seq)
         return left
@@ -292,20 +278,6 @@ class LLMEngine:
             self.pins.pin(sid, seq.blocks, seq.partition, seq.session.pin_ttl_s)
         else:
             self.pins.release(sid)
-
-    def _check_stop(self, seq: Sequence) -> None:
-        p = seq.params
-        tok = seq.output_token_ids[-1]
-        reason = None
-        if seq.num_output_tokens >= p.min_tokens and (
-            (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
-        ):
-            reason = FinishReason.STOP
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= seq.max_num_tokens:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = reason
 
     @staticmethod
     def _output(seq: Sequence, num_new: int) -> StepOutput:

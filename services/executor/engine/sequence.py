@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from services.shared.block_hash import BlockHash
-from services.executor.kv.block_pool import DEFAULT_PARTITION, Block
+from services.executor.kv.block_pool import Block
+from services.shared.vocabulary import DEFAULT_PARTITION
 from services.executor.engine.sampling_params import SamplingParams
 
 
@@ -58,7 +59,7 @@ class Sequence:
     params: SamplingParams
     partition: str = DEFAULT_PARTITION
     extra_keys: bytes = b""
-    priority: float = 0.0  # lower runs first; the policy hook reads it
+    priority: float = 0.0  # higher runs first (services/shared/vocabulary.py); the policy reads it
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -1,6 +1,7 @@
 """What each engine step did to each request, for timelines and KV metrics.
 
-``LLMEngine.step`` calls ``StepTrace.on_step`` after a step ran (on the engine thread);
+``LLMEngine.step`` calls ``StepTrace.on_step`` after a step ran (on the engine thread; the
+engine is handed its ``StepTrace`` at construction);
 the gRPC servicer ``pop``s a request's record when its stream ends and turns it into
 spans with ``add_executor_spans``. Records are plain objects touched by one thread at a
 time: the engine thread writes while the request runs, and the servicer reads only
@@ -82,7 +83,7 @@ class StepTrace:
         for seq in engine.scheduler.waiting:
             rec = self._rec(seq.request_id)
             remaining = max(1, seq.num_tokens - seq.num_computed_tokens)
-            need = -(-min(remaining, engine.config.max_prefill_chunk or remaining) // pool.block_size)
+            need = engine.kv.num_blocks_for(min(remaining, engine.config.max_prefill_chunk or remaining))
             if free < need:
                 rec.kv_blocked_ns += step_ns
             else:

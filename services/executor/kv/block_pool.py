@@ -24,8 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from services.shared.block_hash import BlockHash
-
-DEFAULT_PARTITION = "default"
+from services.shared.vocabulary import DEFAULT_PARTITION
 
 
 @dataclass(frozen=True)

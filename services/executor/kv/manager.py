@@ -40,11 +40,30 @@ class KVCacheManager:
         self._extend_hashes(seq, max_hit_tokens)
         return self.pool.get_cached_blocks(seq.block_hashes[: max_hit_tokens // self.block_size])
 
+    # -- questions (none of these modifies anything) ----------------------------
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
+        return -(-num_tokens // self.block_size)
+
+    def num_blocks_to_run(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` tokens is charged when it is checked for
+        fitting at all: its tokens' blocks plus one for the tokens it will generate."""
+        return self.num_blocks_for(num_tokens) + 1
+
+    def partition_allows(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether ``seq``'s partition quota (not the free pool) leaves room for the
+        blocks ``num_new_tokens`` more tokens need."""
+        return self.pool.usage_allows(self.num_blocks_needed(seq, num_new_tokens), seq.partition)
+
+    def is_borrowing(self, partition: str) -> bool:
+        """Whether ``partition`` holds more blocks than it reserves (the first to give back)."""
+        return self.pool.borrowed_blocks(partition) > 0
+
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
         """Fresh blocks needed to hold ``num_new_tokens`` more tokens after the hits.
         Only kept blocks count: tokens dropped by compression hold none."""
         computed = max(seq.num_cached_kv_tokens, num_hit_blocks * self.block_size)
-        total = -(-(computed + num_new_tokens) // self.block_size)
+        total = self.num_blocks_for(computed + num_new_tokens)
         return max(0, total - max(len(seq.blocks), num_hit_blocks))
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, hit_blocks: list[Block] = ()) -> bool:

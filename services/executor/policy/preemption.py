@@ -1,6 +1,9 @@
 """Preemption and admission-order policies: who loses blocks, who is admitted next.
 
 Policies are an enum + a small interface + a factory, so an ablation is a flag.
+Priority reads "higher runs first" (services/shared/vocabulary.py): the waiting queue is
+sorted ascending by ``queue_order_key`` and the victim is the sequence that sorts last.
+A policy asks the KV manager questions (``is_borrowing``); it never touches the pool.
 """
 from __future__ import annotations
 
@@ -9,8 +12,9 @@ import enum
 from collections import deque
 from collections.abc import Sequence as Seq
 
-from services.executor.kv.block_pool import BlockPool
 from services.executor.engine.sequence import Sequence
+from services.executor.kv.manager import KVCacheManager
+from services.shared.vocabulary import queue_order_key
 
 
 class PreemptionPolicyName(enum.Enum):
@@ -20,7 +24,7 @@ class PreemptionPolicyName(enum.Enum):
 
 class PreemptionPolicy(abc.ABC):
     @abc.abstractmethod
-    def pick_victim(self, candidates: Seq[Sequence], pool: BlockPool) -> Sequence:
+    def pick_victim(self, candidates: Seq[Sequence], kv: KVCacheManager) -> Sequence:
         """Choose the running sequence to preempt. ``candidates`` is never empty.
         Does not modify anything."""
 
@@ -29,7 +33,7 @@ class PreemptionPolicy(abc.ABC):
 
 
 class FcfsPolicy(PreemptionPolicy):
-    def pick_victim(self, candidates: Seq[Sequence], pool: BlockPool) -> Sequence:
+    def pick_victim(self, candidates: Seq[Sequence], kv: KVCacheManager) -> Sequence:
         return max(candidates, key=lambda s: s.arrival_time)
 
 
@@ -37,15 +41,15 @@ class PriorityPolicy(PreemptionPolicy):
     """Reclaims borrowed blocks first: a partition over its reserved share is the first
     to give back, so nobody's reservation is ever held hostage."""
 
-    def pick_victim(self, candidates: Seq[Sequence], pool: BlockPool) -> Sequence:
+    def pick_victim(self, candidates: Seq[Sequence], kv: KVCacheManager) -> Sequence:
         return max(
             candidates,
-            key=lambda s: (pool.borrowed_blocks(s.partition) > 0, s.priority, s.arrival_time),
+            key=lambda s: (kv.is_borrowing(s.partition), queue_order_key(s.priority), s.arrival_time),
         )
 
     def order_waiting(self, waiting: deque[Sequence]) -> None:
         if len(waiting) > 1:
-            ordered = sorted(waiting, key=lambda s: (s.priority, s.arrival_time))
+            ordered = sorted(waiting, key=lambda s: (queue_order_key(s.priority), s.arrival_time))
             waiting.clear()
             waiting.extend(ordered)
 

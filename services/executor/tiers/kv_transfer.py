@@ -26,7 +26,7 @@ import torch
 
 from services.executor.attention.base import QuantizedKVCache
 from services.shared.block_hash import BlockHash
-from services.executor.kv.block_pool import DEFAULT_PARTITION
+from services.shared.vocabulary import DEFAULT_PARTITION
 from services.executor.engine.engine import LLMEngine
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -20,6 +20,7 @@ import structlog
 from services.executor.tiers.offload import DemoteOnFinish, Demoter
 from services.executor.engine.engine import StepOutput
 from services.executor.tiers.promotion import Promoter
+from services.shared.vocabulary import partition_of
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +61,7 @@ class TierOps:
         if self.promote_before_prefill:
             try:
                 await self.promoter.promote(prompt, request.tenant_salt,
-                                            request.partition or request.tenant_salt or "default",
+                                            partition_of(request.partition, request.tenant_salt),
                                             force=self.force_promotion)
             except Exception as exc:  # noqa: BLE001 - recompute instead
                 log.warning("promotion_failed", request_id=request.request_id, error=str(exc))

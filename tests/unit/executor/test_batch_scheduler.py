@@ -2,12 +2,16 @@
 it (schedule, advance, sample a token) but with no model."""
 from __future__ import annotations
 
+import pytest
+
 from services.executor.engine.batch_scheduler import BatchScheduler, StepPlan
+from services.executor.engine.model_runner import StepResult
 from services.executor.kv.block_pool import BlockPool, PartitionSpec
 from services.executor.kv.manager import KVCacheManager
 from services.executor.policy.preemption import make_preemption_policy
 from services.executor.engine.sampling_params import SamplingParams
-from services.executor.engine.sequence import Sequence, SequenceStatus
+from services.executor.engine.sequence import FinishReason, Sequence, SequenceStatus
+from services.executor.model.sampler import SampledTokens
 
 BLOCK = 4
 NEXT_TOKEN = 7  # every "sampled" token; the model is not what is under test
@@ -37,15 +41,11 @@ def _seq(rid: str, num_prompt: int, *, arrival: float, partition: str = "default
 
 
 def _step(sched: BatchScheduler) -> StepPlan:
-    """Schedule, then apply the plan the way LLMEngine does: advance, register full
-    blocks, append a token where the step reached the end of the sequence."""
+    """Schedule, then apply the plan with the scheduler's own ``update``, as LLMEngine
+    does, for a model that samples NEXT_TOKEN wherever a step reaches a sequence's end."""
     plan = sched.schedule()
-    sampling = [item.seq for item in plan.decodes + plan.prefills if item.samples]
-    for item in plan.decodes + plan.prefills:
-        item.seq.num_computed_tokens += item.num_new_tokens
-        sched.kv.cache_computed_blocks(item.seq)
-    for seq in sampling:
-        seq.append_token(NEXT_TOKEN)
+    sampled = [item for item in plan.decodes + plan.prefills if item.samples]
+    sched.update(plan, StepResult(sampled, SampledTokens([NEXT_TOKEN] * len(sampled), None)))
     return plan
 
 
@@ -247,3 +247,61 @@ def test_a_shared_prefix_hit_counts_against_the_partitions_quota():
     _step(sched)
     assert sched.kv.pool.used_blocks("b") <= 1
     assert sharer.status is SequenceStatus.WAITING
+
+
+# -- a step's result: update, requeue, finish -----------------------------------------------
+def test_update_finishes_a_sequence_at_max_tokens_and_gives_its_blocks_back():
+    sched = _scheduler(num_blocks=8)
+    seen: list[tuple[str, int]] = []
+    sched.on_finish = lambda seq: seen.append((seq.request_id, len(seq.blocks)))  # sees it before the free
+    seq = Sequence("short", list(range(100, 100 + BLOCK)), SamplingParams(max_tokens=2), arrival_time=0)
+    sched.add(seq)
+    _step(sched)
+    assert seq.output_token_ids == [NEXT_TOKEN] and not seq.is_finished
+    _step(sched)
+    assert seq.is_finished and seq.finish_reason.value == "length"
+    assert seen == [("short", 2)] and seq.blocks == []
+    assert not sched.has_work and sched.kv.pool.num_free_blocks == 8
+
+
+def test_update_stops_on_an_eos_token_once_min_tokens_are_out():
+    pool = BlockPool(8, BLOCK, enable_prefix_caching=True)
+    sched = BatchScheduler(KVCacheManager(pool), make_preemption_policy("fcfs"), max_num_seqs=4,
+                           max_num_batched_tokens=64, max_prefill_chunk=64, eos_token_ids=[NEXT_TOKEN])
+    eager = Sequence("eager", [1, 2, 3], SamplingParams(max_tokens=8), arrival_time=0)
+    patient = Sequence("patient", [4, 5, 6], SamplingParams(max_tokens=8, min_tokens=2), arrival_time=1)
+    sched.add(eager)
+    sched.add(patient)
+    _step(sched)
+    assert eager.finish_reason.value == "stop" and eager.num_output_tokens == 1
+    assert not patient.is_finished
+    _step(sched)
+    assert patient.finish_reason.value == "stop" and patient.num_output_tokens == 2
+
+
+def test_requeue_puts_a_taken_out_sequence_first_in_the_state_it_had():
+    sched = _scheduler()
+    first, again = _seq("first", 4, arrival=0), _seq("again", 4, arrival=1)
+    sched.add(first)
+    again.num_preemptions = 1  # it ran before
+    sched.requeue(again)
+    assert _ids(sched.waiting) == ["again", "first"]
+    assert again.status is SequenceStatus.PREEMPTED and first.status is SequenceStatus.WAITING
+
+
+def test_finish_takes_a_running_sequence_out_and_frees_its_blocks_without_on_finish():
+    sched = _scheduler(num_blocks=8)
+    sched.on_finish = lambda seq: pytest.fail("finish() keeps nothing of the sequence")
+    seq = _seq("gone", 2 * BLOCK, arrival=0)
+    sched.add(seq)
+    _step(sched)
+    assert sched.kv.pool.num_free_blocks < 8
+    sched.finish(seq, FinishReason.ABORT)
+    assert seq.status is SequenceStatus.FINISHED and seq.finish_reason is FinishReason.ABORT
+    assert not sched.has_work and sched.kv.pool.num_free_blocks == 8
+
+
+def test_kv_manager_counts_blocks_for_tokens():
+    kv = KVCacheManager(BlockPool(8, BLOCK, enable_prefix_caching=True))
+    assert [kv.num_blocks_for(n) for n in (0, 1, BLOCK, BLOCK + 1)] == [0, 1, 1, 2]
+    assert kv.num_blocks_to_run(BLOCK) == 2  # plus one for what it will generate

@@ -11,7 +11,7 @@ from services.executor.kv.block_pool import BlockStored
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.config import EngineConfig
 from services.executor.engine.sampling_params import SamplingParams
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 MAX_STEPS = 600  # no test here needs more; a loop past it is a hang, not slowness
 VOCAB = 1024
@@ -138,7 +138,7 @@ def test_a_compressed_sequence_preempted_after_outgrowing_the_pool_is_recomputed
     # 14-block pool, held in 6 by compression; "c" arriving then forces a preemption.
     engine = _engine(checkpoint, num_kv_blocks=14, max_prefill_chunk=8, preemption_policy="priority", **BUDGET)
     engine.add_request("b", _prompt(4, start=1), _greedy(120), priority=0.0)
-    engine.add_request("a", _prompt(10), _greedy(100), priority=10.0)
+    engine.add_request("a", _prompt(10), _greedy(100), priority=-10.0)
     tokens: dict[str, list[int]] = {}
     while engine.requests["a"].num_tokens < 64:
         for out in engine.step():

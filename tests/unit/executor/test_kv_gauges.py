@@ -13,7 +13,7 @@ from services.executor.engine.engine import LLMEngine
 from services.executor.engine.sampling_params import SamplingParams
 from services.executor.engine.step_trace import StepTrace
 from services.mesh import metric_catalogue as catalogue
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +53,9 @@ def run_tenants(engine: LLMEngine, tenants: dict[str, int], max_tokens: int = 6)
 
 
 def engine_with_trace(checkpoint, name: str, partitions=()) -> LLMEngine:
-    engine = LLMEngine(checkpoint, EngineConfig(num_kv_blocks=64, block_size=16))
+    engine = LLMEngine(checkpoint, EngineConfig(num_kv_blocks=64, block_size=16), step_trace=StepTrace(name))
     if partitions:
         engine.pool.set_partitions(partitions)
-    engine.step_trace = StepTrace(name)
     return engine
 
 

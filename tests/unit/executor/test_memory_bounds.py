@@ -51,9 +51,12 @@ def test_cachestore_entries_are_unbounded_only_when_asked():
 
 # -- executor: per-request step records -------------------------------------------------
 def _engine(waiting):
-    pool = SimpleNamespace(num_free_blocks=100, block_size=16, usage=lambda: [])
-    return SimpleNamespace(pool=pool, num_blocks=100, scheduler=SimpleNamespace(waiting=waiting),
-                           config=SimpleNamespace(max_prefill_chunk=0))
+    from services.executor.kv.block_pool import BlockPool
+    from services.executor.kv.manager import KVCacheManager
+
+    pool = BlockPool(100, 16, enable_prefix_caching=True)
+    return SimpleNamespace(pool=pool, kv=KVCacheManager(pool), num_blocks=100,
+                           scheduler=SimpleNamespace(waiting=waiting), config=SimpleNamespace(max_prefill_chunk=0))
 
 
 def _item(rid: str):
@@ -94,8 +97,6 @@ def test_the_timeline_store_keeps_only_its_capacity_of_requests():
 class _HangingEngine:
     """An AsyncEngine stand-in whose requests never produce output."""
 
-    engine = SimpleNamespace(step_trace=None)
-
     async def generate(self, request_id, *args, **kwargs):
         await asyncio.Event().wait()
         yield  # pragma: no cover
@@ -119,8 +120,8 @@ def test_cancelled_streams_leave_nothing_tracked_for_demotion():
     from weft.v1 import executor_pb2
 
     async def go():
-        servicer = ExecutorServicer(_HangingEngine(), "executor-0", "tiny", 16)
-        servicer.tiers = TierOps(None, None, DemoteOnFinish.ALL, promote_before_prefill=False)
+        servicer = ExecutorServicer(_HangingEngine(), "executor-0", "tiny", 16,
+                                    tiers=TierOps(None, None, DemoteOnFinish.ALL, promote_before_prefill=False))
         for i in range(200):
             stream = servicer.Generate(executor_pb2.ExecuteRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3]),
                                        _Context())

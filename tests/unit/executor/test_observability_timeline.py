@@ -13,7 +13,7 @@ from services.mesh.timeline import (
     MAX_SPANS_PER_SERVICE, TimelineStore, Trace, TraceContext, context_from_metadata, spans_from_metadata,
     spans_metadata, timeline_json,
 )
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 
 def test_traceparent_round_trips_and_malformed_values_start_a_new_trace():
@@ -105,10 +105,9 @@ def test_step_trace_records_chunks_kv_blocked_waits_and_preemptions_on_a_full_po
 
 
 def test_executor_spans_are_ordered_and_the_kv_gauges_move_while_a_request_runs(checkpoint):
-    engine = LLMEngine(checkpoint, EngineConfig(num_kv_blocks=64, block_size=16))
     name = "executor-gauge-test"
     trace = StepTrace(name)
-    engine.step_trace = trace
+    engine = LLMEngine(checkpoint, EngineConfig(num_kv_blocks=64, block_size=16), step_trace=trace)
     t = Trace("r", "executor")  # received now, before the first step
     engine.add_request("r", list(range(10, 50)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     engine.step()

@@ -14,7 +14,7 @@ from services.executor.kv.pinning import PinTable
 from services.executor.policy.credit_audit import CreditAuditor, parse_partitions
 from services.executor.engine.sampling_params import SamplingParams
 from services.executor.engine.sequence import FinishReason, SessionOptions
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 BS = 4
@@ -187,7 +187,7 @@ def test_priority_updates_reorder_the_waiting_queue(checkpoint):
     engine = _engine(checkpoint, max_num_seqs=1, preemption_policy="priority")
     for rid in ("a", "b", "c"):
         engine.add_request(rid, _prompt(6, ord(rid)), GREEDY)
-    assert engine.update_priorities({"c": -5.0, "b": -1.0, "gone": 0.0}) == 2
+    assert engine.update_priorities({"c": 5.0, "b": 1.0, "gone": 0.0}) == 2
     order = []
     for _ in range(200):
         if not engine.has_unfinished_requests:
