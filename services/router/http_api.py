@@ -49,6 +49,7 @@ from services.router.json_body import parse_json_body
 from services.router.readiness import Readiness
 from services.router.request_ids import client_request_id, http_request_id, mesh_request_id
 from services.router.openai_format import ChatFormatter, CompletionFormatter, error_body, sse, sum_usage
+from services.router.prepare import ChatPrompt, completion_prompt
 from services.router.schema import Delta, ServingNotes
 from services.router.tool_calls import ContentDelta, ToolCall, ToolCallParser, parse_tool_calls
 from services.router.validation import parse_chat_request, parse_completion_request
@@ -224,7 +225,8 @@ class HttpApi:
         req = parse_chat_request(await self._json(request), self.generator.limits)
         rid = self._request_id(request, "chatcmpl")
         with request_context(rid, tenant=tenant):
-            token_req = await self.generator.chat_token_request_async(req, tenant, mesh_request_id(tenant, rid))
+            token_req = await self.generator.prepare(ChatPrompt(req.messages, req.tools), req.sampling, tenant,
+                                                     req.session, rid)
             fmt = ChatFormatter(rid, req.model, req.include_usage)
             deltas = timed(self.generator.stream(token_req, req.stop), "http")
             try:
@@ -303,9 +305,8 @@ class HttpApi:
             multi = len(req.prompts) > 1
             field = lambda i: f"prompt[{i}]" if multi else "prompt"  # noqa: E731
             token_reqs = [
-                self.generator.token_request(await self.generator.text_prompt_ids_async(p, field(i)), req.sampling,
-                                             tenant, req.session, field(i),
-                                             mesh_request_id(tenant, f"{rid}-{i}" if multi else rid))
+                await self.generator.prepare(completion_prompt(p, field(i)), req.sampling, tenant, req.session,
+                                             f"{rid}-{i}" if multi else rid)
                 for i, p in enumerate(req.prompts)
             ]
             fmt = CompletionFormatter(rid, req.model, req.include_usage)

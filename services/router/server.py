@@ -1,13 +1,13 @@
 """The public gRPC ``weft.v1.Router`` servicer: the only router module that converts
 between ``router_pb2`` messages and domain types (``scheduler_client.py`` is its
-outbound twin). Sampling fields are validated by the same code as the HTTP API, so both
-reject the same inputs naming the same fields.
+outbound twin). Everything past the conversion is the HTTP API's code too.
 
 Validation is shared with the HTTP API, so both doors reject the same inputs naming the
 same fields: sampling (``validation.parse_sampling``), session and contract
 (``validation.parse_session``: an undefined enum number such as ``request_class=99`` is
 INVALID_ARGUMENT), chat messages (``chat_messages.parse_message``: a tool message needs
-``tool_call_id``), the prompt's size (``Generator.encode_async``), and ``request_id``
+``tool_call_id``), the prompt's size and tokenization (``prepare.py``, the same async step as
+HTTP's: large prompts are rendered and encoded off the event loop), and ``request_id``
 (``request_ids.py``: at most 64 characters of ``[A-Za-z0-9._:-]``, scoped by tenant).
 
 Health: ``grpc.health.v1`` on this port is liveness (SERVING until SIGTERM drains the
@@ -33,9 +33,10 @@ from services.router.errors import (AuthenticationError, InvalidRequestError, Ov
                                     UpstreamUnavailable)
 from services.router.chat_messages import parse_message
 from services.router.generation import Generator
-from services.router.request_ids import grpc_request_id, mesh_request_id
+from services.router.prepare import ChatPrompt, Prompt, TextPrompt, TokenIdsPrompt
+from services.router.request_ids import grpc_request_id
 from services.router.schema import Delta, Sampling
-from services.router.validation import parse_sampling, parse_session, parse_stop
+from services.router.validation import Limits, parse_sampling, parse_session, parse_stop
 from weft.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -113,26 +114,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             sampling = replace(sampling, semantic_cache=request.semantic_cache)
             stop = parse_stop(list(request.stop) or None, self.generator.limits)
             session = _session(request.session)
-            form = request.WhichOneof("prompt")
-            if form == "text":
-                ids = await self.generator.text_prompt_ids_async(request.text, "text")
-            elif form == "token_ids":
-                ids = list(request.token_ids.ids)
-            elif form == "chat":
-                if not request.chat.messages:
-                    raise InvalidRequestError("chat.messages", "must not be empty")
-                if len(request.chat.messages) > self.generator.limits.max_messages:  # as HTTP's cap
-                    raise InvalidRequestError("chat.messages", f"at most {self.generator.limits.max_messages} "
-                                              f"messages, got {len(request.chat.messages)}")
-                messages = [parse_message(_message(msg), f"chat.messages[{i}]")
-                            for i, msg in enumerate(request.chat.messages)]
-                ids = await self.generator.chat_prompt_ids_async(messages, None, request.chat.add_generation_prompt,
-                                                                 "chat.messages")
-            else:
-                raise InvalidRequestError("prompt", "one of text, chat or token_ids is required")
-            field = "chat.messages" if form == "chat" else form
-            token_req = self.generator.token_request(ids, sampling, tenant, session, field,
-                                                     mesh_request_id(tenant, rid))
+            prompt = prompt_from_proto(request, self.generator.limits)
+            token_req = await self.generator.prepare(prompt, sampling, tenant, session, rid)
             m.IN_FLIGHT.labels("grpc").inc()
             deltas = self.generator.stream(token_req, stop)
             try:
@@ -153,6 +136,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         model = router_pb2.ModelInfo(id=self.model_name, max_model_len=self.generator.limits.max_model_len,
                                      num_executors=num_executors)
         return router_pb2.ListModelsResponse(models=[model])
+
+
+def prompt_from_proto(request: router_pb2.GenerateRequest, limits: Limits) -> Prompt:
+    """The request's prompt form; its field names are the proto's (``text``, ``token_ids``,
+    ``chat.messages``), as every refusal of the prompt names them."""
+    form = request.WhichOneof("prompt")
+    if form == "text":
+        return TextPrompt(request.text, "text")
+    if form == "token_ids":
+        return TokenIdsPrompt(tuple(request.token_ids.ids), "token_ids")
+    if form == "chat":
+        if not request.chat.messages:
+            raise InvalidRequestError("chat.messages", "must not be empty")
+        if len(request.chat.messages) > limits.max_messages:  # as HTTP's cap
+            raise InvalidRequestError("chat.messages", f"at most {limits.max_messages} "
+                                      f"messages, got {len(request.chat.messages)}")
+        messages = tuple(parse_message(_message(msg), f"chat.messages[{i}]")
+                         for i, msg in enumerate(request.chat.messages))
+        return ChatPrompt(messages, None, request.chat.add_generation_prompt, "chat.messages")
+    raise InvalidRequestError("prompt", "one of text, chat or token_ids is required")
 
 
 def _message(msg: router_pb2.ChatMessage) -> dict:

@@ -1,0 +1,180 @@
+"""Request preparation: one validated prompt and its settings become the ``TokenRequest``
+the router sends downstream. Every door takes this one async step (HTTP chat, HTTP
+completions, gRPC ``Generate`` with a text, chat or token-id prompt), so a prompt is
+rendered, tokenized, fitted to the context and refused the same way, naming the same
+field, whichever door it came through:
+
+    prompt form ──render (chat template)──▶ text ──encode──▶ ids ──fit the context──▶ TokenRequest
+      TextPrompt        ChatPrompt only                      ids in [0, vocab), room left for output
+      ChatPrompt                                             + sampling (max_tokens resolved)
+      TokenIdsPrompt    (already ids)                        + session (intent pre-screen: class, contract)
+                                                             + tenant, request id scoped by tenant, deadline
+
+NOTE: preparation never blocks the event loop for long. A text with more characters than
+any prompt that fits can have is refused before tokenizing (``prompt_budget.py``); a long
+text is encoded in a worker thread with the GIL released, at most
+``MAX_CONCURRENT_OFFLOADS`` at once, and an over-long result is only counted; a large
+conversation is rendered in a worker thread too (jinja is pure Python). Small prompts stay
+on the loop: for them the thread hop costs more than the work.
+
+Mutates nothing shared: a ``RequestPreparer`` holds only the tokenizer, the deployment's
+limits and the offload semaphore.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jinja2
+
+from services.router.errors import InvalidRequestError
+from services.router.intent import prescreen
+from services.router.request_ids import mesh_request_id
+from services.router.schema import Sampling, Session, TokenRequest
+from services.router.validation import Limits, resolve_max_tokens
+from services.shared.tokenizer import Tokenizer
+
+# Texts longer than this are encoded in a worker thread with the GIL released
+# (``Tokenizer.encode_bounded``), so one huge prompt does not stall every other stream on
+# the router's event loop; shorter ones cost less than the thread hop.
+OFFLOAD_TOKENIZE_CHARS = 16_384
+# Conversations with more messages than this are rendered in a worker thread too: the
+# template's cost grows with the number of messages, not only with their text.
+OFFLOAD_RENDER_MESSAGES = 64
+# Huge prompts tokenized at once: each takes a core for as long as it runs.
+MAX_CONCURRENT_OFFLOADS = 2
+# The field a chat template's refusal names, whichever door the conversation came through.
+CHAT_TEMPLATE_FIELD = "messages"
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """A prompt text, tokenized with the tokenizer's special tokens (BOS)."""
+
+    text: str
+    field: str = "prompt"  # named by every refusal of this prompt
+
+
+@dataclass(frozen=True)
+class TokenIdsPrompt:
+    """A prompt already tokenized by the client."""
+
+    token_ids: tuple[int, ...]
+    field: str = "prompt"
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation (plain message dicts, validated by ``chat_messages.parse_message``)
+    rendered by the model's chat template, whose output already carries BOS and friends."""
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] | None = None
+    add_generation_prompt: bool = True
+    field: str = "messages"
+
+    @property
+    def is_small(self) -> bool:
+        """Cheap enough to render on the loop (tool calls and tools render with json.dumps)."""
+        size = sum(len(m.get("content") or "") for m in self.messages)
+        return (size <= OFFLOAD_TOKENIZE_CHARS and len(self.messages) <= OFFLOAD_RENDER_MESSAGES
+                and not self.tools and not any(m.get("tool_calls") for m in self.messages))
+
+
+Prompt = TextPrompt | TokenIdsPrompt | ChatPrompt
+
+
+def completion_prompt(prompt: str | Sequence[int], field: str) -> TextPrompt | TokenIdsPrompt:
+    """One entry of ``/v1/completions``' ``prompt``: a text or token ids."""
+    if isinstance(prompt, str):
+        return TextPrompt(prompt, field)
+    return TokenIdsPrompt(tuple(prompt), field)
+
+
+class RequestPreparer:
+    """Prompt form + sampling + tenant + session + client id -> ``TokenRequest``."""
+
+    def __init__(self, tokenizer: Tokenizer, limits: Limits, request_timeout_s: float = 600.0) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.request_timeout_s = request_timeout_s
+        self._offload_slots = asyncio.Semaphore(MAX_CONCURRENT_OFFLOADS)
+
+    async def prepare(self, prompt: Prompt, sampling: Sampling, tenant: str, session: Session,
+                      client_request_id: str) -> TokenRequest:
+        """The token request of one prompt; raises ``InvalidRequestError`` naming
+        ``prompt.field`` (or ``max_tokens``) when it cannot run."""
+        ids = await self.prompt_ids(prompt)
+        has_tools = isinstance(prompt, ChatPrompt) and bool(prompt.tools)
+        return self.token_request(ids, sampling, tenant, session, prompt.field,
+                                  mesh_request_id(tenant, client_request_id), has_tools)
+
+    async def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids (not yet checked against the vocabulary or context)."""
+        if isinstance(prompt, TokenIdsPrompt):
+            return list(prompt.token_ids)
+        if isinstance(prompt, TextPrompt):
+            return await self.encode_async(prompt.text, prompt.field)
+        if prompt.is_small:
+            text = self._render_chat(prompt)
+        else:
+            text = await asyncio.to_thread(self._render_chat, prompt)
+        return await self.encode_async(text, prompt.field, add_special_tokens=False)
+
+    def token_request(self, prompt_ids: Sequence[int], sampling: Sampling, tenant: str, session: Session,
+                      prompt_field: str, request_id: str, has_tools: bool = False) -> TokenRequest:
+        """Check the ids against the vocabulary and the context, resolve max_tokens, and
+        decide the request's class and contract (``intent.prescreen``)."""
+        if len(prompt_ids) >= self.limits.max_model_len:  # cannot fit: refuse before walking the ids
+            resolve_max_tokens(sampling, len(prompt_ids), self.limits.max_model_len, prompt_field)
+        for i, t in enumerate(prompt_ids):
+            if not 0 <= t < self.limits.vocab_size:
+                raise InvalidRequestError(f"{prompt_field}[{i}]",
+                                          f"token id {t} is outside [0, {self.limits.vocab_size})")
+        max_tokens = resolve_max_tokens(sampling, len(prompt_ids), self.limits.max_model_len, prompt_field)
+        return TokenRequest(
+            request_id=request_id,
+            model="",  # one model per deployment: any executor serves it
+            prompt_token_ids=tuple(prompt_ids),
+            sampling=replace(sampling, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens),
+                             stop_token_ids=tuple(sampling.stop_token_ids)),
+            tenant=tenant,
+            session=prescreen(session, has_tools, len(prompt_ids), max_tokens),
+            deadline_unix_ms=int((time.time() + self.request_timeout_s) * 1000),
+        )
+
+    async def encode_async(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt text that can fit the context; raises
+        ``InvalidRequestError`` naming ``field`` when it cannot (see the module's NOTE)."""
+        self.check_prompt_chars(text, field)
+        if len(text) <= OFFLOAD_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        async with self._offload_slots:
+            num_tokens, ids = await asyncio.to_thread(self.tokenizer.encode_bounded, text,
+                                                      self.limits.max_model_len, add_special_tokens)
+        if ids is None:
+            raise InvalidRequestError(
+                field, f"{num_tokens} tokens exceed the model's context length of {self.limits.max_model_len}")
+        return ids
+
+    def check_prompt_chars(self, text: str, field: str) -> None:
+        """Refuse a text that has more characters than any fitting prompt can have."""
+        max_chars = self.tokenizer.char_budget.max_chars(self.limits.max_model_len, text.isascii())
+        if max_chars is not None and len(text) > max_chars:
+            raise InvalidRequestError(
+                field, f"{len(text)} characters can never fit the model's context length of "
+                f"{self.limits.max_model_len} tokens (at most {max_chars} characters with this tokenizer)")
+
+    def _render_chat(self, prompt: ChatPrompt) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(list(prompt.messages), tools=prompt.tools,
+                                                      add_generation_prompt=prompt.add_generation_prompt)
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(CHAT_TEMPLATE_FIELD, f"rejected by the model's chat template: {exc}") from None
+        except ValueError as exc:
+            raise InvalidRequestError(CHAT_TEMPLATE_FIELD, str(exc)) from None
+        except RecursionError:  # tool-call arguments or tool schemas too deep for ``tojson``
+            raise InvalidRequestError(CHAT_TEMPLATE_FIELD, "too deeply nested for the model's chat template") from None
