@@ -1,9 +1,10 @@
 """Scheduler continuation: a stream survives the death, restart or stall of its scheduler.
 
-NOTE: this is the scheduler's executor migration (``services/scheduler/migration.py``)
-one level up. When the scheduler stream breaks after chunks were relayed, the router
-re-issues the request with prompt = original prompt + every token already relayed and
-``max_tokens`` / ``min_tokens`` reduced by that many, and keeps relaying:
+NOTE: this is the scheduler's executor migration one level up, by the same rule: the
+stream-resume point of ``services/shared/stream_resume.py``. When the scheduler stream
+breaks after chunks were relayed, the router re-issues the request with prompt = original
+prompt + every token already relayed and ``max_tokens`` / ``min_tokens`` reduced by that
+many (``resume_point``), and keeps relaying:
 
     attempt 0:   prompt p0..pn            → t0 t1 t2 ✗ (scheduler killed)
     attempt 1:   prompt p0..pn t0 t1 t2   → t3 t4 …  (id "<id>.c1", max_tokens - 3)
@@ -50,7 +51,7 @@ A scheduler that lost the session (restarted) or already closed the hop refuses 
 (INVALID_ARGUMENT on ``session.*``): the stream then ends UNAVAILABLE, telling the
 client to resend the hop with its full prompt; it never runs on a partial context.
 
-Seeded sampling follows migration.py: the continuation is seeded with
+Seeded sampling follows the shared rule: the continuation is seeded with
 ``continuation_seed(seed, num_sent)``, reproducible per failure point only.
 """
 from __future__ import annotations
@@ -65,7 +66,7 @@ import structlog
 from services.mesh.retry import outage_retrying
 from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
 from services.router.schema import TokenChunk, TokenRequest
-from services.scheduler.migration import MigrationPolicy, StallWatch, continuation_seed
+from services.shared.stream_resume import StallRule, StallWatch, budget_spent, resume_point
 
 log = structlog.get_logger(__name__)
 
@@ -100,8 +101,8 @@ class ContinuationPolicy:
             raise ValueError("reconnect_wait_s must be >= 0")
 
     def stall_watch(self) -> StallWatch:
-        return StallWatch(MigrationPolicy(stall_factor=self.stall_factor, min_stall_s=self.min_stall_s,
-                                          first_token_timeout_s=self.first_chunk_probe_s))
+        return StallWatch(StallRule(stall_factor=self.stall_factor, min_stall_s=self.min_stall_s,
+                                    first_token_timeout_s=self.first_chunk_probe_s))
 
 
 def is_lost(exc: BaseException) -> bool:
@@ -122,17 +123,16 @@ class _Progress:
     @property
     def budget_spent(self) -> bool:
         """Every requested token was sent: only the finish marker was lost."""
-        max_tokens = self.request.sampling.max_tokens
-        return bool(max_tokens) and len(self.sent_token_ids) >= max_tokens
+        return budget_spent(self.request.sampling.max_tokens or 0, len(self.sent_token_ids))
 
     def continuation(self) -> TokenRequest:
-        r, n = self.request, len(self.sent_token_ids)
-        s = r.sampling
-        seed = continuation_seed(s.seed, n) if s.seed is not None and n else s.seed
-        sampling = replace(s, max_tokens=s.max_tokens - n if s.max_tokens else s.max_tokens,
-                           min_tokens=max(0, s.min_tokens - n), seed=seed)
+        """The request resumed after the tokens sent (``resume_point``), under a fresh id."""
+        r, s = self.request, self.request.sampling
+        point = resume_point(r.prompt_token_ids, self.sent_token_ids, s.max_tokens or 0, s.min_tokens, s.seed)
+        sampling = replace(s, max_tokens=point.max_tokens if s.max_tokens else s.max_tokens,
+                           min_tokens=point.min_tokens, seed=point.seed)
         return replace(r, request_id=f"{r.request_id}.c{self.num_continuations}",
-                       prompt_token_ids=r.prompt_token_ids + tuple(self.sent_token_ids), sampling=sampling)
+                       prompt_token_ids=point.prompt_token_ids, sampling=sampling)
 
     def relay(self, chunk: TokenChunk) -> TokenChunk:
         """Record a chunk; after a continuation, rewrite it as part of the first stream."""

@@ -22,8 +22,8 @@ from services.router.scheduler_client import SchedulerClient
 from services.router.schema import Sampling, Session, TokenChunk, TokenRequest
 from services.shared.tokenizer import Tokenizer
 from services.scheduler.errors import ExecutorLostError
-from services.scheduler.migration import continuation_seed
-from weft.tiny_model import make_tiny_checkpoint
+from services.shared.stream_resume import continuation_seed
+from weft.testing.tiny_model import make_tiny_checkpoint
 from weft.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 PROMPT = (11, 12, 13, 14)
