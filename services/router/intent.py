@@ -17,20 +17,23 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from services.router.schema import ContractSpec, Session
+from services.shared.vocabulary import REQUEST_CLASS_LABELS, RequestClass
 
 BATCH_PROMPT_TOKENS = 8192
 BATCH_MAX_TOKENS = 1024
 
-TEMPLATES: dict[str, ContractSpec] = {
-    "interactive": ContractSpec(ttft_ceiling_ms=2000, fallback="reroute"),
-    "agentic": ContractSpec(ttft_ceiling_ms=10000, fallback="degrade"),
-    "deterministic": ContractSpec(fallback="degrade"),
-    "batch": ContractSpec(fallback="degrade"),
+TEMPLATES: dict[RequestClass, ContractSpec] = {
+    RequestClass.INTERACTIVE: ContractSpec(ttft_ceiling_ms=2000, fallback="reroute"),
+    RequestClass.AGENTIC: ContractSpec(ttft_ceiling_ms=10000, fallback="degrade"),
+    RequestClass.DETERMINISTIC: ContractSpec(fallback="degrade"),
+    RequestClass.BATCH: ContractSpec(fallback="degrade"),
 }
 
 
 @dataclass(frozen=True)
 class IntentFeatures:
+    """What the pre-screen reads; classes are ``RequestClass`` labels ("" = none)."""
+
     declared_class: str
     has_session: bool
     hop_index: int
@@ -41,19 +44,19 @@ class IntentFeatures:
 
 
 def classify(f: IntentFeatures) -> str:
-    """The request class for these features. Pure."""
+    """The request class (its label, as the wire and HTTP carry it) for these features. Pure."""
     if f.declared_class:
         return f.declared_class
     if f.has_session or f.hop_index > 0 or f.has_tools:
-        return "agentic"
+        return RequestClass.AGENTIC.value
     if f.num_prompt_tokens >= BATCH_PROMPT_TOKENS and f.max_tokens >= BATCH_MAX_TOKENS:
-        return "batch"
-    return f.tenant_default_class or "interactive"
+        return RequestClass.BATCH.value
+    return f.tenant_default_class or RequestClass.INTERACTIVE.value
 
 
 def with_template(contract: ContractSpec, request_class: str) -> ContractSpec:
     """The caller's contract with zero fields filled from the class's template."""
-    t = TEMPLATES.get(request_class, ContractSpec())
+    t = TEMPLATES[RequestClass(request_class)] if request_class in REQUEST_CLASS_LABELS else ContractSpec()
     return replace(
         contract,
         ttft_ceiling_ms=contract.ttft_ceiling_ms or t.ttft_ceiling_ms,

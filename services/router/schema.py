@@ -26,10 +26,6 @@ class Sampling:
     semantic_cache: bool = False  # opt-in: a greedy request may be answered from the semantic response cache
 
 
-# Rungs of the degradation ladder a contract may list (``weft.v1.DegradeStep``), mildest first.
-DEGRADE_STEPS = ("none", "kv_int8", "kv_compress", "smaller_model", "shed")
-
-
 @dataclass(frozen=True)
 class ContractSpec:
     """Per-task contract (``weft.v1.Contract``); zeros mean "none" / "by class"."""
@@ -38,7 +34,8 @@ class ContractSpec:
     ttft_ceiling_ms: int = 0
     tpot_ceiling_ms: int = 0
     fallback: str = ""  # "", "degrade", "reroute", "fail_fast"
-    # Degradation rungs the task accepts (names from DEGRADE_STEPS); empty: every rung.
+    # Degradation rungs the task accepts (labels from ``services/shared/vocabulary.RUNG_LABELS``);
+    # empty: every rung.
     # ("none",) alone: full quality only. Shed always applies.
     accepted_degrade_steps: tuple[str, ...] = ()
 
@@ -51,7 +48,7 @@ class Session:
     program_id: str = ""
     hop_index: int = 0
     expected_tool_ms: int = 0
-    request_class: str = ""  # "", "interactive", "agentic", "deterministic", "batch"
+    request_class: str = ""  # "" (decided by intent.py) or a ``RequestClass`` label: "interactive", ...
     stateful: bool = False  # the prompt holds only this hop's new tokens
     contract: ContractSpec = field(default_factory=ContractSpec)
 

@@ -15,9 +15,9 @@ from typing import Any
 from services.router.chat_messages import parse_message, parse_tool_choice, parse_tools
 from services.router.errors import InvalidRequestError, ModelNotFoundError
 from services.router.json_fields import json_object, json_type, optional_field
-from services.router.schema import DEGRADE_STEPS, ChatRequest, CompletionRequest, ContractSpec, Sampling, Session
+from services.router.schema import ChatRequest, CompletionRequest, ContractSpec, Sampling, Session
+from services.shared.vocabulary import REQUEST_CLASS_LABELS, RUNG_LABELS
 
-_REQUEST_CLASSES = ("", "interactive", "agentic", "deterministic", "batch")
 _FALLBACKS = ("", "degrade", "reroute", "fail_fast")
 MAX_SESSION_KEY_CHARS = 128
 
@@ -216,9 +216,9 @@ def parse_session(body: Mapping[str, Any], prefix: str = "") -> Session:
     Shared by HTTP (top-level fields) and gRPC (``SessionInfo`` as a dict, ``prefix``
     "session."), so both doors accept and refuse the same values naming the same field."""
     request_class = optional_field(body, "request_class", str, "")
-    if request_class not in _REQUEST_CLASSES:
+    if request_class and request_class not in REQUEST_CLASS_LABELS:  # "": intent.py decides
         raise InvalidRequestError(f"{prefix}request_class",
-                                  f"must be one of {list(_REQUEST_CLASSES[1:])}, got {request_class!r}")
+                                  f"must be one of {list(REQUEST_CLASS_LABELS)}, got {request_class!r}")
     hop_index = optional_field(body, "hop_index", int, 0)
     expected_tool_ms = optional_field(body, "expected_tool_ms", int, 0)
     for name, value in (("hop_index", hop_index), ("expected_tool_ms", expected_tool_ms)):
@@ -275,8 +275,8 @@ def _degrade_steps(value: Any, name: str = "contract.accepted_degrade_steps") ->
     for i, step in enumerate(value):
         if not isinstance(step, str):
             raise InvalidRequestError(f"{name}[{i}]", f"must be a string, got {json_type(step)}")
-        if step not in DEGRADE_STEPS:
-            raise InvalidRequestError(f"{name}[{i}]", f"unknown rung {step!r}; must be one of {list(DEGRADE_STEPS)}")
+        if step not in RUNG_LABELS:
+            raise InvalidRequestError(f"{name}[{i}]", f"unknown rung {step!r}; must be one of {list(RUNG_LABELS)}")
         if step not in steps:
             steps.append(step)
     return tuple(steps)
