@@ -1,7 +1,8 @@
 """Assemble and run the router: tokenizer, scheduler client, gRPC and HTTP listeners.
 
 SIGTERM drains: /health and gRPC health turn NOT_SERVING, new work is refused, in-flight
-streams get ``drain_timeout_s`` to finish, then both listeners close.
+streams get ``drain_s`` (``--drain-timeout-s``, else ``--grace-s``) to finish, then both
+listeners close.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class RouterApp:
         catalogue.register("router")
         tokenizer = Tokenizer.from_dir(config.model_dir)
         limits = model_limits(config.model_dir, tokenizer, [config.model_name], config.max_model_len)
-        self.scheduler = SchedulerClient(config.scheduler_address)
+        self.scheduler = SchedulerClient(config.scheduler_address, config.max_message_bytes)
         # A stream survives its scheduler's death, restart or stall (continuation.py).
         downstream = ContinuingStreamer(self.scheduler, ContinuationPolicy(
             max_attempts=config.continuation_attempts, reconnect_wait_s=config.continuation_wait_s,
@@ -48,7 +49,7 @@ class RouterApp:
                             body_read_timeout_s=config.body_read_timeout_s)
         # One request cap for both public doors: the gRPC message limit is the HTTP body cap.
         self.grpc = GrpcServer("weft.v1.Router", config.host, config.grpc_port, rules=ROUTER_ERROR_RULES,
-                               max_message_bytes=config.max_body_bytes, grace_s=config.drain_timeout_s,
+                               max_message_bytes=config.max_body_bytes, grace_s=config.drain_s,
                                peer_auth=False)
         self.metrics_server = MetricsServer(config.metrics_host, config.metrics_port)
         servicer = RouterServicer(self.generator, keys, config.model_name, self.scheduler.list_executors)
@@ -63,7 +64,7 @@ class RouterApp:
         # keepalive_timeout also bounds a connection that never completes its headers
         # (slowloris): aiohttp arms it at connection start and after every response.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self.config.drain_timeout_s,
+                                     shutdown_timeout=self.config.drain_s,
                                      keepalive_timeout=self.config.http_idle_timeout_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.http_port)
@@ -78,7 +79,7 @@ class RouterApp:
         self.http.draining = True
 
     async def stop(self) -> None:
-        """Close the HTTP listener (in-flight streams get ``drain_timeout_s``) and the
+        """Close the HTTP listener (in-flight streams get ``drain_s``) and the
         scheduler channel; the gRPC server has drained already."""
         if self._runner is not None:
             await self._runner.cleanup()

@@ -1,17 +1,28 @@
-"""Router settings: flags > ``WEFT_ROUTER_*`` / shared ``WEFT_*`` environment > defaults."""
+"""Router settings: flags > ``WEFT_ROUTER_*`` / shared ``WEFT_*`` environment > defaults.
+
+The options every service takes (``services/mesh/service_options.py``) are declared there;
+the router adds its own and redeclares only what reads differently here: ``host`` (both
+listeners bind it) and ``max_message_bytes`` (the scheduler channel's cap: the public
+gRPC API's cap is ``max_body_bytes``, one cap for both public doors). The router's drain
+flag keeps its name, ``--drain-timeout-s``; the shared ``--grace-s`` sets the same drain
+when it is not given (``drain_s``).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.mesh.env_config import option
-from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
+from services.mesh.service_options import ServiceOptions, check_port
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    model_dir: str = option("checkpoint directory: tokenizer, chat template and context length come from it", default="")
+class RouterConfig(ServiceOptions):
     host: str = option("address both listeners bind", default="127.0.0.1")
+    max_message_bytes: int = option(
+        "largest gRPC message sent to or received from the scheduler (the public gRPC API takes "
+        "--max-body-bytes)", default=64 << 20)
+    model_dir: str = option("checkpoint directory: tokenizer, chat template and context length come from it", default="")
     grpc_port: int = option("public gRPC API port (0 = pick a free one)", default=50051)
     http_port: int = option("OpenAI-compatible HTTP API port (0 = pick a free one)", default=8000)
     scheduler_address: str = option("host:port of the scheduler's gRPC API", default="127.0.0.1:50052")
@@ -33,12 +44,8 @@ class RouterConfig:
     metrics_host: str = option(
         "address the Prometheus /metrics listener binds: loopback by default, since metrics carry per-tenant "
         "labels (the public HTTP port does not serve /metrics)", default="127.0.0.1")
-    metrics_port: int = option("port of the Prometheus /metrics listener; 0 disables it", default=0)
-    mesh_secret_file: str = option(
-        "file holding the mesh shared secret sent on calls to the scheduler and cachestore (Docker secrets "
-        "style); stripped; unreadable or empty is an error; empty: WEFT_MESH_SECRET, or none", default="",
-        shared=True)
-    drain_timeout_s: float = option("on SIGTERM, how long in-flight streams may finish", default=10.0)
+    drain_timeout_s: float | None = option(
+        "on SIGTERM, how long in-flight streams (HTTP and gRPC) may finish; none = --grace-s", default=None)
     continuation_attempts: int = option(
         "times one stream is re-issued to the scheduler from prompt + tokens so far when the scheduler dies, "
         "restarts or stalls mid-stream (the client sees one stream); 0: such streams end UNAVAILABLE", default=3)
@@ -55,17 +62,15 @@ class RouterConfig:
         "health probes per round before a silent scheduler (no chunk on any stream) counts as stalled", default=3)
     continuation_probe_backoff: float = option(
         "each further probe of a round may take this many times longer than the last", default=2.0)
-    log_level: str = option("log level", default="info", choices=LOG_LEVELS, shared=True)
-    log_format: str = option("log format", default="auto", choices=LOG_FORMATS, shared=True)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.model_dir:
             raise ValueError("model_dir is required (--model-dir or WEFT_ROUTER_MODEL_DIR)")
         if not (Path(self.model_dir) / "tokenizer.json").is_file():
             raise ValueError(f"model_dir: no tokenizer.json in {self.model_dir}")
-        for name in ("grpc_port", "http_port", "metrics_port"):
-            if not 0 <= getattr(self, name) < 65536:
-                raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
+        for name in ("grpc_port", "http_port"):
+            check_port(name, getattr(self, name))
         if ":" not in self.scheduler_address:
             raise ValueError(f"scheduler_address must be host:port, got {self.scheduler_address!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
@@ -80,10 +85,17 @@ class RouterConfig:
             raise ValueError(f"continuation_probe_attempts must be >= 1, got {self.continuation_probe_attempts}")
         if self.continuation_probe_backoff < 1:
             raise ValueError(f"continuation_probe_backoff must be >= 1, got {self.continuation_probe_backoff}")
-        for name in ("max_body_bytes", "request_timeout_s", "body_read_timeout_s", "http_idle_timeout_s", "drain_timeout_s", "continuation_min_stall_s",
-                     "continuation_probe_timeout_s"):
+        if self.drain_timeout_s is not None and self.drain_timeout_s <= 0:
+            raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        for name in ("max_body_bytes", "request_timeout_s", "body_read_timeout_s", "http_idle_timeout_s",
+                     "continuation_min_stall_s", "continuation_probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def drain_s(self) -> float:
+        """How long in-flight streams may finish on SIGTERM: ``drain_timeout_s``, else ``grace_s``."""
+        return self.grace_s if self.drain_timeout_s is None else self.drain_timeout_s
 
     @property
     def model_name(self) -> str:

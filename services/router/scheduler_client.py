@@ -18,19 +18,19 @@ import structlog
 from tenacity import retry_if_exception
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.mesh.grpc_server import error_origin_of
+from services.mesh.grpc_server import channel_options, error_origin_of
 from services.mesh.mesh_auth import mesh_channel
 from services.mesh.retry import is_retryable, rpc_retrying
 from services.mesh.timeline import CURRENT_TRACE, TRACEPARENT_KEY, downstream_spans
 from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
 from services.router.schema import ServingNotes, TokenChunk, TokenRequest
+from services.shared.vocabulary import RequestClass
 from weft.v1 import common_pb2, events_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 30_000),
     # A restarted scheduler is reached within ~1 s, not after gRPC's default backoff (up to
     # 120 s): streams continued across its restart wait on this reconnect.
@@ -43,13 +43,9 @@ _FINISH = {
     common_pb2.FINISH_REASON_ABORT: "abort",
     common_pb2.FINISH_REASON_ERROR: "error",
 }
-_CLASSES = {
-    "": common_pb2.REQUEST_CLASS_UNSPECIFIED,
-    "interactive": common_pb2.REQUEST_CLASS_INTERACTIVE,
-    "deterministic": common_pb2.REQUEST_CLASS_DETERMINISTIC,
-    "batch": common_pb2.REQUEST_CLASS_BATCH,
-    "agentic": common_pb2.REQUEST_CLASS_AGENTIC,
-}
+# Request-class labels (services/shared/vocabulary.py) as their wire enum; "": unspecified.
+_CLASSES = {"": common_pb2.REQUEST_CLASS_UNSPECIFIED,
+            **{c.value: common_pb2.RequestClass.Value(f"REQUEST_CLASS_{c.name}") for c in RequestClass}}
 _FALLBACKS = {
     "": common_pb2.FALLBACK_PATH_UNSPECIFIED,
     "degrade": common_pb2.FALLBACK_PATH_DEGRADE,
@@ -155,9 +151,9 @@ def retry_opening(exc: BaseException) -> bool:
 class SchedulerClient:
     """One channel to the scheduler, shared by every request of this router."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.address = address
-        self._channel = mesh_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = mesh_channel(address, options=[*channel_options(max_message_bytes), *CHANNEL_OPTIONS])
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
