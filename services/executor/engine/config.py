@@ -1,45 +1,70 @@
-"""Engine options: validated once, derived values as properties."""
+"""Engine options: declared once, validated once, derived values as properties.
+
+Each field is an ``option`` (services/mesh/env_config.py) with its help text, so the
+executor process takes every engine option as a flag / ``WEFT_EXECUTOR_*`` variable of
+the same name without redeclaring it (``ExecutorConfig`` derives from this class and
+builds the engine's own ``EngineConfig`` from these fields, in one place).
+
+torch is imported only where a torch value is needed, so ``--help`` does not load it.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from services.executor.policy.kv_compress import KV_COMPRESS_POLICIES
+from services.mesh.env_config import option
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "int8")
+PREEMPTION_POLICIES = ("fcfs", "priority")  # services/executor/policy/preemption.py
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """How one engine runs a model. Every field has a safe default for a CPU."""
 
-    device: str = "cpu"
-    dtype: str = "float32"
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_prefill_chunk: int = 512  # longest prefill chunk one sequence gets per step
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    preemption_policy: str = "fcfs"
-    model_id: str = ""  # hashed into block hashes; defaults to the checkpoint's directory name
-    num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's choice
+    device: str = option("Torch device: cpu, cuda, cuda:N.", default="cpu")
+    dtype: str = option("Weight and KV dtype.", default="float32", choices=DTYPES)
+    attention_backend: str = option("Attention back end (auto: triton on CUDA, torch elsewhere).",
+                                    default="auto", choices=ATTENTION_BACKENDS)
+    block_size: int = option("Tokens per KV block.", default=16)
+    num_kv_blocks: int | None = option("KV blocks in the pool; none: derived from --kv-cache-memory-bytes.", default=None)
+    kv_cache_memory_bytes: int = option("Bytes of KV cache when --num-kv-blocks is none.", default=256 * 1024 * 1024)
+    max_num_seqs: int = option("Most requests computed in one step.", default=64)
+    max_num_batched_tokens: int = option("Most tokens computed in one step.", default=2048)
+    max_prefill_chunk: int = option("Longest prefill chunk one request gets per step.", default=512)
+    max_model_len: int | None = option("Context limit in tokens; none: the model's.", default=None)
+    enable_prefix_caching: bool = option("Reuse KV blocks across requests by block hash.", default=True)
+    preemption_policy: str = option("Who loses blocks under pressure: fcfs (newest) or priority (borrowers, then "
+                                    "lowest priority).", default="fcfs", choices=PREEMPTION_POLICIES)
+    model_id: str = option("Model id hashed into block hashes; empty: the checkpoint directory's name.", default="")
+    num_threads: int | None = option("Torch CPU threads; none: torch's choice.", default=None)
     # Degradation-ladder mechanisms (a degraded executor profile; see docs/architecture.md).
-    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: symmetric int8, one scale per token and KV head
-    kv_compress_budget_blocks: int = 0  # 0: off; else most KV blocks a sequence keeps (heavy hitters + recent)
-    kv_compress_recent_blocks: int = 4  # the newest blocks a compressed sequence always keeps
-    kv_compress_sink_blocks: int = 1  # the first blocks (attention sinks) it always keeps
-    kv_compress_policy: str = "attention"  # attention: least-attended middle block first; oldest: StreamingLLM
+    kv_cache_dtype: str = option(
+        "KV cache storage (auto: the model dtype; int8: int8 with a scale per token and KV head, about "
+        "4x the tokens of a float32 cache in the same bytes). An int8 executor serves the kv_int8 rung "
+        "of the degradation ladder.", default="auto", choices=KV_CACHE_DTYPES)
+    kv_compress_budget_blocks: int = option(
+        "0: off. Else the most KV blocks one sequence keeps: past it, the middle block with the least "
+        "attention mass is dropped (the first --kv-compress-sink-blocks and newest "
+        "--kv-compress-recent-blocks are always kept). Such an executor serves the kv_compress rung.",
+        default=0)
+    kv_compress_recent_blocks: int = option("Newest blocks a compressed sequence always keeps.", default=4)
+    kv_compress_sink_blocks: int = option("First blocks (attention sinks) a compressed sequence always keeps.",
+                                          default=1)
+    kv_compress_policy: str = option(
+        "Which middle block a compressed sequence drops first: attention (the least attended; heavy "
+        "hitters stay) or oldest (StreamingLLM: sinks + a sliding window).", default="attention",
+        choices=KV_COMPRESS_POLICIES)
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "kv_cache_memory_bytes"):
@@ -62,8 +87,7 @@ class EngineConfig:
                              "kv_compress_recent_blocks (and recent >= 1, sink >= 0), got "
                              f"budget={self.kv_compress_budget_blocks} sink={self.kv_compress_sink_blocks} "
                              f"recent={self.kv_compress_recent_blocks}")
-        if (self.attention_backend == "triton" and not self.device.startswith("cuda")
-                and torch.cuda.is_available()):
+        if self.attention_backend == "triton" and not self.device.startswith("cuda") and _cuda_available():
             # With a GPU present the kernels compile for it (the interpreter stays off), and
             # a compiled kernel cannot read a CPU cache: say so now, not at the first step.
             raise ValueError(f"attention_backend 'triton' needs device 'cuda' on a machine with a GPU "
@@ -71,10 +95,18 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.device.startswith("cuda") else "torch"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
