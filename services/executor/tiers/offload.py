@@ -1,4 +1,11 @@
-"""Demotion from the executor: copy cached blocks to the cachestore (its sleeping tier).
+"""Offload: the executor copies cached KV blocks from its GPU / CPU pool to the cachestore
+(the store's host-RAM "sleeping" tier).
+
+Words: this module is the executor's *offload* (pool → cachestore). In the cachestore,
+*demotion* means something else: moving a block down its own tiers, RAM → disk
+(services/cachestore/disk_demotion.py). The wire and flag vocabulary here predates that
+split and stays as it is: the ``DemoteBlocks`` RPC, ``--demote-on-finish``, the
+``weft_executor_demoted_blocks_total`` metric, the ``Demoter`` class and its log events.
 
 Used three ways: the ``DemoteBlocks`` RPC (the scheduler's pause policy, explicit
 demand), and automatically when a request finishes (``DemoteOnFinish``: a session's
