@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.executor.policy.kv_compress import KV_COMPRESS_POLICIES
+from services.executor.policy.preemption import PREEMPTION_POLICIES
 from services.mesh.env_config import option
 
 if TYPE_CHECKING:
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "int8")
-PREEMPTION_POLICIES = ("fcfs", "priority")  # services/executor/policy/preemption.py
 
 
 @dataclass(frozen=True)

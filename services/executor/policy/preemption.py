@@ -11,10 +11,13 @@ import abc
 import enum
 from collections import deque
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
-from services.executor.engine.sequence import Sequence
-from services.executor.kv.manager import KVCacheManager
 from services.shared.vocabulary import queue_order_key
+
+if TYPE_CHECKING:  # annotations only: the policy names load without torch (config, --help)
+    from services.executor.engine.sequence import Sequence
+    from services.executor.kv.manager import KVCacheManager
 
 
 class PreemptionPolicyName(enum.Enum):
@@ -57,3 +60,6 @@ class PriorityPolicy(PreemptionPolicy):
 def make_preemption_policy(name: str | PreemptionPolicyName) -> PreemptionPolicy:
     name = PreemptionPolicyName(name)
     return {PreemptionPolicyName.FCFS: FcfsPolicy, PreemptionPolicyName.PRIORITY: PriorityPolicy}[name]()
+
+
+PREEMPTION_POLICIES: tuple[str, ...] = tuple(p.value for p in PreemptionPolicyName)
