@@ -1,15 +1,16 @@
-"""The scheduler's agent-native layer: one object that the servicer asks, per hop,
+"""The scheduler's agent-native layer: one object that the dispatcher asks, per hop,
 "what is this request, when does it run, what happens to its KV afterwards".
 
     begin(hop)          validate session / hop / contract, resolve a stateful prompt,
-                        class, priority score (re-evaluated at every slot hand-off),
+                        class, priority (higher first; re-evaluated at every slot hand-off),
                         intent-shift release of stale kept KV
     fallback(plan, …)   contract ceilings → the fallback path (or FAIL_FAST)
     pause(plan, …)      keep / demote / drop for the tool call after this hop
     finish(plan, …)     record the hop: session context, program attained service,
                         entropy, kept-block accounting
 
-Domain types only (no protobuf): ``server.py`` converts. Mutates only its own tables.
+Domain types only (no protobuf): ``api/convert.py`` converts, ``dispatch/agent_steps.py``
+calls it on the request path. Mutates only its own tables.
 """
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from dataclasses import dataclass, field
 import structlog
 
 from services.scheduler.policy.contracts import ContractBook, ContractTerms, Fallback, FallbackChoice
-from services.scheduler.policy.degradation import Rung
+from services.shared.vocabulary import Rung
 from services.scheduler.policy.intent_shift import IntentShiftDetector
 from services.scheduler.policy.pause import PauseDecision, PauseInputs, PausePlan, PausePolicy
-from services.scheduler.policy.priority import PriorityInputs, Prioritizer, RequestClassName
+from services.scheduler.policy.priority import PriorityInputs, Prioritizer
+from services.scheduler.state.blocks import num_full_blocks
 from services.scheduler.state.sessions import HopContext, SessionState, SessionTable
+from services.shared.vocabulary import RequestClass
 
 log = structlog.get_logger(__name__)
 
@@ -39,7 +42,7 @@ class HopRequest:
     hop_index: int = 0
     expected_tool_ms: int = 0
     stateful: bool = False
-    request_class: RequestClassName | None = None  # None: decided here
+    request_class: RequestClass | None = None  # None: decided here
     terms: ContractTerms = ContractTerms()
     caller_priority: float = 0.0
 
@@ -58,15 +61,15 @@ class StaleRelease:
 class HopPlan:
     request: HopRequest
     prompt_token_ids: list[int]
-    request_class: RequestClassName
+    request_class: RequestClass
     arrival_s: float
     inputs: PriorityInputs
-    score: Callable[[float], float]
+    priority: Callable[[float], float]  # now_s -> priority, higher runs first
     resumes_demoted: str = ""  # executor whose demoted blocks should be promoted first
     release: StaleRelease | None = None
     fallback: FallbackChoice = field(default_factory=lambda: FallbackChoice(Fallback.NONE))
     pause: PausePlan = field(default_factory=lambda: PausePlan(PauseDecision.NONE))
-    # Filled while the hop streams (server.py):
+    # Filled while the hop streams (dispatch/agent_steps.py):
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_chunks: int = 0
@@ -75,14 +78,16 @@ class HopPlan:
     @property
     def pauses_after(self) -> bool:
         r = self.request
-        return bool(r.session_id) and (r.expected_tool_ms > 0 or self.request_class is RequestClassName.AGENTIC)
+        return bool(r.session_id) and (r.expected_tool_ms > 0 or self.request_class is RequestClass.AGENTIC)
 
 
 class AgentPlane:
     def __init__(self, prioritizer: Prioritizer, pause_policy: PausePolicy, contracts: ContractBook,
                  intent: IntentShiftDetector | None = None, sessions: SessionTable | None = None,
                  block_size_of: Callable[[str], int] = lambda _: 16,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, can_demote: bool = True) -> None:
+        """``can_demote``: whether the pause policy may choose demote (the executors'
+        cachestore tier is configured); turned off for good once an executor cannot."""
         self.prioritizer = prioritizer
         self.pause_policy = pause_policy
         self.contracts = contracts
@@ -91,7 +96,7 @@ class AgentPlane:
         self.block_size_of = block_size_of
         self.clock = clock
         self._pinned: dict[str, dict[str, tuple[int, float]]] = {}  # executor -> session -> (blocks, until)
-        self.can_demote = True
+        self.can_demote = can_demote
 
     # -- before admission -------------------------------------------------------------
     def begin(self, hop: HopRequest, pool_num_blocks: int) -> HopPlan:
@@ -102,7 +107,7 @@ class AgentPlane:
                                                   hop.stateful, hop.prompt_token_ids)
         ses = ctx.session
         now = self.clock()
-        cls = hop.request_class or (RequestClassName.AGENTIC if hop.session_id else RequestClassName.INTERACTIVE)
+        cls = hop.request_class or (RequestClass.AGENTIC if hop.session_id else RequestClass.INTERACTIVE)
         fresh = False
         release = None
         resumes_demoted = ""
@@ -125,14 +130,14 @@ class AgentPlane:
             mean_entropy=ses.mean_entropy if ses else 0.0,
         )
         prioritizer = self.prioritizer
-        return HopPlan(hop, ctx.prompt_token_ids, cls, now, inputs, lambda t: prioritizer.score(inputs, t),
+        return HopPlan(hop, ctx.prompt_token_ids, cls, now, inputs, lambda t: prioritizer.priority(inputs, t),
                        resumes_demoted, release)
 
     def fallback(self, plan: HopPlan, num_ahead: int, num_slots: int, offered: Iterable[Rung] = ()) -> FallbackChoice:
         """Contract check at admission; raises OverloadedError for FAIL_FAST. ``offered``:
         the degradation rungs live executors serve (a DEGRADE fallback may use one)."""
         plan.fallback = self.contracts.choose_fallback(
-            plan.request.terms, plan.request_class is RequestClassName.INTERACTIVE, num_ahead, num_slots,
+            plan.request.terms, plan.request_class is RequestClass.INTERACTIVE, num_ahead, num_slots,
             len(plan.prompt_token_ids), offered)
         return plan.fallback
 
@@ -145,10 +150,10 @@ class AgentPlane:
         ses = self.sessions.get(plan.request.tenant, plan.request.session_id)
         expected = plan.request.expected_tool_ms or (ses.observed_pause_ms if ses else 0.0) \
             or self.pause_policy_default_ms()
-        bs = max(1, self.block_size_of(executor))
         num_tokens = len(plan.prompt_token_ids)
         plan.pause = self.pause_policy.decide(PauseInputs(
-            num_context_tokens=num_tokens, num_blocks=num_tokens // bs, expected_pause_ms=float(expected),
+            num_context_tokens=num_tokens, num_blocks=num_full_blocks(num_tokens, self.block_size_of(executor)),
+            expected_pause_ms=float(expected),
             pool_used_blocks=pool_used_blocks, pool_num_blocks=pool_num_blocks,
             pool_pinned_blocks=self.pinned_blocks(executor), can_demote=self.can_demote,
         ))
@@ -169,7 +174,7 @@ class AgentPlane:
             return None
         if plan.pause.decision is PauseDecision.KEEP:
             until = self.clock() + plan.pause.pin_ttl_ms / 1000.0
-            blocks = len(ses.context_token_ids) // max(1, self.block_size_of(executor))
+            blocks = num_full_blocks(len(ses.context_token_ids), self.block_size_of(executor))
             self._pinned.setdefault(executor, {})[ses.session_id] = (blocks, until)
             ses.pinned_until_s, ses.pinned_blocks = until, blocks
         else:

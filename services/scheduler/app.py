@@ -1,4 +1,10 @@
-"""Process wiring of a scheduler: config → bus listeners → gRPC server → drain."""
+"""Process wiring of a scheduler: config → collaborators (built once, handed to their
+users' constructors) → bus listeners → gRPC server → drain.
+
+    MeshView (api/events.py) ──▶ Dispatcher ◀── AgentSteps, DegradeSteps, Admission
+    ChannelPool (api/executor_port.py) = the dispatcher's ExecutorPort
+    SchedulerServicer (api/servicer.py) ──▶ Dispatcher
+"""
 from __future__ import annotations
 
 import asyncio
@@ -7,30 +13,51 @@ from collections.abc import Sequence
 
 import structlog
 
+from services.mesh import metric_catalogue as catalogue
 from services.mesh.env_config import load_config
 from services.mesh.grpc_server import GrpcServer
-from services.mesh import metric_catalogue as catalogue
 from services.mesh.logging import configure_logging
 from services.mesh.metrics import MetricsServer
 from services.mesh.nats_bus import EventBus
-from services.scheduler.policy.admission import Admission
-from services.scheduler.policy.degradation import DegradationLadder
-from services.scheduler.config import DESCRIPTION, SchedulerConfig
-from services.scheduler.errors import ERROR_RULES
-from services.scheduler.state.kv_index import KvIndex
-from services.scheduler.state.membership import Membership
-from services.scheduler.policy.placement import make_placer
-from services.scheduler.server import ChannelPool, MeshView, SchedulerServicer
 from services.scheduler.agent_plane import AgentPlane
+from services.scheduler.api.events import MeshView
+from services.scheduler.api.executor_port import ChannelPool
+from services.scheduler.api.servicer import SchedulerServicer, add_to_server
+from services.scheduler.config import DESCRIPTION, SchedulerConfig
+from services.scheduler.dispatch.agent_steps import AgentSteps
+from services.scheduler.dispatch.degrade_steps import DegradeSteps
+from services.scheduler.dispatch.dispatcher import Dispatcher
+from services.scheduler.errors import ERROR_RULES
+from services.scheduler.policy.admission import Admission
 from services.scheduler.policy.contracts import ContractBook, parse_tenant_quotas
+from services.scheduler.policy.degradation import DegradationLadder
 from services.scheduler.policy.intent_shift import IntentShiftDetector
 from services.scheduler.policy.pause import make_pause_policy
+from services.scheduler.policy.placement import InflightTracker, make_placer
 from services.scheduler.policy.priority import make_prioritizer
-from services.scheduler.state.sessions import SessionTable
 from services.scheduler.policy.tenant_limits import TenantAdmission
-from weft.v1 import scheduler_pb2_grpc
+from services.scheduler.state.kv_index import KvIndex
+from services.scheduler.state.membership import Membership
+from services.scheduler.state.sessions import SessionTable
 
 log = structlog.get_logger(__name__)
+
+
+def build_dispatcher(config: SchedulerConfig, view: MeshView, channels: ChannelPool) -> Dispatcher:
+    """The request path with every collaborator the config asks for."""
+    admission = Admission(config.max_in_flight, config.max_queue, config.retry_after_ms)
+    inflight = InflightTracker()
+    plane = AgentPlane(
+        make_prioritizer(config.policy), make_pause_policy(config.resolved_pause_policy, config.pause_costs),
+        ContractBook(parse_tenant_quotas(config.tenant_quotas), config.prefill_ms_per_token),
+        IntentShiftDetector(threshold=config.intent_shift_threshold), SessionTable(config.max_sessions),
+        block_size_of=lambda name: getattr(view.membership.get(name), "block_size", 16), can_demote=config.demote)
+    return Dispatcher(
+        view, make_placer(config.placement_policy, config.kv_overlap_weight), admission, channels,
+        tenant_admission=TenantAdmission(admission, config.max_in_flight_per_tenant, config.max_queue_per_tenant),
+        degrade=DegradeSteps(DegradationLadder(config.ladder_config)),
+        agent=AgentSteps(plane, view.membership, channels, admission, inflight), inflight=inflight,
+        placement_attempts=config.placement_attempts, migration=config.migration_policy)
 
 
 async def main(argv: Sequence[str] | None = None) -> None:
@@ -38,26 +65,15 @@ async def main(argv: Sequence[str] | None = None) -> None:
     configure_logging("scheduler", config.log_level, config.log_format)
     view = MeshView(Membership(config.missed_heartbeats), KvIndex(config.kv_index_max_store_blocks))
     channels = ChannelPool(config.max_message_bytes)
-    admission = Admission(config.max_in_flight, config.max_queue, config.retry_after_ms)
-    servicer = SchedulerServicer(
-        view, make_placer(config.placement_policy, config.kv_overlap_weight), admission, channels,
-        placement_attempts=config.placement_attempts, migration=config.migration_policy,
-        tenant_admission=TenantAdmission(admission, config.max_in_flight_per_tenant, config.max_queue_per_tenant),
-        ladder=DegradationLadder(config.ladder_config),
-        agent=AgentPlane(
-            make_prioritizer(config.policy), make_pause_policy(config.resolved_pause_policy, config.pause_costs),
-            ContractBook(parse_tenant_quotas(config.tenant_quotas), config.prefill_ms_per_token),
-            IntentShiftDetector(threshold=config.intent_shift_threshold), SessionTable(config.max_sessions),
-            block_size_of=lambda name: getattr(view.membership.get(name), "block_size", 16)),
-    )
+    dispatcher = build_dispatcher(config, view, channels)
+    servicer = SchedulerServicer(dispatcher)
     catalogue.register("scheduler")
-    catalogue.metric("weft_queue_depth").labels("scheduler").set_function(lambda: servicer.admission.num_queued)
-    servicer.agent.can_demote = config.demote
-    reprioritize = (asyncio.create_task(servicer.reprioritize_forever(config.priority_interval_s),
+    catalogue.metric("weft_queue_depth").labels("scheduler").set_function(lambda: dispatcher.admission.num_queued)
+    reprioritize = (asyncio.create_task(dispatcher.agent.reprioritize_forever(config.priority_interval_s),
                                         name="reprioritize") if config.policy == "weft" else None)
     grpc_server = GrpcServer("weft.v1.Scheduler", config.host, config.port, rules=ERROR_RULES,
                              max_message_bytes=config.max_message_bytes, grace_s=config.grace_s)
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, grpc_server.server)
+    add_to_server(servicer, grpc_server.server)
 
     async def stop_taking_work() -> None:
         servicer.draining = True

@@ -1,14 +1,20 @@
-"""SchedulerConfig: everything a scheduler process is told, from flags / WEFT_ env."""
+"""SchedulerConfig: everything a scheduler process is told, from flags / WEFT_ env.
+
+The options every service takes (host, grace, message size, metrics port, mesh secret
+file, logging) are declared once in ``services/mesh/service_options.py``; this adds only
+the scheduler's own."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from services.mesh.env_config import option
-from services.mesh.logging import LOG_FORMATS, LOG_LEVELS
 from services.mesh.nats_bus import subject
-from services.scheduler.policy.degradation import LadderConfig, Rung, parse_thresholds
+from services.mesh.service_options import ServiceOptions, check_port
 from services.scheduler.migration import MigrationPolicy
+from services.scheduler.policy.degradation import LadderConfig, parse_thresholds
 from services.scheduler.policy.placement import PlacementPolicy
+from services.scheduler.policy.priority import SchedulingPolicy
+from services.shared.vocabulary import RUNG_LABELS, Rung
 
 DESCRIPTION = (
     "Weft scheduler: admits token-level requests (bounded in-flight and queue, "
@@ -19,9 +25,8 @@ DESCRIPTION = (
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(ServiceOptions):
     name: str = option("Name of this scheduler on the bus.", default="scheduler")
-    host: str = option("Address the gRPC server binds.", default="127.0.0.1")
     port: int = option("gRPC port.", default=50052)
     nats_url: str = option("NATS server URL for events.", default="nats://127.0.0.1:4222", shared=True)
     placement: str = option("Placement policy.", default="kv", choices=tuple(p.value for p in PlacementPolicy))
@@ -47,9 +52,9 @@ class SchedulerConfig:
     migration_first_token_timeout_s: float = option(
         "Hang-detection ceiling before an attempt's first token (prefill, queueing), seconds.", default=60.0)
     degradation_rungs: str = option(
-        "Comma-separated degradation-ladder rungs to use (none, kv_int8, kv_compress, smaller_model, shed); "
+        f"Comma-separated degradation-ladder rungs to use ({', '.join(RUNG_LABELS)}); "
         "a degraded rung acts only while a live executor serves it (executor --serves-rung).",
-        default="none,kv_int8,kv_compress,smaller_model,shed")
+        default=",".join(RUNG_LABELS))
     degradation_thresholds: str = option(
         "Ladder thresholds on the load (0..1), rung=enter:exit comma-separated over the defaults "
         "(kv_int8=0.6:0.45, kv_compress=0.7:0.55, smaller_model=0.8:0.65, shed=0.95:0.75); "
@@ -58,7 +63,7 @@ class SchedulerConfig:
     policy: str = option(
         "Scheduling policy: weft (dynamic per-program priority, cost-based tool-call pauses), fcfs (arrival "
         "order, KV left to LRU: the vLLM-like baseline) or priority (static class + caller priority).",
-        default="weft", choices=("weft", "fcfs", "priority"))
+        default="weft", choices=tuple(p.value for p in SchedulingPolicy))
     pause_policy: str = option(
         "What a session's KV does during a tool call: cost (keep / demote / drop by cost), keep, drop; "
         "auto: cost under --policy weft, drop otherwise.", default="auto",
@@ -85,26 +90,16 @@ class SchedulerConfig:
         "Most cachestore-tier block hashes the placement index mirrors (~0.4 KB each); beyond it the longest "
         "unseen are forgotten (a placement hint only: the cachestore still serves them); 0: unbounded.",
         default=262144)
-    grace_s: float = option("On SIGTERM, seconds in-flight streams get to finish.", default=10.0)
-    max_message_bytes: int = option("Largest gRPC message sent or received.", default=64 * 1024 * 1024)
-    metrics_port: int = option("Port of the Prometheus /metrics endpoint; 0 disables it.", default=0)
-    mesh_secret_file: str = option(
-        "File holding the mesh shared secret (Docker secrets style, e.g. /run/secrets/weft_mesh); stripped; "
-        "unreadable or empty is an error; empty: WEFT_MESH_SECRET, or no peer authentication.",
-        default="", shared=True)
-    log_level: str = option("Log level.", default="info", choices=LOG_LEVELS, shared=True)
-    log_format: str = option("Log format (auto: JSON unless stderr is a terminal).", default="auto",
-                             choices=LOG_FORMATS, shared=True)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         subject("x", self.name)  # subject-safe, or ValueError
-        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
-            raise ValueError("port and metrics_port must be in [0, 65535]")
-        for name in ("max_in_flight", "missed_heartbeats", "placement_attempts", "max_message_bytes",
+        check_port("port", self.port)
+        for name in ("max_in_flight", "missed_heartbeats", "placement_attempts",
                      "max_in_flight_per_tenant", "migration_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue", "retry_after_ms", "kv_overlap_weight", "grace_s", "max_queue_per_tenant",
+        for name in ("max_queue", "retry_after_ms", "kv_overlap_weight", "max_queue_per_tenant",
                      "degradation_min_dwell_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

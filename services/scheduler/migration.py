@@ -1,33 +1,24 @@
 """Request migration: a stream whose executor dies or hangs continues on another one.
 
-NOTE: the continuation is a *new* executor request whose prompt is the original prompt
-followed by every token already sent to the client, with ``max_tokens`` / ``min_tokens``
-reduced by that many. The new executor recomputes (or finds cached) the KV of those
+NOTE: the continuation starts at the stream-resume point of services/shared/stream_resume.py
+(the rule the router's continuation uses one level up): a *new* executor request whose
+prompt is the original prompt followed by every token already sent to the client, with
+``max_tokens`` / ``min_tokens`` reduced by that many and a seeded stream reseeded by
+``continuation_seed``. The new executor recomputes (or finds cached) the KV of those
 tokens and samples the next one, so the client sees one stream with no token lost or
-repeated:
+repeated; usage is counted across attempts.
 
-    original:      prompt p0..pn   → t0 t1 t2 ✗ (executor lost after t2)
-    continuation:  prompt p0..pn t0 t1 t2 → t3 t4 ...  (max_tokens - 3 left)
-    client sees:   t0 t1 t2 t3 t4 ...   usage: prompt n+1, output counted across both
-
-Greedy decoding gives the same tokens an undisturbed run would (the argmax of the same
-context). Seeded sampling cannot: the original executor's generator state is lost with
-it. The continuation is seeded with ``continuation_seed(seed, num_generated)``, so a
-migrated seeded stream is reproducible *for the same failure point*, but differs from
-the undisturbed run after it.
-
-A hang is "no token for ``stall_factor`` × the expected step time" (the running mean of
-this stream's inter-token gaps, never below ``min_stall_s``); before the first token the
-ceiling is ``first_token_timeout_s`` (prefill and queueing count). Attempts are bounded:
+A hang is the shared ``StallWatch`` rule (``MigrationPolicy`` is a ``StallRule``): no
+token for ``stall_factor`` × this stream's mean inter-token gap, never below
+``min_stall_s``; ``first_token_timeout_s`` before an attempt's first token. Attempts are bounded:
 after ``max_attempts`` executors, or when no other executor turns up within
 ``replacement_wait_s``, the stream ends with ``MigrationExhausted``, never a hang.
 
-Domain code only: the server adapts its protos to ``Attempt`` / ``Piece``.
+Domain code only: the dispatcher (dispatch/relay.py) adapts executor streams to ``Attempt`` / ``Piece``.
 """
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -35,18 +26,22 @@ from dataclasses import dataclass, field
 import structlog
 
 from services.scheduler.policy.suspects import SuspectedPoison
+from services.shared.stream_resume import StallRule, StallWatch, budget_spent, continuation_seed, resume_point
+
+# StallWatch / continuation_seed live in services/shared/stream_resume.py; named here only
+# for callers that still import them from this module (services/router/continuation.py).
+__all__ = ["MigrationPolicy", "Attempt", "Piece", "placement_marker", "ExecutorFailed", "NoReplacement",
+           "MigrationExhausted", "StreamProgress", "migrating_stream", "StallWatch", "continuation_seed"]
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
-class MigrationPolicy:
-    """How hard the scheduler tries to keep a stream alive."""
+class MigrationPolicy(StallRule):
+    """How hard the scheduler tries to keep a stream alive; its stall fields (stall_factor,
+    min_stall_s, first_token_timeout_s) are the shared hang rule's."""
 
     max_attempts: int = 3  # executors tried in all, the first one included
-    stall_factor: float = 20.0  # no token for stall_factor × expected step time → hung
-    min_stall_s: float = 2.0  # floor of the stall ceiling (scheduling jitter, GC, shared cores)
-    first_token_timeout_s: float = 60.0  # ceiling before the first token of an attempt
     replacement_wait_s: float = 5.0  # how long to wait for a placeable executor
     max_engine_failures: int = 2  # engine deaths a request may be aboard; then suspected poison (suspects.py)
 
@@ -111,43 +106,6 @@ class MigrationExhausted(Exception):
     """The stream could not be continued: attempts used up or no executor left."""
 
 
-def continuation_seed(seed: int, num_generated: int) -> int:
-    """A deterministic, well-mixed seed for the continuation after ``num_generated`` tokens."""
-    digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-
-class StallWatch:
-    """The ceiling on the wait for the next token: stall_factor × mean gap so far."""
-
-    def __init__(self, policy: MigrationPolicy, clock: Callable[[], float] = time.monotonic) -> None:
-        self.policy = policy
-        self.clock = clock
-        self._last_s: float | None = None
-        self._mean_gap_s: float | None = None
-        self._num_gaps = 0
-
-    def restart(self) -> None:
-        """A new attempt: the first token may take a prefill again."""
-        self._last_s = None
-
-    def observe(self) -> None:
-        now = self.clock()
-        if self._last_s is not None:
-            gap = now - self._last_s
-            self._num_gaps += 1
-            prev = self._mean_gap_s or 0.0
-            self._mean_gap_s = prev + (gap - prev) / self._num_gaps
-        self._last_s = now
-
-    def timeout_s(self) -> float:
-        if self._last_s is None:
-            return self.policy.first_token_timeout_s
-        if self._mean_gap_s is None:
-            return max(self.policy.min_stall_s, self.policy.first_token_timeout_s / 4)
-        return max(self.policy.min_stall_s, self.policy.stall_factor * self._mean_gap_s)
-
-
 @dataclass
 class StreamProgress:
     """What the client has been sent so far; mutated by ``record``."""
@@ -167,19 +125,13 @@ class StreamProgress:
     @property
     def budget_spent(self) -> bool:
         """All requested tokens were sent: nothing left to migrate."""
-        return self.max_tokens > 0 and len(self.output_token_ids) >= self.max_tokens
+        return budget_spent(self.max_tokens, len(self.output_token_ids))
 
     def attempt(self, index: int) -> Attempt:
-        n = len(self.output_token_ids)
-        seed = self.seed
-        if seed is not None and n:
-            seed = continuation_seed(seed, n)
-        return Attempt(
-            index=index, prompt_token_ids=self.prompt_token_ids + tuple(self.output_token_ids),
-            max_tokens=self.max_tokens - n if self.max_tokens else 0,
-            min_tokens=max(0, self.min_tokens - n), seed=seed,
-            exclude=frozenset(self.failed_executors),
-        )
+        """Attempt ``index``: the shared resume point after the tokens sent so far."""
+        at = resume_point(self.prompt_token_ids, self.output_token_ids, self.max_tokens, self.min_tokens, self.seed)
+        return Attempt(index=index, prompt_token_ids=at.prompt_token_ids, max_tokens=at.max_tokens,
+                       min_tokens=at.min_tokens, seed=at.seed, exclude=frozenset(self.failed_executors))
 
 
 OpenAttempt = Callable[[Attempt], AsyncIterator[Piece]]

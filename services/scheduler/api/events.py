@@ -1,6 +1,6 @@
 """The scheduler's view of the mesh, fed by NATS events: executor membership, load and
-the kv index, plus the pool of executor channels. Part of the server layer (it reads
-event protos); the decisions live in membership.py, kv_index.py and placement.py.
+the kv index. Part of the api layer (it reads event protos, converted by convert.py); the
+decisions live in state/membership.py, state/kv_index.py and policy/placement.py.
 
 Heartbeats decide where prompts and the mesh secret go, so with a mesh secret only signed
 ones count (services/mesh/heartbeat_signing.py): an unsigned or badly signed heartbeat is
@@ -15,20 +15,17 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.mesh import mesh_auth, metrics
-from services.mesh.grpc_server import channel_options
 from services.mesh.heartbeat_signing import Verdict, signer_for
-from services.mesh.mesh_auth import MeshSecurity, mesh_channel
+from services.mesh.mesh_auth import MeshSecurity
 from services.mesh.nats_bus import Delivery, EventBus
 from services.mesh.rate_limited_log import RateLimitedLog
-from services.scheduler.policy.degradation import Rung
+from services.scheduler.api.convert import executor_load, executor_record
 from services.scheduler.state.kv_index import KvIndex
-from services.scheduler.state.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
-from weft.v1 import common_pb2, events_pb2, executor_pb2_grpc
+from services.scheduler.state.membership import ExecutorRecord, Membership
+from weft.v1 import events_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -37,65 +34,8 @@ HEARTBEATS_REJECTED = metrics.counter("weft_scheduler_heartbeats_rejected_total"
                                       "Executor heartbeats dropped: unsigned, badly signed or unverified.",
                                       ["reason"])
 REJECT_LOG_INTERVAL_S = 10.0
-PROBE_TIMEOUT_S = 1.0  # a silent executor's health probe; a paused one times out and is dropped
 
 Prober = Callable[[ExecutorRecord], Awaitable[bool]]
-
-_STATES = {
-    events_pb2.EXECUTOR_STATE_JOINING: ExecutorState.JOINING,
-    events_pb2.EXECUTOR_STATE_SERVING: ExecutorState.SERVING,
-    events_pb2.EXECUTOR_STATE_DRAINING: ExecutorState.DRAINING,
-    events_pb2.EXECUTOR_STATE_FAILED: ExecutorState.FAILED,
-}
-_STATES_BACK = {v: k for k, v in _STATES.items()}
-
-
-def rung_from_pb(value: int) -> Rung:
-    """A ``DegradationRung`` enum value → Rung. UNSPECIFIED (an older sender): none; a value
-    this scheduler does not know (a newer sender): shed, which no request is placed on."""
-    if not value:
-        return Rung.NONE
-    try:
-        return Rung.parse(common_pb2.DegradationRung.Name(value).removeprefix("DEGRADATION_RUNG_"))
-    except ValueError:
-        return Rung.SHED
-
-
-def rung_to_pb(rung: Rung) -> int:
-    return common_pb2.DegradationRung.Value(f"DEGRADATION_RUNG_{rung.name}")
-
-
-class ChannelPool:
-    """One gRPC channel per executor address, reused across requests."""
-
-    def __init__(self, max_message_bytes: int) -> None:
-        self._options = channel_options(max_message_bytes)
-        self._stubs: dict[str, tuple[grpc.aio.Channel, executor_pb2_grpc.ExecutorStub]] = {}
-
-    async def serving(self, rec: ExecutorRecord) -> bool:
-        """Whether ``rec`` answers grpc.health.v1 SERVING at its (verified) address, over
-        the pooled channel. Never raises."""
-        self.stub(rec.address)
-        channel = self._stubs[rec.address][0]
-        try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    def stub(self, address: str) -> executor_pb2_grpc.ExecutorStub:
-        entry = self._stubs.get(address)
-        if entry is None:
-            channel = mesh_channel(address, options=self._options)
-            entry = (channel, executor_pb2_grpc.ExecutorStub(channel))
-            self._stubs[address] = entry
-        return entry[1]
-
-    async def close(self) -> None:
-        for channel, _ in self._stubs.values():
-            await channel.close()
-        self._stubs.clear()
 
 
 class MeshView:
@@ -140,14 +80,7 @@ class MeshView:
     def on_heartbeat(self, msg: events_pb2.ExecutorHeartbeat, delivery: Delivery) -> None:
         if not self.accept_heartbeat(msg):  # the bus filters already; direct callers too
             return
-        rec = ExecutorRecord(
-            name=msg.name, address=msg.address, model_id=msg.model_id, block_size=msg.block_size,
-            state=_STATES.get(msg.state, ExecutorState.JOINING), max_num_seqs=msg.max_num_seqs,
-            num_blocks=msg.num_blocks, max_model_len=msg.max_model_len,
-            interval_s=(msg.interval_ms or 1000) / 1000.0, heartbeat_sequence=msg.header.sequence,
-            serves_rung=rung_from_pb(msg.serves_rung), kv_cache_dtype=msg.kv_cache_dtype or "auto",
-            verified=self._signer is not None,
-        )
+        rec = executor_record(msg, verified=self._signer is not None)
         if not self.membership.admits(rec):
             self._reject(msg, "unverified_change")
             return
@@ -163,10 +96,7 @@ class MeshView:
         EXECUTORS.set(len(self.membership))
 
     def on_load(self, msg: events_pb2.LoadReport, delivery: Delivery) -> None:
-        self.membership.update_load(msg.header.source, ExecutorLoad(
-            num_running=msg.num_running, num_waiting=msg.num_waiting,
-            num_free_blocks=msg.num_free_blocks, num_blocks=msg.num_blocks,
-        ))
+        self.membership.update_load(msg.header.source, executor_load(msg))
 
     def on_kv(self, msg: events_pb2.KvEvent, delivery: Delivery) -> None:
         if msg.tier not in (events_pb2.TIER_ACTIVE, events_pb2.TIER_UNSPECIFIED):

@@ -4,7 +4,10 @@ more wait; beyond that a request is refused at once with a retry hint.
 Waiters are served in FIFO order unless they bring a ``score`` (a function of the
 current time; lower goes first): then each freed slot goes to the waiter with the
 lowest score *at that moment*, so dynamic priorities are re-estimated at every
-scheduling decision (``priority.py``). O(queue) per hand-off: queues here are small.
+scheduling decision (``priority.py``). A score is an ascending sort key: the
+dispatcher hands ``queue_order_key(priority)`` (services/shared/vocabulary.py), the one
+place a priority (higher runs first) changes sign. O(queue) per hand-off: queues here
+are small.
 
 A waiter that is cancelled (client gone, deadline) leaves the queue; a slot handed to
 a waiter that was cancelled in the same instant is passed on, never leaked.

@@ -26,29 +26,14 @@ degradation: a deliberately degraded deployment, or a test).
 """
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from services.shared.vocabulary import Rung
 
-class Rung(enum.IntEnum):
-    NONE = 0
-    KV_INT8 = 1
-    KV_COMPRESS = 2
-    SMALLER_MODEL = 3
-    SHED = 4
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-    @classmethod
-    def parse(cls, text: str) -> Rung:
-        try:
-            return cls[text.strip().upper()]
-        except KeyError:
-            raise ValueError(f"unknown degradation rung {text!r}; known: {[r.label for r in cls]}") from None
+__all__ = ["Rung", "ALWAYS_ACTING", "Thresholds", "LadderConfig", "parse_thresholds", "LoadSignal",
+           "DegradationContract", "ClassLadder", "DegradationLadder", "served_rung"]  # Rung: defined in shared
 
 
 # Rungs that act without any executor pool: full quality, and refusing.

@@ -42,7 +42,7 @@ class TenantAdmission:
     async def enter(self, tenant: str, score=None) -> None:
         """Take a tenant slot, then a global one (waiting in each queue); raises
         OverloadedError when either queue is full. Cancellation gives both back.
-        ``score``: the request's dynamic priority for the global queue (admission.py)."""
+        ``score``: the request's sort key in the global queue, lower first (admission.py)."""
         own = self._tenants.get(tenant)
         if own is None:
             own = self._tenants[tenant] = Admission(self.max_in_flight_per_tenant, self.max_queue_per_tenant,

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from services.scheduler.policy.degradation import Rung
+from services.shared.vocabulary import Rung
 
 
 class ExecutorState(enum.Enum):

@@ -15,8 +15,9 @@ from services.scheduler.policy.intent_shift import HashedBowDistance, IntentShif
 from services.scheduler.policy.pause import (
     PauseCosts, PauseDecision, PauseInputs, PausePolicyName, make_pause_policy,
 )
-from services.scheduler.policy.priority import PriorityInputs, RequestClassName, SchedulingPolicy, make_prioritizer
+from services.scheduler.policy.priority import PriorityInputs, Prioritizer, SchedulingPolicy, make_prioritizer
 from services.scheduler.state.sessions import SessionTable
+from services.shared.vocabulary import RequestClass, queue_order_key
 
 
 class Clock:
@@ -68,22 +69,33 @@ def test_program_attained_service_accumulates_over_hops_and_tables_stay_bounded(
 # -- priority --------------------------------------------------------------------------
 def _inputs(**kw) -> PriorityInputs:
     kw.setdefault("arrival_s", 0.0)
-    kw.setdefault("request_class", RequestClassName.AGENTIC)
+    kw.setdefault("request_class", RequestClass.AGENTIC)
     return PriorityInputs(**kw)
 
 
+class QueueOrder:
+    """A prioritizer (higher runs first) read as the admission queue reads it: ``score`` is
+    its ascending sort key, ``queue_order_key(priority)``, so lower runs first."""
+
+    def __init__(self, policy: Prioritizer) -> None:
+        self.policy = policy
+
+    def score(self, r: PriorityInputs, now_s: float) -> float:
+        return queue_order_key(self.policy.priority(r, now_s))
+
+
 def test_weft_priority_puts_a_long_program_behind_short_ones_and_interactive_first():
-    weft = make_prioritizer(SchedulingPolicy.WEFT)
+    weft = QueueOrder(make_prioritizer(SchedulingPolicy.WEFT))
     long_prog = weft.score(_inputs(attained_tokens=50 * 2000), 1.0)
     short_prog = weft.score(_inputs(attained_tokens=2000), 1.0)
-    chat = weft.score(_inputs(request_class=RequestClassName.INTERACTIVE), 1.0)
-    batch = weft.score(_inputs(request_class=RequestClassName.BATCH), 1.0)
+    chat = weft.score(_inputs(request_class=RequestClass.INTERACTIVE), 1.0)
+    batch = weft.score(_inputs(request_class=RequestClass.BATCH), 1.0)
     assert chat < short_prog < long_prog
     assert short_prog < batch
 
 
 def test_weft_priority_rises_as_a_deadline_nears_and_with_age():
-    weft = make_prioritizer("weft")
+    weft = QueueOrder(make_prioritizer("weft"))
     r = _inputs(ttft_ceiling_ms=1000)
     assert weft.score(r, 1.0) < weft.score(r, 0.1)
     plain = _inputs()
@@ -93,11 +105,11 @@ def test_weft_priority_rises_as_a_deadline_nears_and_with_age():
 
 
 def test_fcfs_is_arrival_order_and_static_priority_is_class_then_caller_field():
-    fcfs = make_prioritizer("fcfs")
+    fcfs = QueueOrder(make_prioritizer("fcfs"))
     assert fcfs.score(_inputs(arrival_s=1.0, attained_tokens=10**6), 5) < fcfs.score(_inputs(arrival_s=2.0), 5)
-    static = make_prioritizer("priority")
+    static = QueueOrder(make_prioritizer("priority"))
     assert static.score(_inputs(caller_priority=5.0), 0) < static.score(_inputs(), 0)
-    assert static.score(_inputs(request_class=RequestClassName.INTERACTIVE), 0) < static.score(
+    assert static.score(_inputs(request_class=RequestClass.INTERACTIVE), 0) < static.score(
         _inputs(caller_priority=100.0), 0)
 
 

@@ -14,9 +14,9 @@ from services.router.validation import _contract
 from services.scheduler.policy.contracts import ContractBook, ContractTerms, Fallback
 from services.scheduler.policy.degradation import DegradationContract, Rung
 from services.scheduler.errors import InvalidScheduleRequest
-from services.scheduler.server_degrade import degradation_contract
+from services.scheduler.api.convert import degradation_contract
 from tests.unit.router.test_http import MODEL, _client, run
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 from weft.v1 import common_pb2, scheduler_pb2
 
 

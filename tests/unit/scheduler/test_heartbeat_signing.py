@@ -1,5 +1,5 @@
 """The scheduler believes only signed heartbeats when it has a mesh secret
-(services/scheduler/server_view.py), and an unverified heartbeat never changes a verified
+(services/scheduler/api/events.py), and an unverified heartbeat never changes a verified
 executor (membership.py's address-change rule)."""
 import asyncio
 
@@ -11,7 +11,7 @@ from services.mesh.mesh_auth import MeshSecurity
 from services.mesh.nats_bus import Delivery, EventBus, _Subscription
 from services.scheduler.state.kv_index import KvIndex
 from services.scheduler.state.membership import ExecutorRecord, ExecutorState, Membership
-from services.scheduler.server_view import MeshView
+from services.scheduler.api.events import MeshView
 from weft.v1 import events_pb2
 
 SECRET = "mesh-s3cret"

@@ -5,7 +5,7 @@ from services.executor.server import kv_event_to_proto
 from services.mesh.nats_bus import Delivery
 from services.scheduler.state.kv_index import KvIndex
 from services.scheduler.state.membership import ExecutorState, Membership
-from services.scheduler.server import MeshView
+from services.scheduler.api.events import MeshView
 from weft.v1 import events_pb2
 
 

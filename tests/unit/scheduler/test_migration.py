@@ -6,9 +6,10 @@ import asyncio
 import pytest
 
 from services.scheduler.migration import (
-    Attempt, ExecutorFailed, MigrationExhausted, MigrationPolicy, NoReplacement, Piece, StallWatch,
-    StreamProgress, continuation_seed, migrating_stream,
+    Attempt, ExecutorFailed, MigrationExhausted, MigrationPolicy, NoReplacement, Piece, StreamProgress,
+    migrating_stream,
 )
+from services.shared.stream_resume import StallWatch, continuation_seed
 
 FAST = MigrationPolicy(max_attempts=3, stall_factor=5, min_stall_s=0.05, first_token_timeout_s=0.5,
                        replacement_wait_s=0.3)

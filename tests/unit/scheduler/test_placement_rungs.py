@@ -17,7 +17,11 @@ from services.scheduler.policy.degradation import DegradationLadder, LadderConfi
 from services.scheduler.state.kv_index import KvIndex
 from services.scheduler.state.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
 from services.scheduler.policy.placement import PlacementPolicy, make_placer
-from services.scheduler.server import ChannelPool, MeshView, SchedulerServicer
+from services.scheduler.api.events import MeshView
+from services.scheduler.api.executor_port import ChannelPool
+from services.scheduler.api.servicer import SchedulerServicer
+from services.scheduler.dispatch.degrade_steps import DegradeSteps
+from services.scheduler.dispatch.dispatcher import Dispatcher
 from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2
 
 
@@ -56,10 +60,10 @@ def test_kv_load_is_measured_over_the_full_quality_pool_only():
 
 def test_the_servicer_ranks_only_executors_serving_the_requests_rung():
     view = MeshView(membership(record("full-a"), record("full-b"), record("int8", Rung.KV_INT8)), KvIndex())
-    servicer = SchedulerServicer(view, make_placer(PlacementPolicy.KV), Admission(4, 4), ChannelPool(1 << 20))
-    assert {p.name for p in servicer.rank("m", "t", list(range(40)))} == {"full-a", "full-b"}
-    assert [p.name for p in servicer.rank("m", "t", list(range(40)), Rung.KV_INT8)] == ["int8"]
-    assert servicer.rank("m", "t", list(range(40)), Rung.KV_COMPRESS) == []
+    dispatcher = Dispatcher(view, make_placer(PlacementPolicy.KV), Admission(4, 4), ChannelPool(1 << 20))
+    assert {p.name for p in dispatcher.rank("m", "t", list(range(40)))} == {"full-a", "full-b"}
+    assert [p.name for p in dispatcher.rank("m", "t", list(range(40)), Rung.KV_INT8)] == ["int8"]
+    assert dispatcher.rank("m", "t", list(range(40)), Rung.KV_COMPRESS) == []
 
 
 def test_an_int8_executor_is_ranked_by_its_own_int8_salted_block_hashes():
@@ -71,9 +75,9 @@ def test_an_int8_executor_is_ranked_by_its_own_int8_salted_block_hashes():
     index = KvIndex()
     # what the int8 executor itself stores for this prompt: hashes salted with its cache dtype
     index.stored("int8", hash_block_chain(prompt, 16, extra_keys_for("m", "t", "int8")))
-    servicer = SchedulerServicer(MeshView(membership(int8), index), make_placer(PlacementPolicy.KV),
-                                 Admission(4, 4), ChannelPool(1 << 20))
-    [placement] = servicer.rank("m", "t", prompt, Rung.KV_INT8)
+    dispatcher = Dispatcher(MeshView(membership(int8), index), make_placer(PlacementPolicy.KV),
+                            Admission(4, 4), ChannelPool(1 << 20))
+    [placement] = dispatcher.rank("m", "t", prompt, Rung.KV_INT8)
     assert placement.num_matched_blocks == 2
 
 
@@ -145,8 +149,8 @@ async def start_pools(fakes: dict[str, tuple[FakeExecutor, Rung]]):
     ladder = DegradationLadder(LadderConfig(enabled=frozenset({Rung.NONE, Rung.KV_INT8, Rung.SHED}),
                                             thresholds=parse_thresholds("kv_int8=0:0")))  # pinned on kv_int8
     view = MeshView(membership(*records), KvIndex())
-    servicer = SchedulerServicer(view, make_placer(PlacementPolicy.KV), Admission(4, 4), ChannelPool(1 << 20),
-                                 ladder=ladder)
+    servicer = SchedulerServicer(Dispatcher(view, make_placer(PlacementPolicy.KV), Admission(4, 4),
+                                            ChannelPool(1 << 20), degrade=DegradeSteps(ladder)))
     return servicer, servers
 
 
@@ -170,12 +174,12 @@ def test_requests_reach_the_pool_of_the_rung_they_are_served_on_and_say_which():
             degraded = await generate("r-any")
             full = await generate("r-full-only", [common_pb2.DEGRADE_STEP_NONE])
             compress_only = await generate("r-compress", [common_pb2.DEGRADE_STEP_KV_COMPRESS])
-            servicer.view.membership.remove("int8")  # the degraded pool is gone
+            servicer.dispatch.view.membership.remove("int8")  # the degraded pool is gone
             after = await generate("r-after")
         finally:
             for server in servers:
                 await server.stop(0)
-            await servicer.channels.close()
+            await servicer.dispatch.port.close()
         return degraded, full, compress_only, after
 
     degraded, full, compress_only, after = asyncio.run(main())
@@ -196,7 +200,7 @@ def test_a_degraded_stream_whose_pool_dies_finishes_on_a_full_quality_executor()
         finally:
             for server in servers:
                 await server.stop(0)
-            await servicer.channels.close()
+            await servicer.dispatch.port.close()
 
     chunks = asyncio.run(main())
     assert [c.executor for c in chunks] == ["int8", "int8", "full", "full", "full"]

@@ -35,7 +35,7 @@ def test_two_tenants_with_one_session_id_reach_the_executor_under_different_ids(
         finally:
             for server in servers:
                 await server.stop(0)
-            await servicer.channels.close()
+            await servicer.dispatch.port.close()
 
     asyncio.run(main())
     assert fake.session_ids == ["tenant-a/shared", "tenant-b/shared", ""]

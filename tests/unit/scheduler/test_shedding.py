@@ -14,18 +14,24 @@ from services.scheduler.errors import ERROR_RULES
 from services.scheduler.state.kv_index import KvIndex
 from services.scheduler.state.membership import Membership
 from services.scheduler.policy.placement import PlacementPolicy, make_placer
-from services.scheduler.server import ChannelPool, MeshView, SchedulerServicer
+from services.scheduler.api.events import MeshView
+from services.scheduler.api.executor_port import ChannelPool
+from services.scheduler.api.servicer import SchedulerServicer
+from services.scheduler.dispatch.degrade_steps import DegradeSteps
+from services.scheduler.dispatch.dispatcher import Dispatcher
+from services.shared.vocabulary import RequestClass
 from weft.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 
 def test_a_shedding_class_is_refused_with_a_retry_hint_and_other_classes_are_not():
     ladder = DegradationLadder(LadderConfig(min_dwell_s=60))
-    batch = common_pb2.RequestClass.Name(common_pb2.REQUEST_CLASS_BATCH)
+    batch = RequestClass.BATCH.value  # the ladder keeps one rung per class label
     assert ladder.observe(batch, LoadSignal(admission_fraction=1.0)) is Rung.SHED  # overloaded a moment ago
 
     async def main():
-        servicer = SchedulerServicer(MeshView(Membership(), KvIndex()), make_placer(PlacementPolicy("kv")),
-                                     Admission(4, 4, retry_after_ms=250), ChannelPool(1 << 20), ladder=ladder)
+        servicer = SchedulerServicer(Dispatcher(MeshView(Membership(), KvIndex()), make_placer(PlacementPolicy("kv")),
+                                                Admission(4, 4, retry_after_ms=250), ChannelPool(1 << 20),
+                                                degrade=DegradeSteps(ladder)))
         server = GrpcServer("weft.v1.Scheduler", "127.0.0.1", 0, rules=ERROR_RULES)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server.server)
         port = await server.start()

@@ -1,4 +1,4 @@
-"""A silent executor is asked before it is dropped (server_view.MeshView.expire_silent):
+"""A silent executor is asked before it is dropped (api/events.MeshView.expire_silent):
 a frozen NATS silences every heartbeat while the bus still counts as connected, and
 the old expiry dropped every serving executor (tests/adversarial/test_operator_nats_frozen.py
 on a real mesh)."""
@@ -7,7 +7,7 @@ import asyncio
 from services.mesh.nats_bus import Delivery
 from services.scheduler.state.kv_index import KvIndex
 from services.scheduler.state.membership import Membership
-from services.scheduler.server import MeshView
+from services.scheduler.api.events import MeshView
 from weft.v1 import events_pb2
 
 

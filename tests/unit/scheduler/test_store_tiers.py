@@ -4,7 +4,7 @@ from services.mesh.nats_bus import Delivery
 from services.scheduler.state.kv_index import KvIndex
 from services.scheduler.state.membership import Membership
 from services.scheduler.policy.placement import Candidate, KvAwarePlacer
-from services.scheduler.server import MeshView
+from services.scheduler.api.events import MeshView
 from weft.v1 import events_pb2
 
 

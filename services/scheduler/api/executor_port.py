@@ -1,0 +1,117 @@
+"""ChannelPool: the executors over gRPC, as the dispatcher's ExecutorPort
+(dispatch/job.py): one channel per executor address, reused across requests; protobuf
+built and read by convert.py.
+
+A failed call reaches the dispatcher as ``ExecutorCallError`` (code name, details, and
+whether the executor named its engine's death, policy/suspects.py). A token stream does
+so only for the codes the path reacts to (UNAVAILABLE, INTERNAL, UNKNOWN); any other
+status passes through as the executor's own error, so the client gets it unchanged
+(an executor's INVALID_ARGUMENT reaches the client as INVALID_ARGUMENT).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.mesh.grpc_server import channel_options
+from services.mesh.mesh_auth import mesh_channel
+from services.mesh.timeline import TRACEPARENT_KEY
+from services.scheduler.api import convert
+from services.scheduler.dispatch.job import Chunk, ExecutorCall, ExecutorCallError
+from services.scheduler.policy.suspects import is_engine_failure
+from services.scheduler.state.membership import ExecutorRecord
+from weft.v1 import executor_pb2, executor_pb2_grpc
+
+PROBE_TIMEOUT_S = 1.0  # a silent executor's health probe; a paused one times out and is dropped
+_STREAM_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+def _call_error(exc: grpc.aio.AioRpcError) -> ExecutorCallError:
+    return ExecutorCallError(exc.code().name, exc.details() or "", exc.code() == grpc.StatusCode.UNAVAILABLE,
+                             is_engine_failure(exc))
+
+
+class _GrpcStream:
+    """One Executor.Generate call as a stream of chunks."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        try:
+            async for msg in self._call:
+                yield convert.chunk_from_pb(msg, self._call)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _STREAM_FAILURES:
+                raise _call_error(exc) from exc
+            raise
+
+
+class ChannelPool:
+    def __init__(self, max_message_bytes: int) -> None:
+        self._options = channel_options(max_message_bytes)
+        self._stubs: dict[str, tuple[grpc.aio.Channel, executor_pb2_grpc.ExecutorStub]] = {}
+
+    async def serving(self, rec: ExecutorRecord) -> bool:
+        """Whether ``rec`` answers grpc.health.v1 SERVING at its (verified) address, over
+        the pooled channel. Never raises."""
+        self.stub(rec.address)
+        channel = self._stubs[rec.address][0]
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def stub(self, address: str) -> executor_pb2_grpc.ExecutorStub:
+        entry = self._stubs.get(address)
+        if entry is None:
+            channel = mesh_channel(address, options=self._options)
+            entry = (channel, executor_pb2_grpc.ExecutorStub(channel))
+            self._stubs[address] = entry
+        return entry[1]
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
+
+    # -- ExecutorPort ---------------------------------------------------------------------
+    def generate(self, address: str, call: ExecutorCall, timeout_s: float | None,
+                 traceparent: str | None) -> _GrpcStream:
+        return _GrpcStream(self.stub(address).Generate(
+            convert.execute_request(call), timeout=timeout_s,
+            metadata=((TRACEPARENT_KEY, traceparent),) if traceparent else None))
+
+    async def update_priorities(self, address: str, request_ids: Sequence[str],
+                                priorities: Sequence[float]) -> None:
+        await self._unary(self.stub(address).UpdatePriorities(executor_pb2.UpdatePrioritiesRequest(
+            request_ids=request_ids, priorities=priorities), timeout=1.0))
+
+    async def release_session(self, address: str, session_id: str, evict_block_hashes: Sequence[int]) -> None:
+        await self._unary(self.stub(address).ReleaseSession(executor_pb2.ReleaseSessionRequest(
+            session_id=session_id, evict_block_hashes=evict_block_hashes), timeout=2.0))
+
+    async def demote_blocks(self, address: str, token_ids: Sequence[int], tenant: str, priority: float,
+                            expected_pause_ms: int) -> None:
+        await self._unary(self.stub(address).DemoteBlocks(executor_pb2.DemoteBlocksRequest(
+            token_ids=token_ids, tenant_salt=tenant, priority=priority, expected_pause_ms=expected_pause_ms,
+            evict_local=True), timeout=10.0))
+
+    async def promote_blocks(self, address: str, token_ids: Sequence[int], tenant: str) -> None:
+        # force: the pause policy already priced the round trip when it chose demote.
+        await self._unary(self.stub(address).PromoteBlocks(executor_pb2.PromoteBlocksRequest(
+            token_ids=token_ids, tenant_salt=tenant, partition=tenant, force=True), timeout=10.0))
+
+    @staticmethod
+    async def _unary(call) -> None:
+        try:
+            await call
+        except grpc.aio.AioRpcError as exc:
+            raise _call_error(exc) from exc

@@ -1,0 +1,172 @@
+"""The dispatcher: one scheduler request from arrival to its last token, in one reading
+order (domain types in and out; the api layer converts):
+
+    screen     request id, suspected poison pill, prompt             (bad input: 400)
+    plan       agent plane: session / hop / contract, the hop's full prompt, priority
+    rung       degradation ladder: the rung it is served on, or shed
+    admission  per-tenant and global slots, waiting by priority       (full: 429 + hint)
+    placement  executors serving the rung, ranked by the placer (placement.py)
+    place      agent plane: reroute, pause decision, stale-KV release, promotion
+    relay      the executor's stream, with migration (relay.py)
+
+Placement hashes the prompt exactly as each executor does (its block size and
+extra_keys_for(its model id, tenant, KV dtype)), so the kv index answers for its blocks.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
+
+import structlog
+
+from services.mesh import metric_catalogue as catalogue
+from services.mesh import metrics
+from services.mesh.logging import request_context
+from services.mesh.timeline import Span, Trace
+from services.scheduler.dispatch.agent_steps import AgentSteps
+from services.scheduler.dispatch.degrade_steps import DegradeSteps
+from services.scheduler.dispatch.job import Chunk, ExecutorPort, Job
+from services.scheduler.dispatch.relay import Relay
+from services.scheduler.errors import InvalidScheduleRequest, NoExecutorError, OverloadedError, SuspectedPoisonError
+from services.scheduler.migration import MigrationPolicy
+from services.scheduler.policy.admission import Admission
+from services.scheduler.policy.degradation import LoadSignal, Rung
+from services.scheduler.policy.placement import Candidate, InflightTracker, Placement, Placer
+from services.scheduler.policy.suspects import SuspectRegistry
+from services.scheduler.policy.tenant_limits import TenantAdmission
+from services.scheduler.state.kv_index import KvIndex
+from services.scheduler.state.membership import ExecutorLoad, Membership
+from services.shared.block_hash import extra_keys_for, hash_block_chain
+
+log = structlog.get_logger(__name__)
+
+REQUESTS = metrics.counter("weft_scheduler_requests_total", "Generate streams by outcome.", ["outcome"])
+QUEUE_SECONDS = metrics.histogram("weft_scheduler_queue_seconds", "Time waiting for admission.")
+
+
+class MeshState(Protocol):
+    """What the dispatcher reads of the mesh (api/events.MeshView keeps it current)."""
+
+    membership: Membership
+    kv_index: KvIndex
+
+
+class Dispatcher:
+    def __init__(self, view: MeshState, placer: Placer, admission: Admission, port: ExecutorPort, *,
+                 tenant_admission: TenantAdmission | None = None, degrade: DegradeSteps | None = None,
+                 agent: AgentSteps | None = None, inflight: InflightTracker | None = None,
+                 placement_attempts: int = 2, migration: MigrationPolicy | None = None,
+                 suspects: SuspectRegistry | None = None) -> None:
+        """``agent``: sessions, dynamic priority, contracts, pauses (None: plain requests);
+        built over the same ``inflight`` tracker as this dispatcher's."""
+        self.view = view
+        self.placer = placer
+        self.admission = admission
+        self.port = port
+        self.tenant_admission = tenant_admission or TenantAdmission(
+            admission, admission.max_in_flight, admission.max_queue)  # default: no tighter per-tenant cap
+        self.degrade = degrade or DegradeSteps()
+        self.agent = agent
+        self.inflight = inflight or InflightTracker()
+        self.suspects = suspects or SuspectRegistry()
+        self.relay = Relay(view.membership, port, self.inflight, self.rank, placement_attempts, migration,
+                           self.suspects)
+
+    def screen(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        """Refuse what cannot be scheduled before anything is decided about it."""
+        if not request_id:
+            raise InvalidScheduleRequest("request_id", "must not be empty")
+        suspected = self.suspects.reason(request_id)
+        if suspected is not None:  # a resend of a suspected poison pill: no executor is risked again
+            raise SuspectedPoisonError(suspected)
+        if not prompt_token_ids:
+            raise InvalidScheduleRequest("prompt_token_ids", "must contain at least one token")
+
+    async def generate(self, job: Job, finished: Callable[[list[Span]], None]) -> AsyncIterator[Chunk]:
+        """The job's stream (``screen`` it first). ``finished`` gets this request's spans
+        once its stream ended normally."""
+        rid = job.request_id
+        plan = self.agent.begin(job) if self.agent is not None else None
+        prompt = plan.prompt_token_ids if plan is not None else list(job.prompt_token_ids)
+        with request_context(rid):
+            t0 = time.monotonic()
+            trace = Trace(rid, "scheduler", job.trace_parent)
+            try:
+                rung = self.degrade.serve_rung(
+                    job, plan.fallback if plan is not None else None, self.load_signal(job.model_id),
+                    self.view.membership.offered_rungs(job.model_id), self.admission.retry_after_ms)
+                await self.tenant_admission.enter(job.tenant, self.agent.order_key(plan) if plan is not None
+                                                  else None)
+            except OverloadedError:
+                REQUESTS.labels("rejected").inc()
+                if plan is not None:
+                    self.agent.end(rid)
+                catalogue.count_admission_rejection(self.degrade.rejection_reason(job))
+                raise
+            outcome = "cancelled"
+            try:
+                queue_s = time.monotonic() - t0
+                QUEUE_SECONDS.observe(queue_s)
+                catalogue.observe_queue_wait(job.class_label, queue_s)
+                admitted_ns = trace.span("scheduler.queue", trace.start_ns, time.time_ns()).end_ns
+                ranked = self.rank(job.model_id, job.tenant, prompt, rung)
+                if not ranked and rung is not Rung.NONE:  # its pool left while it queued
+                    rung = Rung.NONE
+                    ranked = self.rank(job.model_id, job.tenant, prompt, rung)
+                trace.span("scheduler.place", admitted_ns, time.time_ns(), num_candidates=len(ranked),
+                           rung=rung.label)
+                if not ranked:
+                    outcome = "no_executor"
+                    catalogue.count_admission_rejection("no_executor")
+                    raise NoExecutorError(f"no serving executor for model {job.model_id or '(any)'!r}")
+                exec_fields = {}
+                if plan is not None:
+                    ranked = await self.agent.place(plan, job, prompt, ranked)
+                    exec_fields = self.agent.exec_fields(plan)
+                async for chunk in self.relay.stream(job, prompt, ranked, int(queue_s * 1000), trace, rung,
+                                                     exec_fields):
+                    if plan is not None:
+                        self.agent.observe(plan, chunk, t0)
+                    yield chunk
+                outcome = "finished"
+                finished(trace.finish(outcome=outcome))
+            except Exception:
+                outcome = "error" if outcome == "cancelled" else outcome
+                raise
+            finally:
+                self.tenant_admission.leave(job.tenant)
+                if plan is not None:
+                    self.agent.end(rid)
+                REQUESTS.labels(outcome).inc()
+
+    def load_signal(self, model_id: str = "") -> LoadSignal:
+        """What the degradation ladder reads now. Does not modify anything."""
+        return LoadSignal(admission_fraction=self.tenant_admission.load_fraction(),
+                          kv_used_fraction=self.view.membership.kv_used_fraction(model_id))
+
+    def rank(self, model_id: str, tenant: str, prompt: Sequence[int], rung: Rung = Rung.NONE) -> list[Placement]:
+        """Placeable executors serving ``rung``, best first. Hashes are computed exactly as
+        the executor does: its block size and extra_keys_for(its model id, tenant, KV dtype)."""
+        records = self.view.membership.placeable(model_id, rung)
+        chains: dict[tuple[str, int, str], tuple[int, dict[str, int], list[int]]] = {}
+        candidates = []
+        for rec in records:
+            key = (rec.model_id, rec.block_size, rec.kv_cache_dtype)
+            if key not in chains:
+                keys = extra_keys_for(rec.model_id, tenant, rec.kv_cache_dtype)
+                hashes = hash_block_chain(prompt, rec.block_size, keys)
+                chains[key] = (len(hashes), self.view.kv_index.match_prefix(hashes), hashes)
+            num_prompt_blocks, matched, hashes = chains[key]
+            load = rec.load or ExecutorLoad()
+            reported_used = max(0, load.num_blocks - load.num_free_blocks)
+            candidates.append(Candidate(
+                name=rec.name, address=rec.address, num_prompt_blocks=num_prompt_blocks,
+                num_matched_blocks=matched.get(rec.name, 0),
+                num_store_blocks=self.view.kv_index.num_store_blocks(hashes, matched.get(rec.name, 0)),
+                num_used_blocks=max(reported_used, self.inflight.num_blocks(rec.name)),
+                num_blocks=rec.num_blocks or load.num_blocks,
+                num_active_requests=max(load.num_running + load.num_waiting, self.inflight.num_requests(rec.name)),
+                max_num_seqs=rec.max_num_seqs,
+            ))
+        return self.placer.rank(candidates)

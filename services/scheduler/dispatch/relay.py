@@ -1,0 +1,192 @@
+"""Relay: a placed job's token stream, from one executor after another.
+
+One request = one executor stream relayed chunk by chunk: no per-token round trips. The
+executor call inherits the job's deadline; when the client goes away the relay is
+cancelled and cancels the executor call, which aborts the request there.
+
+    attempt  = the ranked executors, tried in order while one is unreachable before its
+               first token (at most ``placement_attempts``)
+    stream   = attempts wrapped in migration (migration.py): an executor that dies or
+               stalls mid-stream is replaced by another serving the same rung (else a
+               full-quality one, never the reverse), continuing from the shared resume
+               point; usage is counted across attempts
+
+Bounded: after the migration policy's attempts, ExecutorLostError (UNAVAILABLE); a job
+aboard too many engine deaths ends SuspectedPoisonError (ABORTED) and is remembered.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+import structlog
+
+from services.mesh import metric_catalogue as catalogue
+from services.mesh import metrics
+from services.mesh.timeline import Trace
+from services.scheduler.dispatch.job import Chunk, ExecutorCall, ExecutorCallError, ExecutorPort, Job
+from services.scheduler.errors import DeadlineError, ExecutorLostError, SuspectedPoisonError
+from services.scheduler.migration import (
+    Attempt, ExecutorFailed, MigrationExhausted, MigrationPolicy, NoReplacement, Piece, StreamProgress,
+    migrating_stream, placement_marker,
+)
+from services.shared.vocabulary import Rung
+from services.scheduler.policy.placement import InflightTracker, Placement
+from services.scheduler.policy.suspects import SuspectedPoison, SuspectRegistry
+from services.scheduler.state.blocks import num_blocks_spanned, num_full_blocks
+from services.scheduler.state.membership import Membership
+from services.scheduler.state.sessions import executor_session_id
+
+log = structlog.get_logger(__name__)
+
+PLACED = metrics.counter("weft_scheduler_placements_total", "Requests placed per executor.", ["executor"])
+MATCHED_BLOCKS = metrics.counter("weft_scheduler_prefix_blocks_matched_total", "Prompt blocks found on the chosen executor.")
+PROMPT_BLOCKS = metrics.counter("weft_scheduler_prompt_blocks_total", "Full prompt blocks of placed requests.")
+
+Rank = Callable[[str, str, list[int], Rung], list[Placement]]  # (model, tenant, prompt, rung) -> best first
+
+
+class Relay:
+    def __init__(self, membership: Membership, port: ExecutorPort, inflight: InflightTracker, rank: Rank,
+                 placement_attempts: int = 2, migration: MigrationPolicy | None = None,
+                 suspects: SuspectRegistry | None = None) -> None:
+        self.membership = membership
+        self.port = port
+        self.inflight = inflight
+        self.rank = rank
+        self.placement_attempts = placement_attempts
+        self.migration = migration or MigrationPolicy()
+        self.suspects = suspects or SuspectRegistry()  # ids that rode too many engine deaths (suspects.py)
+
+    async def stream(self, job: Job, prompt: list[int], ranked: list[Placement], queue_ms: int, trace: Trace,
+                     rung: Rung, exec_fields: dict) -> AsyncIterator[Chunk]:
+        """The job's stream over migrating attempts; stamps the served rung on the first
+        chunk and, after a migration, usage counted across attempts."""
+        progress = StreamProgress(tuple(prompt), job.max_tokens, job.min_tokens, job.seed)
+        cached: list[int] = []
+
+        def open_attempt(attempt: Attempt) -> AsyncIterator[Piece]:
+            placements = ranked
+            if attempt.index:
+                for pool in (rung, Rung.NONE):  # a degraded request whose pool is gone ends at full quality
+                    placements = [p for p in self.rank(job.model_id, job.tenant, list(attempt.prompt_token_ids), pool)
+                                  if p.name not in attempt.exclude]
+                    if placements:
+                        break
+                if not placements:
+                    raise NoReplacement(f"every placeable executor failed: {sorted(attempt.exclude)}")
+            call = ExecutorCall(
+                request_id=job.request_id, prompt_token_ids=attempt.prompt_token_ids, tenant=job.tenant,
+                priority=job.priority, session_id=executor_session_id(job.tenant, job.session_id),
+                max_tokens=attempt.max_tokens, min_tokens=attempt.min_tokens, seed=attempt.seed,
+                wire=job.wire, **exec_fields)
+            return pieces(call, placements, 0 if attempt.index else queue_ms)
+
+        async def pieces(call: ExecutorCall, placements: list[Placement], attempt_queue_ms: int):
+            executor = placements[0].name
+            yield placement_marker(executor)  # a stall before the first token is pinned on it
+            try:
+                async for chunk in self._attempt(job, call, placements, attempt_queue_ms, trace):
+                    executor = chunk.executor or executor
+                    yield Piece(chunk.token_ids, chunk.executor, chunk.finished, chunk)
+            except (ExecutorLostError, ExecutorCallError) as exc:
+                raise ExecutorFailed(executor, str(exc), _engine_failed(exc)) from exc
+
+        first = True
+        num_migrations_seen, last_piece_ns = 0, time.time_ns()
+        try:
+            async for piece in migrating_stream(progress, self.migration, open_attempt):
+                chunk = piece.payload
+                if progress.num_migrations != num_migrations_seen:
+                    # What the move cost this request: the gap since the last piece before it.
+                    catalogue.count_migration("executor_failed", progress.num_migrations - num_migrations_seen)
+                    trace.span("scheduler.migration", last_piece_ns, time.time_ns(),
+                               num_migrations=progress.num_migrations, executor=piece.executor)
+                    num_migrations_seen = progress.num_migrations
+                last_piece_ns = time.time_ns()
+                if first:
+                    cached.append(chunk.num_cached_tokens)
+                    chunk.rung = rung
+                    first = False
+                if progress.num_migrations:
+                    chunk.num_prompt_tokens = len(prompt)
+                    chunk.num_cached_tokens = cached[0]
+                    chunk.num_output_tokens = len(progress.output_token_ids)
+                    if chunk.finished:
+                        chunk.num_migrations = progress.num_migrations
+                yield chunk
+        except MigrationExhausted as exc:
+            raise ExecutorLostError(str(exc)) from exc
+        except SuspectedPoison as exc:
+            self.suspects.add(job.request_id, str(exc))
+            log.error("request_suspected_poison", request_id=job.request_id, reason=str(exc))
+            raise SuspectedPoisonError(str(exc)) from exc
+
+    async def _attempt(self, job: Job, call: ExecutorCall, ranked: list[Placement], queue_ms: int,
+                       trace: Trace) -> AsyncIterator[Chunk]:
+        """One attempt: the ranked executors in turn while one is unreachable before its
+        first token; a stream broken after it raises ExecutorLostError."""
+        attempts = ranked[: self.placement_attempts]
+        prompt_len = len(call.prompt_token_ids)
+        for i, placement in enumerate(attempts):
+            rec = self.membership.get(placement.name)
+            block_size = rec.block_size if rec else 16
+            call_ns = time.time_ns()
+            stream = self.port.generate(placement.address, call, _timeout_s(job), trace.context().traceparent())
+            self.inflight.start(placement.name, job.request_id, num_blocks_spanned(prompt_len, block_size))
+            sent_any = False
+            try:
+                async for chunk in stream:
+                    if not sent_any:
+                        PLACED.labels(placement.name).inc()
+                        PROMPT_BLOCKS.inc(num_full_blocks(prompt_len, block_size))
+                        MATCHED_BLOCKS.inc(placement.num_matched_blocks)
+                        log.info("request_placed", executor=placement.name,
+                                 num_matched_blocks=placement.num_matched_blocks, queue_ms=queue_ms)
+                    self.inflight.update(placement.name, job.request_id,
+                                         num_blocks_spanned(prompt_len + chunk.num_output_tokens, block_size))
+                    if chunk.finished and chunk.trailer_spans is not None:
+                        # The executor's spans are in the trailers that follow this last
+                        # message: take them now, as the consumer may close us after it.
+                        trace.span("scheduler.executor_call", call_ns, time.time_ns(), executor=placement.name,
+                                   attempt=i, num_matched_blocks=placement.num_matched_blocks)
+                        trace.add_downstream(await chunk.trailer_spans())
+                    chunk.executor = chunk.executor or placement.name
+                    chunk.queue_ms = queue_ms if not sent_any else 0
+                    yield chunk
+                    sent_any = True
+                return
+            except ExecutorCallError as exc:
+                if not sent_any and exc.unavailable and i + 1 < len(attempts):
+                    log.warning("executor_unreachable", executor=placement.name, details=exc.details)
+                    continue
+                if sent_any and exc.unavailable:
+                    raise ExecutorLostError(f"executor {placement.name} failed mid-stream: {exc.details}") from exc
+                raise
+            finally:
+                stream.cancel()  # no-op when the call finished; aborts the executor's request otherwise
+                self.inflight.finish(placement.name, job.request_id)
+
+
+def _timeout_s(job: Job) -> float | None:
+    """Seconds left of the job: the tighter of the caller's deadline and its own."""
+    timeouts = []
+    remaining = job.time_remaining_s()
+    if remaining is not None:
+        timeouts.append(remaining)
+    if job.deadline_unix_ms:
+        timeouts.append(job.deadline_unix_ms / 1000.0 - time.time())
+    if not timeouts:
+        return None
+    timeout = min(timeouts)
+    if timeout <= 0:
+        raise DeadlineError("deadline passed before the request was placed")
+    return timeout
+
+
+def _engine_failed(error: BaseException | None) -> bool:
+    """Whether the executor call behind ``error`` (through ``raise ... from`` chains) ended
+    with its engine's death (the port tells: ExecutorCallError.engine_failed)."""
+    while error is not None and not isinstance(error, ExecutorCallError):
+        error = error.__cause__
+    return error is not None and error.engine_failed
