@@ -187,7 +187,7 @@ async def tier_hits(address: str) -> dict[str, int]:
 
 
 async def run_config(args, name: str, model_dir: Path, workloads: dict) -> dict[str, RunResult]:
-    from weft.launcher import Launcher, UpOptions
+    from weft.launcher.launcher import Launcher, UpOptions
 
     env = {"WEFT_EXECUTOR_NUM_KV_BLOCKS": str(args.num_kv_blocks), "WEFT_EXECUTOR_BLOCK_SIZE": "16",
            "WEFT_EXECUTOR_MAX_NUM_SEQS": str(args.max_num_seqs), "WEFT_EXECUTOR_MAX_NUM_BATCHED_TOKENS": "512",
@@ -312,7 +312,7 @@ def charts(args, results: dict[str, dict[str, RunResult]]) -> list[str]:
 
 
 async def bench(args) -> dict[str, dict[str, RunResult]]:
-    from weft.tiny_model import make_tiny_checkpoint
+    from weft.testing.tiny_model import make_tiny_checkpoint
 
     model_dir = Path(make_tiny_checkpoint(args.cache_dir / args.preset, preset=args.preset))
     config = json.loads((model_dir / "config.json").read_text())

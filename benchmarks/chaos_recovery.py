@@ -5,12 +5,12 @@
 Starts a loopback mesh with the launcher (`weft up`'s code, its supervisor included), then
 for each of cachestore, scheduler, executor-1, router and NATS, ``--repeats`` times:
 SIGKILL the pid the state file records and time until the state file lists a new pid
-whose health probe passes (``weft.chaos.wait_recovered``, the helper tests/chaos/test_kill9.py
+whose health probe passes (``weft.launcher.chaos.wait_recovered``, the helper tests/chaos/test_kill9.py
 uses under load). Between kills the mesh is let settle: the router reports ready again.
 
 Each kill is measured as a FIRST death: the crash-loop window is shortened to one second
 so the backoff never grows between repeats (the default policy's first restart waits
-``RestartConfig.base_delay_s``, jittered; see weft/supervisor.py). The mesh is idle: the
+``RestartConfig.base_delay_s``, jittered; see weft/launcher/restart_policy.py). The mesh is idle: the
 number is what the supervisor and a cold service start cost, not what a stream sees
 (tests/chaos/test_kill9.py covers streams).
 """
@@ -29,9 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from weft import health  # noqa: E402
-from weft.chaos import wait_recovered  # noqa: E402
-from weft.launcher import Launcher, UpOptions  # noqa: E402
-from weft.supervisor import RestartConfig  # noqa: E402
+from weft.launcher.chaos import wait_recovered  # noqa: E402
+from weft.launcher.launcher import Launcher, UpOptions  # noqa: E402
+from weft.launcher.restart_policy import RestartConfig  # noqa: E402
 
 VICTIMS = ("cachestore", "scheduler", "executor-1", "router", "nats")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 
 @dataclass(frozen=True)

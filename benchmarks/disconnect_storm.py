@@ -71,7 +71,7 @@ async def executor_snapshot(state_dir: Path) -> dict[str, dict]:
     """Per executor: pid, health and the engine's counters (GetStats over the mesh channel)."""
     from services.mesh.mesh_auth import mesh_channel
     from weft.health import probe_grpc
-    from weft.mesh_state import read_state
+    from weft.launcher.mesh_state import read_state
     from weft.v1 import executor_pb2, executor_pb2_grpc
 
     out = {}

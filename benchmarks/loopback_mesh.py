@@ -35,7 +35,7 @@ async def loopback_mesh(state_dir: Path, model_dir: Path | None, num_executors: 
                         extra_env: dict[str, str] | None = None):
     """Start NATS + one of each service (``num_executors`` executors) on free loopback
     ports; yields the launcher's MeshState; stops everything on exit."""
-    from weft.launcher import Launcher, UpOptions
+    from weft.launcher.launcher import Launcher, UpOptions
 
     state_dir.mkdir(parents=True, exist_ok=True)
     keys_file = state_dir / "keys.json"

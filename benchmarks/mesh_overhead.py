@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# The in-process engine runs with the executor processes' OpenMP setting (weft/mesh_spec.py),
+# The in-process engine runs with the executor processes' OpenMP setting (weft/launcher/mesh_spec.py),
 # so the comparison differs only in the mesh. Must be set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -202,7 +202,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def bench(args, model_dir: Path) -> dict[int, dict[str, Timings]]:
-    from weft.launcher import Launcher, UpOptions
+    from weft.launcher.launcher import Launcher, UpOptions
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
@@ -320,7 +320,7 @@ def plot(path: Path, results: dict[int, dict[str, Timings]]) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.model is None:
-        from weft.tiny_model import make_tiny_checkpoint
+        from weft.testing.tiny_model import make_tiny_checkpoint
 
         model_dir = args.cache_dir / args.preset
         if not (model_dir / "config.json").is_file():

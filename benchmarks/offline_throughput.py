@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model_dir = args.model
     if model_dir is None:
-        from weft.tiny_model import make_tiny_checkpoint
+        from weft.testing.tiny_model import make_tiny_checkpoint
 
         model_dir = args.cache_dir / f"{args.preset}-llama"
         if not (model_dir / "config.json").exists():

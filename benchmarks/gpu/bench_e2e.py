@@ -3,7 +3,7 @@
 Writes a Hugging Face Llama checkpoint (config.json + model.safetensors, bf16 random
 weights: hidden 2048, 16 layers, 32 query / 8 KV heads, intermediate 5632, vocab 32000,
 about 0.85B parameters) into --model-dir, with the tokenizer files of a tiny checkpoint
-from weft.tiny_model, unless that directory already holds the same config. Then, for
+from weft.testing.tiny_model, unless that directory already holds the same config. Then, for
 each batch size, runs greedy generation with EOS ignored:
 
   prefill   generate(prompts, max_tokens=1)          prompt processing + 1 token
@@ -135,7 +135,7 @@ def write_checkpoint(model_dir: Path, shape: LlamaShape, dtype_name: str, seed: 
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from weft.tiny_model import make_tiny_checkpoint
+    from weft.testing.tiny_model import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tiny_dir:
         # The "bench" preset's tokenizer has 32000 ids, the "tiny" one 1024: match the vocab.

@@ -27,7 +27,7 @@ import pytest
 from services.router.http_api import EXECUTOR_HEADER
 from tests.integration.conftest import wait_for
 from tests.integration.launched_mesh import launched_mesh
-from weft.mesh_state import MeshState
+from weft.launcher.mesh_state import MeshState
 from weft.v1 import executor_pb2, executor_pb2_grpc
 
 MODEL = "tiny"  # the tiny_model_dir fixture's directory name

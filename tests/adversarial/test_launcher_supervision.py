@@ -15,7 +15,7 @@ import pytest
 
 from tests.integration.conftest import wait_for
 from tests.integration.launched_mesh import ROOT, launched_mesh
-from weft.mesh_state import pid_alive, read_state
+from weft.launcher.mesh_state import pid_alive, read_state
 from weft.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 # Two deaths of one instance within 10 minutes are a crash loop: the second kill of

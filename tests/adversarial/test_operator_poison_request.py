@@ -15,7 +15,7 @@ import pytest
 
 from tests.integration.conftest import wait_for
 from tests.integration.launched_mesh import launched_mesh
-from weft.mesh_state import read_state
+from weft.launcher.mesh_state import read_state
 from weft.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 SITE = Path(__file__).resolve().parent / "poison_site"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import grpc
 from tests.integration.conftest import wait_for
-from weft.mesh_state import MeshState, read_state
+from weft.launcher.mesh_state import MeshState, read_state
 from weft.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ class Mesh:
         """The same control call as `weft chaos`, without a CLI process start (~1 s)."""
         import asyncio
 
-        from weft.chaos import request_chaos
+        from weft.launcher.control import request_chaos
 
         return asyncio.run(request_chaos(self.state, action, name))
 

@@ -25,7 +25,7 @@ import pytest
 from tests.chaos.chaos_mesh import CHAOS_ENV, NUM_STREAMS, Mesh, Outcome, generate, record, under_load
 from tests.integration.conftest import wait_for
 from tests.integration.launched_mesh import launched_mesh
-from weft.chaos import wait_recovered
+from weft.launcher.chaos import wait_recovered
 
 MAX_TOKENS = 200  # shorter than the other chaos tests': five rounds stay bounded on two cores
 RECOVERY_DEADLINE_S = 60.0  # a bound, not a threshold: a cold Python service start on busy cores

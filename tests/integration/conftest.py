@@ -178,7 +178,7 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from weft.tiny_model import make_tiny_checkpoint
+    from weft.testing.tiny_model import make_tiny_checkpoint
 
     return Path(make_tiny_checkpoint(tmp_path_factory.mktemp("models") / "tiny", preset="tiny"))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import wait_for
-from weft.mesh_state import MeshState, pid_alive, read_state
+from weft.launcher.mesh_state import MeshState, pid_alive, read_state
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from weft.mesh_spec import COMPOSE_RESTART, SERVICES, compose_context
+from weft.launcher.mesh_spec import COMPOSE_RESTART, SERVICES, compose_context
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"

@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from tests.integration.launched_mesh import launched_mesh
-from weft.mesh_state import MeshState, pid_alive, read_state
-from weft.tiny_model import make_tiny_checkpoint
+from weft.launcher.mesh_state import MeshState, pid_alive, read_state
+from weft.testing.tiny_model import make_tiny_checkpoint
 from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 MODEL = "tiny"

@@ -29,9 +29,9 @@ import pytest
 from services.cachestore.blocks import checksum
 from services.mesh import metric_catalogue as catalogue
 from tests.integration.launched_mesh import launched_mesh
-from weft.mesh_state import MeshState, read_state
-from weft.tiny_model import make_tiny_checkpoint
-from weft.top import parse_metrics
+from weft.launcher.mesh_state import MeshState, read_state
+from weft.testing.tiny_model import make_tiny_checkpoint
+from weft.cli.top import parse_metrics
 from weft.v1 import cachestore_pb2, cachestore_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.integration.launched_mesh import launched_mesh
 from tests.integration.test_degraded_pools import executors, post
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 from weft.v1 import common_pb2
 
 FULL, SMALL = "executor-0", "executor-1"

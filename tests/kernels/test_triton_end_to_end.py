@@ -7,7 +7,7 @@ import torch
 
 from services.executor.attention.base import QuantizedKVCache
 from weft import LLM, SamplingParams
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 
 def test_triton_backend_generation_equals_torch_backend(tmp_path):

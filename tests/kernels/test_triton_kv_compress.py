@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from weft import LLM, SamplingParams
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 
 def test_triton_backend_compressed_generation_equals_torch_with_oldest_first(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weft import LLM, SamplingParams
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

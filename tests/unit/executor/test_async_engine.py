@@ -17,7 +17,7 @@ from services.executor.engine.config import EngineConfig
 from services.executor.errors import InvalidRequestError
 from services.executor.engine.sampling_params import SamplingParams
 from weft import LLM
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 DEADLINE_S = 20.0  # generous for a loaded 2-core machine; a healthy run takes < 1 s
 ANSWER_S = 3.0  # for what the engine thread answers at once (refusals, dead-engine errors)

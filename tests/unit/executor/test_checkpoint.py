@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 from services.executor.model.checkpoint import expected_tensor_shapes, load_state_dict
 from services.executor.errors import CheckpointError
 from services.executor.model.config import ModelConfig
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from services.executor.engine.config import EngineConfig
 from services.executor.errors import InvalidRequestError
 from services.executor.engine.sampling_params import SamplingParams
 from services.executor.engine.sequence import FinishReason
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 MAX_STEPS = 400  # no test here needs more; a loop past it is a hang, not slowness
 VOCAB = 1024  # the "tiny" preset

@@ -15,7 +15,7 @@ from services.executor.engine.engine import LLMEngine
 from services.executor.engine.config import EngineConfig
 from services.executor.tiers.kv_transfer import KvPayload, block_layout, export_blocks, import_blocks
 from services.executor.engine.sampling_params import SamplingParams
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 MAX_STEPS = 400  # no test here needs more; a loop past it is a hang
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

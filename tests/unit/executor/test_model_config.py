@@ -7,7 +7,7 @@ import pytest
 
 from services.executor.errors import CheckpointError, ModelLoadError, UnsupportedModelError
 from services.executor.model.config import ModelConfig
-from weft.tiny_model import model_config_dict
+from weft.testing.tiny_model import model_config_dict
 
 LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}

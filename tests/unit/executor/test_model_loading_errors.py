@@ -16,7 +16,7 @@ from services.executor.engine.engine import LLMEngine
 from services.executor.engine.config import EngineConfig
 from services.executor.errors import CheckpointError, UnsupportedModelError
 from weft import LLM
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 WEIGHTS = "model.safetensors"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.mesh.onednn_caches import CACHE_VARIABLES, DEFAULT_CAPACITY, bound_onednn_caches
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[3]
 

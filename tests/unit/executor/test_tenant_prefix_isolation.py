@@ -7,7 +7,7 @@ import pytest
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.config import EngineConfig
 from services.executor.engine.sampling_params import SamplingParams
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 BLOCK_SIZE = 16
 

@@ -13,7 +13,7 @@ from services.executor.engine.engine import LLMEngine
 from services.executor.engine.config import EngineConfig
 from services.executor.engine.watchdog import EngineProbe, EngineVerdict, EngineWatchdog, WatchdogPolicy
 from services.executor.engine.sampling_params import SamplingParams
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 DEADLINE_S = 20.0
 STALL_S = 60.0

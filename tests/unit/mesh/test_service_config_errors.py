@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from services.mesh.nats_bus import EventBus
 from services.mesh.nats_server import free_port
 from services.mesh.service_main import EXIT_CONFIG
-from weft.launcher_supervision import Supervision
-from weft.mesh_state import Instance, MeshState
-from weft.supervisor import RestartConfig, Status
+from weft.launcher.supervision import Supervision
+from weft.launcher.mesh_state import Instance, MeshState
+from weft.launcher.restart_policy import RestartConfig, Status
 
 
 def test_an_unreachable_nats_is_an_outage_not_a_refused_login():
@@ -57,7 +57,7 @@ class _Launcher:
         return MeshState(launcher_pid=1, control_port=0, control_token="", model_dir="", http_url="",
                          grpc_address="", nats_url="", instances=[r.instance for r in self.running.values()])
 
-    async def _spawn(self, spec, name, ports=None):
+    async def spawn(self, spec, name, ports=None):
         self.spawned.append(name)
         raise AssertionError("a config error must not be restarted")
 

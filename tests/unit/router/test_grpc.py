@@ -12,7 +12,7 @@ from services.router.generation import Generator, model_limits
 from services.router.server import ROUTER_ERROR_RULES, RouterServicer
 from services.shared.tokenizer import Tokenizer
 from tests.unit.router.test_http import MODEL, FakeDownstream
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 from weft.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 KEY = (("authorization", "Bearer sk-1"),)

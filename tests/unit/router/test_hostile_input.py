@@ -13,7 +13,7 @@ from services.shared.prompt_budget import CharBudget, char_budget
 from services.shared.tokenizer import Tokenizer
 from tests.unit.router.test_grpc import KEY, _serve
 from tests.unit.router.test_http import MODEL, _client, run
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 from weft.v1 import common_pb2, router_pb2
 
 CHAT = '{"model": "%s", "messages": [{"role": "user", "content": %%s}]%%s}' % MODEL

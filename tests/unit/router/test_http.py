@@ -12,7 +12,7 @@ from services.router.generation import Generator, model_limits
 from services.router.http_api import EXECUTOR_HEADER, HttpApi
 from services.router.schema import TokenChunk, TokenRequest
 from services.shared.tokenizer import Tokenizer
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 MODEL = "tiny"
 

@@ -13,7 +13,7 @@ import pytest
 from services.mesh.nats_server import free_port
 from services.router.app import RouterApp
 from services.router.config import RouterConfig
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 from weft.v1 import router_pb2, router_pb2_grpc
 
 KEY = "sk-surface"

@@ -14,7 +14,7 @@ from services.router.http_api import HttpApi
 from services.router.readiness import Readiness
 from services.shared.tokenizer import Tokenizer
 from tests.unit.router.test_http import MODEL, FakeDownstream, run
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

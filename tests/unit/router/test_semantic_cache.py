@@ -129,7 +129,7 @@ def test_a_new_sessions_first_turn_prefetches_the_prefix_it_shares_with_a_simila
 def test_only_the_last_user_message_is_embedded_and_the_rest_must_match_exactly(tmp_path):
     from services.router.semantic_cache import PromptSplitter
     from services.shared.tokenizer import Tokenizer
-    from weft.tiny_model import make_tiny_checkpoint
+    from weft.testing.tiny_model import make_tiny_checkpoint
 
     tok = Tokenizer.from_dir(make_tiny_checkpoint(tmp_path / "m", preset="tiny"))
     splitter = PromptSplitter(tok)

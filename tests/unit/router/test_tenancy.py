@@ -19,7 +19,7 @@ from services.router.schema import TokenChunk, TokenRequest
 from services.shared.tokenizer import Tokenizer
 from tests.unit.router.test_p99_attribution import timeline
 from tests.unit.router.test_http import MODEL, FakeDownstream, run
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 KEYS = {"sk-a": "tenant-a", "sk-b": "tenant-b"}
 A = {"Authorization": "Bearer sk-a"}

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from services.shared.detokenizer import IncrementalDetokenizer
 from services.shared.tokenizer import Tokenizer
-from weft.tiny_model import make_tiny_checkpoint
+from weft.testing.tiny_model import make_tiny_checkpoint
 
 MODEL_VOCAB = 1024  # the tiny preset; qwen2's tokenizer covers fewer ids than this
 

@@ -2,7 +2,7 @@
 safetensors file is truncated logged the cause (CheckpointError …) and then, while the
 interpreter shut down, asyncio's "Task was destroyed" / "Exception ignored in" noise, so
 the operator read "RuntimeError: Event loop is closed". The cause must win over the noise."""
-from weft.startup_checks import last_log_line
+from weft.launcher.startup_checks import last_log_line
 
 CAUSE = ("services.executor.errors.CheckpointError: model.safetensors in /m is truncated or corrupt: "
          "Error while deserializing header: invalid header length")

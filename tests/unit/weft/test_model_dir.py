@@ -3,7 +3,7 @@ bare "JSONDecodeError: Expecting property name …", naming neither the file nor
 The launcher checks the checkpoint's small JSON files before starting anything."""
 import json
 
-from weft.startup_checks import check_model_dir
+from weft.launcher.startup_checks import check_model_dir
 
 
 def test_a_corrupt_config_json_is_named_with_the_flag(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from services.mesh import metric_catalogue as catalogue
-from weft.mesh_spec import SERVICES, compose_context
+from weft.launcher.mesh_spec import SERVICES, compose_context
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"

@@ -10,7 +10,7 @@ import time
 import pytest
 from aiohttp import web
 
-from weft.launcher import Launcher, MeshStartError, UpOptions
+from weft.launcher.launcher import Launcher, MeshStartError, UpOptions
 
 
 async def _fake_router(statuses: list[int]) -> tuple[web.AppRunner, int, list[int]]:

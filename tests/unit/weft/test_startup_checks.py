@@ -1,11 +1,11 @@
-"""`weft up`'s checks before anything starts (weft/startup_checks.py): one line naming the
+"""`weft up`'s checks before anything starts (weft/launcher/startup_checks.py): one line naming the
 cause; and a service's death reported as one line from its log."""
 from __future__ import annotations
 
 import json
 import socket
 
-from weft.startup_checks import bind_error, check_model_dir, check_ports_free, last_log_line, ports_free
+from weft.launcher.startup_checks import bind_error, check_model_dir, check_ports_free, last_log_line, ports_free
 
 
 def test_missing_model_dir_says_no_such_directory(tmp_path):

@@ -1,4 +1,4 @@
-"""The restart policy of `weft up` (weft/supervisor.py) on a fake clock: backoff grows
+"""The restart policy of `weft up` (weft/launcher/restart_policy.py) on a fake clock: backoff grows
 exponentially with jitter inside its band, is capped, starts over after a quiet window,
 and the max_deaths-th death within a window is a crash loop."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from weft.supervisor import RestartConfig, RestartPolicy
+from weft.launcher.restart_policy import RestartConfig, RestartPolicy
 
 
 class FakeClock:

@@ -10,7 +10,7 @@ import torch
 from services.executor.model.checkpoint import load_state_dict
 from services.shared.tokenizer import Tokenizer
 from weft.cli import main
-from weft.tiny_model import make_tiny_checkpoint, num_parameters
+from weft.testing.tiny_model import make_tiny_checkpoint, num_parameters
 
 transformers = pytest.importorskip("transformers")
 

@@ -2,7 +2,7 @@
 after engine deaths (exit 70) looked exactly like one that never died ("up", nothing else),
 and one the supervisor gave up on (crash-loop) just said DOWN. The rows now carry what
 `weft ps` knows: restarts, the last exit status, a crash loop."""
-from weft.top import ServiceView, Snapshot, render
+from weft.cli.top import ServiceView, Snapshot, render
 
 
 def _row(text: str, name: str) -> str:

@@ -2,7 +2,7 @@
 KV per partition, tier hit rates, latency by class, the verdict; a down service."""
 from __future__ import annotations
 
-from weft.top import ServiceView, Snapshot, histogram_quantile, latency_by_class, parse_metrics, render
+from weft.cli.top import ServiceView, Snapshot, histogram_quantile, latency_by_class, parse_metrics, render
 
 ROUTER = """
 # TYPE weft_ttft_seconds histogram

@@ -1,21 +1,11 @@
-"""The ``weft`` command line.
-
-Each top-level command or command group is one registration function that adds its
-own sub-parser and sets ``handler`` (a callable taking the parsed args, returning an
-exit code). To add a command (``weft up``, ``weft ps``, ``weft bench``), write a
-``register_<name>(subparsers)`` function in its own module and list it in
-``COMMANDS``; nothing else here changes.
-"""
+"""``weft model make-tiny DIR``: write a small random-weight checkpoint in Hugging Face
+format. The choices come from the torch-free ``weft/testing/presets.py``; torch is
+imported only when a checkpoint is written."""
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Callable, Sequence
 
-from weft.chaos import register_chaos
-from weft import bench_cli, mesh_cli, top
-
-Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+from weft.testing.presets import ARCHS, DTYPE_NAMES, PRESETS, ROPE_SCALINGS
 
 
 def register_model(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -23,9 +13,6 @@ def register_model(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     model = subparsers.add_parser("model", help="work with model checkpoint directories",
                                   description="Work with Hugging Face model checkpoint directories.")
     actions = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
-
-    # Imported lazily so `weft --help` stays fast (torch is heavy).
-    from weft.tiny_model import ARCHS, DTYPES, PRESETS, ROPE_SCALINGS
 
     make = actions.add_parser(
         "make-tiny",
@@ -47,7 +34,7 @@ def register_model(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     make.add_argument("--rope-scaling", choices=list(ROPE_SCALINGS), default="none",
                       help="RoPE scaling written to config.json: none, linear (factor 2) or "
                            "llama3 (factor 8); default: %(default)s")
-    make.add_argument("--dtype", choices=list(DTYPES), default="float32",
+    make.add_argument("--dtype", choices=list(DTYPE_NAMES), default="float32",
                       help="dtype of the stored weights; default: %(default)s")
     make.add_argument("--max-shard-bytes", type=int, default=None, metavar="N",
                       help="split the weights into shards of at most N bytes with a "
@@ -56,40 +43,10 @@ def register_model(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from weft.tiny_model import make_tiny_checkpoint
+    from weft.testing.tiny_model import make_tiny_checkpoint  # torch: only to write one
 
     path = make_tiny_checkpoint(args.dir, preset=args.preset, arch=args.arch, seed=args.seed,
                                 rope_scaling=args.rope_scaling, max_shard_bytes=args.max_shard_bytes,
                                 dtype=args.dtype)
     print(path)  # the CLI's output is the checkpoint path, for shell pipelines
     return 0
-
-
-# Command name -> registration function. Add new commands here.
-COMMANDS: dict[str, Registrar] = {
-    "model": register_model,
-    "up": mesh_cli.register_up,
-    "ps": mesh_cli.register_ps,
-    "scale": mesh_cli.register_scale,
-    "bench": bench_cli.register_bench,
-    "chaos": register_chaos,
-    "top": top.register_top,
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weft", description="Weft: an LLM inference engine for AI-agent workloads.")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for register in COMMANDS.values():
-        register(subparsers)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default: sys.argv[1:]), run the chosen command, return its exit code."""
-    args = build_parser().parse_args(argv)
-    return int(args.handler(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,19 +1,18 @@
-"""``weft up`` / ``weft ps`` / ``weft scale``: registration functions for ``weft/cli.py``."""
+"""``weft up`` / ``weft ps`` / ``weft scale``: registration functions for ``weft/cli/commands.py``.
+
+``weft up`` runs the launcher in this process; ``ps`` reads the state file and probes;
+``scale`` asks the running launcher over its control endpoint. The launcher, grpc and
+aiohttp are imported inside the handlers, so registering these commands costs nothing.
+"""
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from pathlib import Path
 
-DEFAULT_STATE_DIR = os.environ.get("WEFT_STATE_DIR", ".weft")
-
-
-def _state_dir_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
-                        help="where the mesh keeps its state file, logs and the generated tiny model "
-                             "[env WEFT_STATE_DIR; default: %(default)s]")
+from weft.cli.state_dir import add_state_dir_arg, running_mesh
+from weft.launcher.mesh_state import pid_alive, read_state
 
 
 def register_up(subparsers) -> None:
@@ -41,15 +40,14 @@ def register_up(subparsers) -> None:
                          "(the rest keeps running); default: %(default)s")
     up.add_argument("--crash-loop-window", type=float, default=60.0, metavar="S",
                     help="seconds of the crash-loop window; default: %(default)s")
-    _state_dir_arg(up)
+    add_state_dir_arg(up)
     up.set_defaults(handler=_up)
 
 
 def _up(args: argparse.Namespace) -> int:
     from services.mesh.logging import configure_logging
-    from weft.launcher import Launcher, MeshStartError, UpOptions
-    from weft.mesh_state import pid_alive, read_state
-    from weft.supervisor import RestartConfig
+    from weft.launcher.launcher import Launcher, MeshStartError, UpOptions
+    from weft.launcher.restart_policy import RestartConfig
 
     configure_logging("launcher", "warning")
     previous = read_state(args.state_dir)
@@ -99,21 +97,19 @@ def register_ps(subparsers) -> None:
                                            "it and its last exit status (-9: killed by SIGKILL). HEALTH "
                                            "crash-loop: it died too often and is no longer restarted; config-error: it "
                                            "exited 78 (model files or NATS login unusable) and is not restarted.")
-    _state_dir_arg(ps)
+    add_state_dir_arg(ps)
     ps.set_defaults(handler=_ps)
 
 
 def _ps(args: argparse.Namespace) -> int:
-    from weft import health
-    from weft.mesh_state import pid_alive, read_state
+    from weft.health import probe
 
-    state = read_state(args.state_dir)
-    if state is None or not pid_alive(state.launcher_pid):
-        print(f"no mesh running (no live launcher recorded in {args.state_dir})", file=sys.stderr)
+    state = running_mesh(args.state_dir)
+    if state is None:
         return 1
 
     async def probe_all():
-        return await asyncio.gather(*(health.probe(i.health_kind, "127.0.0.1", i.health_port, i.health_path, 1.0)
+        return await asyncio.gather(*(probe(i.health_kind, "127.0.0.1", i.health_port, i.health_path, 1.0)
                                       for i in state.instances))
 
     healthy = asyncio.run(probe_all())
@@ -130,8 +126,6 @@ def _ps(args: argparse.Namespace) -> int:
 
 def _health_label(inst, ok: bool) -> str:
     """The live probe, qualified by the supervisor's view of a process that is not healthy."""
-    from weft.mesh_state import pid_alive
-
     if ok:
         return "healthy"
     if inst.status in ("crash-loop", "config-error", "restarting", "stopped"):
@@ -153,21 +147,19 @@ def register_scale(subparsers) -> None:
                                               "until three run (waiting until each is healthy and placed on) or "
                                               "drains the highest-numbered ones (in-flight requests finish).")
     scale.add_argument("target", metavar="SERVICE=N", help="e.g. executor=2")
-    _state_dir_arg(scale)
+    add_state_dir_arg(scale)
     scale.set_defaults(handler=_scale)
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from weft.launcher_control import request_scale
-    from weft.mesh_state import pid_alive, read_state
+    from weft.launcher.control import request_scale
 
     service, _, count = args.target.partition("=")
     if not count.isdigit():
         print(f"expected SERVICE=N (e.g. executor=2), got {args.target!r}", file=sys.stderr)
         return 2
-    state = read_state(args.state_dir)
-    if state is None or not pid_alive(state.launcher_pid):
-        print(f"no mesh running (no live launcher recorded in {args.state_dir})", file=sys.stderr)
+    state = running_mesh(args.state_dir)
+    if state is None:
         return 1
     try:
         names = asyncio.run(request_scale(state, service, int(count)))

@@ -14,30 +14,51 @@ unplanned death), and only it can respawn a service on the same ports with the s
     restart  SIGKILL if alive, then start it again (singletons on the same ports, an
              executor on fresh ones, announced over NATS); returns when it is healthy
              (and, for an executor, known to the scheduler) with the seconds it took
+
+``apply_chaos`` is handed a ``ChaosTarget`` (the launcher) and imports none of it; the
+command line is ``weft/cli/chaos_cli.py``, its client ``request_chaos`` in
+``weft/launcher/control.py``.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import signal
-import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from weft.mesh_state import MeshState
+from weft.launcher.mesh_spec import BY_NAME, ServiceSpec
+from weft.launcher.mesh_state import MeshState, read_state, write_state
+from weft.launcher.options import UpOptions
+from weft.launcher.running import Running
 
-if TYPE_CHECKING:
-    from weft.launcher import Launcher
+if TYPE_CHECKING:  # `weft chaos --help` lists ACTIONS: this module stays light to import
+    from weft.launcher.supervision import Supervision
 
 ACTIONS = ("kill", "pause", "resume", "restart")
 
 
-async def apply_chaos(launcher: Launcher, action: str, name: str) -> dict:
-    """Do ``action`` to instance ``name``; mutates the launcher's process table."""
-    from weft.launcher import BY_NAME
-    from weft.mesh_state import write_state
+class ChaosTarget(Protocol):
+    """What ``weft chaos`` needs of the launcher: its process table and how to start an
+    instance again. ``apply_chaos`` mutates ``running`` (through ``spawn``) and ``chaos_down``."""
 
+    options: UpOptions
+    state_dir: Path
+    running: dict[str, Running]  # instance name -> process
+    chaos_down: set[str]  # killed on purpose: the supervision must not restart them
+    supervision: Supervision
+
+    def state(self) -> MeshState: ...
+
+    async def spawn(self, spec: ServiceSpec, name: str, ports: dict[str, int] | None = None) -> Running: ...
+
+    async def wait_healthy(self, names: list[str], deadline: float) -> None: ...
+
+    async def wait_scheduler_sees(self, executor_names: set[str], deadline: float) -> None: ...
+
+
+async def apply_chaos(launcher: ChaosTarget, action: str, name: str) -> dict:
+    """Do ``action`` to instance ``name``; mutates the launcher's process table."""
     if action not in ACTIONS:
         raise ValueError(f"unknown chaos action {action!r}; one of {', '.join(ACTIONS)}")
     running = launcher.running.get(name)
@@ -59,11 +80,11 @@ async def apply_chaos(launcher: Launcher, action: str, name: str) -> dict:
         return {"name": name, "action": action, "pid": proc.pid, "alive": proc.returncode is None}
     t0 = time.monotonic()
     spec = BY_NAME[running.instance.service]
-    new = await launcher._spawn(spec, name)
+    new = await launcher.spawn(spec, name)
     deadline = t0 + launcher.options.startup_timeout_s
-    await launcher._wait_healthy([name], deadline)
+    await launcher.wait_healthy([name], deadline)
     if spec.name == "executor":
-        await launcher._wait_scheduler_sees({name}, deadline)
+        await launcher.wait_scheduler_sees({name}, deadline)
     launcher.chaos_down.discard(name)
     launcher.supervision.reset(name)  # restarted on purpose: a past crash loop is forgiven
     write_state(launcher.state_dir, launcher.state())
@@ -77,64 +98,14 @@ def wait_recovered(state_dir: str | Path, name: str, old_pid: int, timeout_s: fl
     health probe passes; returns the seconds that took. For measuring the supervisor's
     recovery after a plain ``kill -9`` (tests/chaos, benchmarks/chaos_recovery.py); raises
     TimeoutError after ``timeout_s``. Run it in a thread when an event loop is busy."""
-    from weft import health
-    from weft.mesh_state import read_state
+    from weft.health import probe  # grpc, aiohttp: not needed to list ACTIONS
 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         state = read_state(state_dir)
         inst = next((i for i in state.instances if i.name == name), None) if state else None
         if inst is not None and inst.pid != old_pid and asyncio.run(
-                health.probe(inst.health_kind, "127.0.0.1", inst.health_port, inst.health_path, 1.0)):
+                probe(inst.health_kind, "127.0.0.1", inst.health_port, inst.health_path, 1.0)):
             return time.monotonic() - t0
         time.sleep(interval_s)  # polling interval of the state file and the probe
     raise TimeoutError(f"{name} (pid {old_pid} killed) was not back and healthy within {timeout_s:.0f}s")
-
-
-async def request_chaos(state: MeshState, action: str, name: str, timeout_s: float = 300.0) -> dict:
-    """Ask the running launcher to do ``action`` to ``name``; RuntimeError with its reason."""
-    import aiohttp
-
-    from weft.launcher_control import TOKEN_HEADER
-
-    url = f"http://127.0.0.1:{state.control_port}/chaos"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        async with session.post(url, json={"action": action, "name": name},
-                                headers={TOKEN_HEADER: state.control_token}) as resp:
-            body = await resp.json()
-            if resp.status != 200:
-                raise RuntimeError(body.get("error", f"HTTP {resp.status}"))
-            return body
-
-
-def register_chaos(subparsers) -> None:
-    from weft.mesh_cli import _state_dir_arg
-
-    chaos = subparsers.add_parser(
-        "chaos", help="kill, pause, resume or restart one service of the running mesh",
-        description="Disturb one service of the running mesh, by its name in `weft ps` "
-                    "(router, scheduler, executor-N, cachestore, nats). kill = SIGKILL (stays down: "
-                    "the supervisor restarts only unplanned deaths such as a plain kill -9); "
-                    "pause = SIGSTOP; resume = SIGCONT; restart = SIGKILL if alive, then start it "
-                    "again and wait until it is healthy (prints the seconds it took).")
-    chaos.add_argument("action", choices=ACTIONS, help="what to do")
-    chaos.add_argument("name", metavar="NAME", help="instance name as `weft ps` lists it, e.g. executor-1")
-    _state_dir_arg(chaos)
-    chaos.set_defaults(handler=_chaos)
-
-
-def _chaos(args: argparse.Namespace) -> int:
-    from weft.mesh_state import pid_alive, read_state
-
-    state = read_state(args.state_dir)
-    if state is None or not pid_alive(state.launcher_pid):
-        print(f"no mesh running (no live launcher recorded in {args.state_dir})", file=sys.stderr)
-        return 1
-    try:
-        result = asyncio.run(request_chaos(state, args.action, args.name))
-    except RuntimeError as exc:
-        print(f"weft chaos failed: {exc}", file=sys.stderr)
-        return 1
-    extra = f" in {result['recovery_s']:.2f}s" if "recovery_s" in result else ""
-    print(f"{args.action} {args.name}: pid {result['pid']}{' alive' if result['alive'] else ' down'}{extra}")
-    return 0

@@ -18,46 +18,25 @@ token is strongest, hence the larger gain there (measured: 16 tied, 4 untied).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from services.executor.model.checkpoint import INDEX_FILE, SINGLE_FILE, expected_tensor_shapes
 from services.executor.model.config import ModelConfig
-from weft import tiny_tokenizer as tt
+from weft.testing import tiny_tokenizer as tt
+from weft.testing.presets import ARCHS, DTYPE_NAMES, PRESETS, ROPE_SCALINGS, Arch, Preset, RopeScaling
 
-Arch = Literal["llama", "qwen2", "mistral"]
-RopeScaling = Literal["none", "linear", "llama3"]
-ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral")
-ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3")
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["ARCHS", "DTYPES", "PRESETS", "ROPE_SCALINGS", "Arch", "Preset", "RopeScaling", "make_tiny_checkpoint",
+           "model_config_dict", "num_parameters", "random_weights"]  # the presets: weft/testing/presets.py
+
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 # Qwen ships an embedding matrix with more rows than its tokenizer has ids (padded for
 # GPU-friendly shapes); the tiny qwen2 checkpoint keeps at least this many spare rows.
 QWEN2_SPARE_VOCAB_ROWS = 64
-
-
-@dataclass(frozen=True)
-class Preset:
-    """Model shape of one preset."""
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-
-
-PRESETS: dict[str, Preset] = {
-    "tiny": Preset(64, 2, 4, 2, 128, 1024, 2048),
-    "small": Preset(256, 4, 8, 2, 704, 4096, 4096),
-    "bench": Preset(512, 8, 8, 2, 1408, 32000, 4096),  # ~55M parameters
-}
 
 
 def make_tiny_checkpoint(

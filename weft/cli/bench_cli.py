@@ -19,7 +19,7 @@ def register_bench(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])  # the repository: benchmarks/ sits there
     if root not in sys.path:
         sys.path.insert(0, root)
     module = importlib.import_module(BENCHMARKS[args.name])

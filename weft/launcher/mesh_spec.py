@@ -1,5 +1,5 @@
 """The mesh's services, their commands and settings: ONE table for every way of running
-Weft. ``weft up`` (``weft/launcher.py``) renders it for local processes on loopback;
+Weft. ``weft up`` (``weft/launcher/launcher.py``) renders it for local processes on loopback;
 ``compose.yaml`` holds the same table rendered for Docker Compose, and
 ``tests/integration/test_compose.py`` checks that the two agree.
 
@@ -161,7 +161,7 @@ COMPOSE_NATS_CONFIG = "/opt/weft/services/mesh/nats.conf"
 COMPOSE_NATS_PASSWORDS = {r: "${%s:-%s}" % (nats_auth.role_password_env(r), nats_auth.dev_fallback_password(r))
                           for r in nats_auth.ROLES}
 # Compose restarts a container whose process exits, as ``weft up``'s supervisor restarts a
-# process (weft/supervisor.py); not one an operator stopped.
+# process (weft/launcher/restart_policy.py); not one an operator stopped.
 COMPOSE_RESTART = "unless-stopped"
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.scheduler.policy.degradation import Rung
+from services.shared.vocabulary import RUNG_LABELS
+from weft.cli.state_dir import DEFAULT_STATE_DIR
 
 Samples = list[tuple[str, dict[str, str], float]]  # (sample name, labels, value)
 
@@ -139,11 +140,11 @@ def _n(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-RUNG_LABELS = tuple(r.label for r in Rung)  # the gauge's value is the rung's number
 
 
 def _ladder(samples) -> str:
-    """Each request class's degradation rung, from the scheduler's weft_degradation_rung."""
+    """Each request class's degradation rung, from the scheduler's weft_degradation_rung
+    (the gauge's value is the rung's number, an index into RUNG_LABELS)."""
     rungs = {lab.get("request_class", "?"): int(v) for n, lab, v in samples if n == "weft_degradation_rung"}
     if not rungs:
         return "(no class observed yet)"
@@ -237,8 +238,6 @@ def render(snap: Snapshot, width: int = 100) -> str:
 
 # -- command ---------------------------------------------------------------------------------
 def register_top(subparsers) -> None:
-    from weft.mesh_cli import DEFAULT_STATE_DIR
-
     top = subparsers.add_parser("top", help="live view of a running mesh",
                                 description="Live view of the mesh started by `weft up`: services, load, KV "
                                             "per partition, tier hit rates, latency by class, the p99 verdict.")
@@ -249,7 +248,7 @@ def register_top(subparsers) -> None:
 
 
 def _top(args: argparse.Namespace) -> int:
-    from weft.mesh_state import read_state
+    from weft.launcher.mesh_state import read_state
 
     state = read_state(args.state_dir)
     if state is None:

@@ -27,7 +27,7 @@ class Instance:
     health_port: int
     health_path: str
     log_path: str
-    # Supervision (weft/supervisor.py): times the launcher restarted it after an unplanned
+    # Supervision (weft/launcher/restart_policy.py): times the launcher restarted it after an unplanned
     # death, the exit status of its last death (None: never died; negative: killed by that
     # signal), and a supervisor Status value ("running", "restarting", "crash-loop", "stopped").
     restarts: int = 0

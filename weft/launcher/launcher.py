@@ -1,6 +1,6 @@
 """``weft up``: run the whole mesh as local processes on loopback.
 
-NOTE: one table (``weft/mesh_spec.py``) says what runs; this module only renders it
+NOTE: one table (``weft/launcher/mesh_spec.py``) says what runs; this module only renders it
 with free loopback ports and manages processes:
 
     check: the model dir exists, the fixed ports are free (else one line, exit 1, nothing started)
@@ -15,10 +15,16 @@ Children get their own session (a terminal's Ctrl-C reaches only the launcher, w
 stops them in order) and PR_SET_PDEATHSIG, so even a SIGKILLed launcher leaves no
 orphans. Once up, every instance is supervised: an unplanned death is answered by a
 restart under the same name and ports after a backoff, and a crash loop stops restarting
-that instance only (policy: ``weft/supervisor.py``; the rest of the mesh never stops).
+that instance only (policy: ``weft/launcher/restart_policy.py``; the rest of the mesh never stops).
 NATS runs with one login per role (<state dir>/nats.conf, passwords per run, each service
-given only its own: services/mesh/nats_auth.py). ``weft scale`` reaches ``scale()`` through a token-protected loopback HTTP
-control endpoint recorded in the state file (see docs/architecture.md, "Launcher").
+given only its own: services/mesh/nats_auth.py). ``weft scale`` and ``weft chaos`` reach
+``scale()`` / ``chaos()`` through a token-protected loopback HTTP control endpoint recorded
+in the state file (``weft/launcher/control.py``, handed this object; see
+docs/architecture.md, "Launcher").
+
+Public to its helpers (``weft/launcher/supervision.py``, ``weft/launcher/chaos.py``), which
+import none of this module: the process table ``running``, ``chaos_down``, ``state()``, and
+``spawn`` / ``wait_healthy`` / ``wait_scheduler_sees``.
 """
 from __future__ import annotations
 
@@ -30,7 +36,6 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -39,12 +44,17 @@ import structlog
 from services.mesh import mesh_auth, nats_auth
 from services.mesh.mesh_auth import mesh_channel
 from services.mesh.nats_server import free_port, nats_server_binary
-from weft import health
-from weft.mesh_spec import BY_NAME, SERVICES, Context, ServiceSpec
-from weft.mesh_state import Instance, MeshState, remove_state, write_state
-from weft.launcher_supervision import Supervision
-from weft.startup_checks import check_model_dir, check_ports_free, last_log_line
-from weft.supervisor import RestartConfig
+from weft.health import probe
+from weft.launcher.chaos import apply_chaos
+from weft.launcher.control import start_control_server
+from weft.launcher.mesh_spec import BY_NAME, SERVICES, Context, ServiceSpec
+from weft.launcher.mesh_state import Instance, MeshState, remove_state, write_state
+from weft.launcher.options import UpOptions
+from weft.launcher.running import Running
+from weft.launcher.startup_checks import check_model_dir, check_ports_free, last_log_line
+from weft.launcher.supervision import Supervision
+
+__all__ = ["Launcher", "MeshStartError", "UpOptions", "ensure_tiny_model"]  # UpOptions: weft/launcher/options.py
 
 log = structlog.get_logger(__name__)
 
@@ -66,49 +76,14 @@ class MeshStartError(RuntimeError):
         self.log_path = str(log_path) if log_path else None
 
 
-@dataclass(frozen=True)
-class UpOptions:
-    model_dir: str | None = None  # None: the tiny model, created under the state dir
-    num_executors: int = 1
-    http_port: int = 8000  # 0: a free port
-    grpc_port: int = 50051  # 0: a free port
-    state_dir: Path = Path(".weft")
-    host: str = "127.0.0.1"
-    keys_file: str = ""
-    log_level: str = "info"
-    startup_timeout_s: float = 180.0
-    stop_timeout_s: float = 15.0
-    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. WEFT_EXECUTOR_NUM_KV_BLOCKS
-    # One more executor per entry, started with these flags appended to its command (they win
-    # over the mesh's env): e.g. "--serves-rung kv_int8 --kv-cache-dtype int8", a degraded pool.
-    extra_executors: tuple[str, ...] = ()
-    restart: RestartConfig = RestartConfig()  # supervision of unplanned deaths (weft/supervisor.py)
-
-    def __post_init__(self) -> None:
-        if self.num_executors < 0:
-            raise ValueError("num_executors must be >= 0")
-        for flags in self.extra_executors:
-            if not shlex.split(flags):
-                raise ValueError("an extra executor needs at least one flag")
-        for name in ("http_port", "grpc_port"):
-            if not 0 <= getattr(self, name) < 65536:
-                raise ValueError(f"{name} must be in [0, 65536)")
-
-
 def ensure_tiny_model(state_dir: Path) -> Path:
     """The tiny checkpoint under ``state_dir/models/tiny``, created on first use."""
     path = state_dir / "models" / "tiny"
     if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file():
-        from weft.tiny_model import make_tiny_checkpoint
+        from weft.testing.tiny_model import make_tiny_checkpoint  # torch: only when writing it
 
         make_tiny_checkpoint(path, preset="tiny")
     return path
-
-
-@dataclass
-class _Running:
-    instance: Instance
-    process: asyncio.subprocess.Process
 
 
 def _table_order(inst: Instance) -> tuple[int, int]:
@@ -123,12 +98,12 @@ class Launcher:
         self.logs_dir = self.state_dir / "logs"
         self.model_dir = ""
         self.ports: dict[str, int] = {}
-        self.running: dict[str, _Running] = {}  # instance name -> process
+        self.running: dict[str, Running] = {}  # instance name -> process
         self.extra_argv: dict[str, list[str]] = {}  # executor name -> its own flags (--extra-executor)
         self.control_port = 0
         self.control_token = secrets.token_hex(16)
         self._scale_lock = asyncio.Lock()
-        self.chaos_down: set[str] = set()  # instances `weft chaos` killed on purpose (weft/chaos.py)
+        self.chaos_down: set[str] = set()  # instances `weft chaos` killed on purpose (weft/launcher/chaos.py)
         self.supervision = Supervision(self, options.restart)  # restarts unplanned deaths once up
         # NATS logins, one per role, fixed for the launcher's life so a restarted service (or
         # NATS itself) keeps them: derived from WEFT_NATS_SECRET when set, else random.
@@ -167,7 +142,7 @@ class Launcher:
         return {k: self.ports[k] for k in spec.ports}
 
     # -- processes ------------------------------------------------------------------
-    async def _spawn(self, spec: ServiceSpec, name: str, ports: dict[str, int] | None = None) -> _Running:
+    async def spawn(self, spec: ServiceSpec, name: str, ports: dict[str, int] | None = None) -> Running:
         """Start one instance (``ports``: its own ports, else fresh / the mesh's) and watch its exit."""
         own_ports = dict(ports) if ports else self._instance_ports(spec)
         ctx = self._context({**self.ports, **own_ports}, executor_name=name if spec.scalable else "").mapping()
@@ -184,13 +159,15 @@ class Launcher:
         inst = Instance(name=name, service=spec.name, role=spec.role, pid=process.pid, ports=own_ports,
                         health_kind=spec.health.kind, health_port=health_port, health_path=spec.health.path,
                         log_path=str(log_path))
-        running = _Running(inst, process)
+        running = Running(inst, process)
         self.running[name] = running
         self.supervision.watch(name, running)
         log.info("service_started", instance=name, pid=process.pid, ports=own_ports)
         return running
 
-    async def _wait_healthy(self, names: list[str], deadline: float) -> None:
+    async def wait_healthy(self, names: list[str], deadline: float) -> None:
+        """Until every instance in ``names`` passes its health probe; MeshStartError naming the
+        first that exited or was still unhealthy at ``deadline`` (a monotonic time)."""
         pending = set(names)
         while pending:
             for name in sorted(pending):
@@ -199,7 +176,7 @@ class Launcher:
                     raise MeshStartError(f"{name} exited with status {r.process.returncode} during startup: "
                                          f"{last_log_line(r.instance.log_path)}", r.instance.log_path)
                 inst = r.instance
-                if await health.probe(inst.health_kind, self.options.host, inst.health_port, inst.health_path, 1.0):
+                if await probe(inst.health_kind, self.options.host, inst.health_port, inst.health_path, 1.0):
                     pending.discard(name)
                     log.info("service_healthy", instance=name)
             if pending and time.monotonic() > deadline:
@@ -210,7 +187,7 @@ class Launcher:
             if pending:
                 await asyncio.sleep(0.05)  # polling interval of the health probes
 
-    async def _wait_scheduler_sees(self, executor_names: set[str], deadline: float) -> None:
+    async def wait_scheduler_sees(self, executor_names: set[str], deadline: float) -> None:
         """Until the scheduler's executor list (built from NATS heartbeats) holds exactly
         the serving executors, so a request right after `up`/`scale` can be placed."""
         from weft.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -234,7 +211,7 @@ class Launcher:
     async def _wait_router_ready(self, deadline: float) -> None:
         """Until the router's ``GET /health/ready`` answers 200 (an executor serves the model).
         A router without that route (404) is waited on no further: the scheduler already
-        lists every executor (``_wait_scheduler_sees``)."""
+        lists every executor (``wait_scheduler_sees``)."""
         import aiohttp
 
         url = f"http://{self.options.host}:{self.ports['router_http_port']}/health/ready"
@@ -292,16 +269,16 @@ class Launcher:
                     self.ports[key] = fixed.get(key) or free_port(opts.host)
         deadline = time.monotonic() + opts.startup_timeout_s
         try:
-            await self._spawn(BY_NAME["nats"], "nats")
-            await self._wait_healthy(["nats"], deadline)
+            await self.spawn(BY_NAME["nats"], "nats")
+            await self.wait_healthy(["nats"], deadline)
             executors = [f"executor-{i}" for i in range(opts.num_executors + len(opts.extra_executors))]
             for name, flags in zip(executors[opts.num_executors:], opts.extra_executors):
                 self.extra_argv[name] = shlex.split(flags)
             names = ["cachestore", "scheduler", *executors, "router"]
             for name in names:
-                await self._spawn(BY_NAME[name.split("-")[0]], name)
-            await self._wait_healthy(names, deadline)
-            await self._wait_scheduler_sees(set(self.executor_names()), deadline)
+                await self.spawn(BY_NAME[name.split("-")[0]], name)
+            await self.wait_healthy(names, deadline)
+            await self.wait_scheduler_sees(set(self.executor_names()), deadline)
             if self.executor_names():
                 await self._wait_router_ready(deadline)
             await self._start_control()
@@ -338,11 +315,11 @@ class Launcher:
                 free = (i for i in range(10**6) if i not in taken)
                 new = [f"executor-{next(free)}" for _ in range(replicas - len(current))]
                 for name in new:
-                    await self._spawn(BY_NAME["executor"], name)
+                    await self.spawn(BY_NAME["executor"], name)
                 deadline = time.monotonic() + self.options.startup_timeout_s
                 try:
-                    await self._wait_healthy(new, deadline)
-                    await self._wait_scheduler_sees(set(new), deadline)
+                    await self.wait_healthy(new, deadline)
+                    await self.wait_scheduler_sees(set(new), deadline)
                 except MeshStartError:
                     await self._terminate(new)
                     raise
@@ -374,14 +351,17 @@ class Launcher:
             state = await self.start()
             if on_ready is not None:
                 on_ready(state)
-            await stop.wait()  # deaths meanwhile are the supervisor's (weft/launcher_supervision.py)
+            await stop.wait()  # deaths meanwhile are the supervisor's (weft/launcher/supervision.py)
         finally:
             await self.stop()
 
-    # -- control endpoint (weft scale) -----------------------------------------------
-    async def _start_control(self) -> None:
-        from weft.launcher_control import start_control_server
+    async def chaos(self, action: str, name: str) -> dict:
+        """``weft chaos ACTION NAME``: kill, pause, resume or restart one instance on purpose
+        (``weft/launcher/chaos.py``)."""
+        return await apply_chaos(self, action, name)
 
+    # -- control endpoint (weft scale, weft chaos) -------------------------------------
+    async def _start_control(self) -> None:
         self._control_runner, self.control_port = await start_control_server(self, self.options.host)
 
     async def _stop_control(self) -> None:

@@ -1,5 +1,5 @@
 """The launcher's supervision mechanism: watch every process ``weft up`` spawns and answer
-an unplanned death with the restart policy's decision (``weft/supervisor.py``).
+an unplanned death with the restart policy's decision (``weft/launcher/restart_policy.py``).
 
     process exits ──▶ planned? (scale down, weft chaos kill, shutdown, replaced)  ──▶ nothing
                   ──▶ exit 78 (EXIT_CONFIG: bad model files, NATS login refused)  ──▶ left down
@@ -16,21 +16,36 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import structlog
 
 from services.mesh.service_main import EXIT_CONFIG
-from weft import health
-from weft.mesh_spec import BY_NAME
-from weft.mesh_state import Instance, write_state
-from weft.startup_checks import last_log_line, ports_free
-from weft.supervisor import RestartConfig, RestartPolicy, Status
-
-if TYPE_CHECKING:
-    from weft.launcher import Launcher, _Running
+from weft.health import probe
+from weft.launcher.mesh_spec import BY_NAME, ServiceSpec
+from weft.launcher.mesh_state import Instance, MeshState, write_state
+from weft.launcher.options import UpOptions
+from weft.launcher.restart_policy import RestartConfig, RestartPolicy, Status
+from weft.launcher.running import Running
+from weft.launcher.startup_checks import last_log_line, ports_free
 
 log = structlog.get_logger(__name__)
+
+
+class SupervisedMesh(Protocol):
+    """What the supervision reads of the launcher, and the one thing it asks of it: to
+    ``spawn`` an instance again. The launcher owns the process table; this never edits it."""
+
+    options: UpOptions
+    state_dir: Path
+    stopped: bool  # the mesh is stopping: no restart may start
+    running: dict[str, Running]  # instance name -> the process behind it now
+    chaos_down: set[str]  # killed on purpose by `weft chaos`: not deaths
+
+    def state(self) -> MeshState: ...
+
+    async def spawn(self, spec: ServiceSpec, name: str, ports: dict[str, int] | None = None) -> Running: ...
 
 
 @dataclass
@@ -45,9 +60,9 @@ class _Record:
 
 class Supervision:
     """Owns the death history of every instance name and the tasks that watch and restart;
-    reads the launcher's process table and starts processes through ``Launcher._spawn``."""
+    reads the launcher's process table and starts processes through ``SupervisedMesh.spawn``."""
 
-    def __init__(self, launcher: Launcher, config: RestartConfig) -> None:
+    def __init__(self, launcher: SupervisedMesh, config: RestartConfig) -> None:
         self.launcher = launcher
         self.config = config
         self._records: dict[str, _Record] = {}
@@ -56,7 +71,7 @@ class Supervision:
         self._tasks: set[asyncio.Task] = set()
 
     # -- what the launcher tells it ------------------------------------------------------
-    def watch(self, name: str, running: _Running) -> None:
+    def watch(self, name: str, running: Running) -> None:
         """``running`` was just spawned under ``name``: answer its exit."""
         self._records.setdefault(name, _Record(RestartPolicy(self.config)))
         task = asyncio.create_task(self._watch_exit(name, running))
@@ -96,7 +111,7 @@ class Supervision:
         return replace(inst, restarts=record.restarts, last_exit=record.last_exit, status=status.value)
 
     # -- the mechanism ------------------------------------------------------------------
-    def _unplanned(self, name: str, running: _Running) -> bool:
+    def _unplanned(self, name: str, running: Running) -> bool:
         """Whether ``running``'s exit is a death to answer: still the process behind the
         name, and not being stopped, scaled down or killed by `weft chaos`."""
         launcher = self.launcher
@@ -107,7 +122,7 @@ class Supervision:
         if self._up.is_set() and not self.launcher.stopped:
             write_state(self.launcher.state_dir, self.launcher.state())
 
-    async def _watch_exit(self, name: str, running: _Running) -> None:
+    async def _watch_exit(self, name: str, running: Running) -> None:
         status = await running.process.wait()
         await self._up.wait()  # a death during start-up fails the start instead
         if not self._unplanned(name, running):
@@ -139,7 +154,7 @@ class Supervision:
         if self._unplanned(name, running):
             await self._restart(name, running, record)
 
-    async def _restart(self, name: str, dead: _Running, record: _Record) -> None:
+    async def _restart(self, name: str, dead: Running, record: _Record) -> None:
         """Start ``name`` again on its ports (an executor on fresh ones only if its own were
         taken meanwhile) and mark it running once healthy; its next exit is watched anew."""
         launcher = self.launcher
@@ -148,13 +163,13 @@ class Supervision:
         ports = dead.instance.ports
         if spec.scalable and not ports_free(launcher.options.host, ports.values()):
             ports = None
-        new = await launcher._spawn(spec, name, ports)
+        new = await launcher.spawn(spec, name, ports)
         record.restarts += 1
         self._write_state()
         inst = new.instance
         deadline = t0 + launcher.options.startup_timeout_s
         while launcher.running.get(name) is new and new.process.returncode is None and time.monotonic() < deadline:
-            if await health.probe(inst.health_kind, launcher.options.host, inst.health_port, inst.health_path, 1.0):
+            if await probe(inst.health_kind, launcher.options.host, inst.health_port, inst.health_path, 1.0):
                 record.status = Status.RUNNING
                 log.info("service_restarted", instance=name, pid=new.process.pid, restarts=record.restarts,
                          recovery_s=round(time.monotonic() - t0, 3))
