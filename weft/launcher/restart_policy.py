@@ -1,6 +1,6 @@
 """The restart policy of ``weft up``: when a service process dies unplanned, whether and
 when to start it again. Pure (a clock is passed in), so the policy is tested without
-processes; ``weft/launcher/launcher.py`` is the mechanism that watches, waits and respawns.
+processes; ``weft/launcher/supervision.py`` is the mechanism that watches, waits and respawns.
 
 NOTE: a death is answered by a restart after an exponential backoff with jitter,
 
