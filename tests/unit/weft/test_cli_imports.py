@@ -5,11 +5,14 @@ of start-up, 2-3.6 s before the CLI was split from the test-model writers). Each
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from weft.launcher.mesh_state import MeshState, write_state
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -47,6 +50,16 @@ def test_ps_scale_chaos_and_top_without_a_mesh_do_not_import_torch(tmp_path):
     for args in (("ps",), ("scale", "executor=2"), ("chaos", "kill", "executor-0"), ("top", "--once")):
         result = _weft(*args, "--state-dir", str(tmp_path))
         assert result == {"code": 1, "torch": False, "services.executor": False}, args
+
+
+def test_ps_and_top_of_a_running_mesh_do_not_import_torch(tmp_path):
+    """A recorded mesh whose launcher is alive (this test process) and has no instances:
+    ps reaches its probing code (grpc, aiohttp) and top its scraping, both without torch."""
+    write_state(tmp_path, MeshState(launcher_pid=os.getpid(), control_port=1, control_token="t", model_dir="m",
+                                    http_url="http://127.0.0.1:1", grpc_address="", nats_url=""))
+    for args in (("ps",), ("top", "--once")):
+        result = _weft(*args, "--state-dir", str(tmp_path))
+        assert result == {"code": 0, "torch": False, "services.executor": False}, args
 
 
 def test_make_tiny_still_writes_a_checkpoint(tmp_path):
