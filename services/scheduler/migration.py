@@ -26,12 +26,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from services.scheduler.policy.suspects import SuspectedPoison
-from services.shared.stream_resume import StallRule, StallWatch, budget_spent, continuation_seed, resume_point
-
-# StallWatch / continuation_seed live in services/shared/stream_resume.py; named here only
-# for callers that still import them from this module (services/router/continuation.py).
-__all__ = ["MigrationPolicy", "Attempt", "Piece", "placement_marker", "ExecutorFailed", "NoReplacement",
-           "MigrationExhausted", "StreamProgress", "migrating_stream", "StallWatch", "continuation_seed"]
+from services.shared.stream_resume import StallRule, StallWatch, budget_spent, resume_point
 
 log = structlog.get_logger(__name__)
 
