@@ -15,44 +15,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from services.executor.engine.sequence import FinishReason, Sequence, SequenceStatus
+from services.executor.engine.step_plan import ScheduledSeq, StepPlan, StepResult
 from services.executor.kv.manager import KVCacheManager
 from services.executor.policy.preemption import PreemptionPolicy
-
-if TYPE_CHECKING:  # the runner imports this module for the plan it executes
-    from services.executor.engine.model_runner import StepResult
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence and so picks a token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    decodes: list[ScheduledSeq]  # one new token each
-    prefills: list[ScheduledSeq]  # a chunk each
-    preempted: list[Sequence]
-    # Sequences that cannot fit even in an otherwise empty pool: taken out of the
-    # queues (blocks freed); the engine finishes them.
-    unservable: list[Sequence] = ()
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills and not self.unservable
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(s.num_new_tokens for s in self.prefills)
 
 
 class BatchScheduler:

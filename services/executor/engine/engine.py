@@ -13,7 +13,8 @@ import structlog
 import torch
 
 from services.executor.attention.selector import backend_class
-from services.executor.engine.batch_scheduler import BatchScheduler, StepPlan
+from services.executor.engine.batch_scheduler import BatchScheduler
+from services.executor.engine.step_plan import StepPlan
 from services.shared.block_hash import extra_keys_for
 from services.executor.kv.block_pool import BlockPool, KVEvent, PartitionSpec
 from services.shared.vocabulary import DEFAULT_PARTITION

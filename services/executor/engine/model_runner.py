@@ -1,23 +1,13 @@
 """Turns a step plan into tensors, runs the model, samples. Owns the KV cache tensors."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
 from services.executor.attention.base import AttentionMetadata, QuantizedKVCache
-from services.executor.engine.batch_scheduler import ScheduledSeq, StepPlan
+from services.executor.engine.step_plan import StepPlan, StepResult
 from services.executor.model.llama import LlamaModel
 from services.executor.model.sampler import SampledTokens, sample
-
-
-@dataclass(frozen=True)
-class StepResult:
-    sampled: list[ScheduledSeq]  # rows that picked a token, in order
-    tokens: SampledTokens
-    # [len(plan.decodes) + len(plan.prefills), max_blocks] float32 attention mass per
-    # block-table entry (decodes first, then prefills), or None when not tracked
-    block_scores: torch.Tensor | None = None
 
 
 def _block_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.executor.engine.batch_scheduler import BatchScheduler, StepPlan
-from services.executor.engine.model_runner import StepResult
+from services.executor.engine.batch_scheduler import BatchScheduler
+from services.executor.engine.step_plan import StepPlan
+from services.executor.engine.step_plan import StepResult
 from services.executor.kv.block_pool import BlockPool, PartitionSpec
 from services.executor.kv.manager import KVCacheManager
 from services.executor.policy.preemption import make_preemption_policy
