@@ -70,8 +70,7 @@ def checkpoint(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), preset="tiny", arch="llama")
 
 
-def _run_traced(engine: LLMEngine, trace: StepTrace, prompts: dict[str, list[int]], max_tokens: int):
-    engine.step_trace = trace
+def _run_traced(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, params)
@@ -88,11 +87,11 @@ def _sample(name: str, **labels) -> float:
 
 def test_step_trace_records_chunks_kv_blocked_waits_and_preemptions_on_a_full_pool(checkpoint):
     # 8 blocks of 16 tokens: two 60-token prompts growing by 40 tokens cannot both fit.
-    engine = LLMEngine(checkpoint, EngineConfig(num_kv_blocks=8, block_size=16, max_prefill_chunk=32))
     name = "executor-steptrace-test"
     trace = StepTrace(name)
+    engine = LLMEngine(checkpoint, EngineConfig(num_kv_blocks=8, block_size=16, max_prefill_chunk=32), step_trace=trace)
     preempted_before = _sample("weft_kv_preemptions_total", executor=name)
-    _run_traced(engine, trace, {"a": list(range(10, 70)), "b": list(range(100, 160))}, max_tokens=40)
+    _run_traced(engine, {"a": list(range(10, 70)), "b": list(range(100, 160))}, max_tokens=40)
     recs = {rid: trace.pop(rid) for rid in ("a", "b")}
     assert all(len(r.chunks) >= 2 for r in recs.values())  # 60 tokens in chunks of 32
     assert sum(len(r.preempted) for r in recs.values()) == engine.num_preemptions > 0
