@@ -89,15 +89,16 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             on_finish=self._finish_session,
         )
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.kv_cache_dtype)
+        # scores only feed the attention policy; "oldest" needs none (all-equal scores)
+        track_block_scores = (config.kv_compress_budget_blocks > 0
+                              and config.kv_compress_policy == CompressPolicy.ATTENTION.value)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.kv_cache_dtype,
+                                  track_block_scores)
         self.model_id = config.model_id or self.model_dir.name
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_compressed_blocks = 0  # KV blocks dropped by compression (kv_compress.py)
-        # scores only feed the attention policy; "oldest" needs none (all-equal scores)
-        self.runner.track_block_scores = (config.kv_compress_budget_blocks > 0
-                                          and config.kv_compress_policy == CompressPolicy.ATTENTION.value)
         self.step_trace = step_trace
         log.info(
             "engine_ready", model=str(self.model_dir), num_kv_blocks=self.num_blocks,

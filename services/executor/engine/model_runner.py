@@ -16,12 +16,13 @@ def _block_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 class ModelRunner:
-    # Set by the engine when KV compression is on: steps then carry a block_scores
-    # accumulator (when the back end fills one); off, the default path pays nothing.
-    track_block_scores: bool = False
-
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto",
+                 track_block_scores: bool = False) -> None:
+        """``track_block_scores``: the engine's KV compression ranks blocks by attention
+        mass, so steps then carry a block_scores accumulator (when the back end fills
+        one); off, the default path pays nothing."""
         self.model = model
+        self.track_block_scores = track_block_scores
         self.block_size = block_size
         self.device = model.device
         self.kv_caches: list[torch.Tensor | QuantizedKVCache]
