@@ -24,7 +24,7 @@ import structlog
 
 from services.shared.block_hash import extra_keys_for, hash_block_chain
 from services.shared.vocabulary import DEFAULT_PARTITION
-from services.executor.tiers.kv_transfer import KvTransfer, block_layout
+from services.executor.tiers.kv_transfer import KvTransfer
 from services.executor.tiers.tier_client import TierClient
 from services.mesh import metrics
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-import grpc
-
 from services.executor.tiers.kv_transfer import KvPayload, checksum
 from services.mesh.mesh_auth import mesh_channel
 from services.mesh.grpc_server import channel_options
