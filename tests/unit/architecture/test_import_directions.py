@@ -3,6 +3,7 @@
     weft/ (public API, CLI, launcher)  ──▶  services/*
     services/<x>  ──▶  services/shared, services/mesh, weft.v1, kernels   (never services/<y>)
     services/shared, services/mesh  ──▶  no service
+    no module imports another module's private (_underscored) names
     weft.v1 (generated protos)  ──▶  nothing of Weft's
 
 Every import counts, including ones inside functions: a lazy import hides a dependency
@@ -127,3 +128,27 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     (pkg / "b.py").write_text("from weft import a\n")
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
     assert import_cycles() == [["weft.a", "weft.b", "weft.a"]]
+
+
+def private_imports() -> list[str]:
+    """``from a import _b`` across modules: a private name used outside its module."""
+    found = []
+    for src, path in source_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                    and node.module.split(".")[0] in ("services", "weft", "kernels"):
+                found += [f"{src} imports {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    return sorted(found)
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports() == []
+
+
+def test_the_private_name_check_finds_one(tmp_path, monkeypatch):
+    pkg = tmp_path / "services" / "scheduler"
+    pkg.mkdir(parents=True)
+    (pkg / "server.py").write_text("from services.scheduler.server_view import _STATES_BACK\n")
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
+    assert private_imports() == ["services.scheduler.server imports services.scheduler.server_view._STATES_BACK"]

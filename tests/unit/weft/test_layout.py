@@ -8,71 +8,19 @@
 
 Nothing imports the CLI but ``python -m weft``; the launcher's helpers (supervision,
 chaos, control endpoint) are handed the launcher as a Protocol and import none of
-``launcher.py``; no import cycle inside weft/, counting imports inside functions and
-under TYPE_CHECKING (a lazy import hides a cycle from the interpreter, not from the design).
+``launcher.py``. No import cycle anywhere is checked by tests/unit/architecture.
 """
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
 
-WEFT = Path(__file__).resolve().parents[3] / "weft"
-
-
-def _module(path: Path) -> str:
-    parts = ["weft", *path.relative_to(WEFT).with_suffix("").parts]
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _weft_modules() -> dict[str, Path]:
-    return {_module(p): p for p in WEFT.rglob("*.py") if "v1" not in p.relative_to(WEFT).parts}
-
-
-def _imports(path: Path, known: set[str]) -> set[str]:
-    """The weft modules ``path`` imports (``from a import b``: a.b when that is a module, else a)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            subs = {f"{node.module}.{a.name}" for a in node.names} & known
-            found.update(subs or {node.module})
-    return {m for m in found if m in known}
+from tests.unit.architecture.test_import_directions import imports, source_modules
 
 
 def _graph() -> dict[str, set[str]]:
-    mods = _weft_modules()
-    return {m: _imports(p, set(mods)) - {m} for m, p in mods.items()}
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    cycles, state = [], {}  # state: 1 = on the stack, 2 = done
-
-    def visit(m: str, stack: list[str]) -> None:
-        state[m] = 1
-        stack.append(m)
-        for d in sorted(graph[m]):
-            if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d])
-            elif d not in state:
-                visit(d, stack)
-        stack.pop()
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [])
-    return cycles
-
-
-def test_weft_has_no_import_cycle():
-    assert _cycles(_graph()) == []
-
-
-def test_the_cycle_check_finds_one():
-    assert _cycles({"weft.a": {"weft.b"}, "weft.b": {"weft.a"}}) == [["weft.a", "weft.b", "weft.a"]]
+    """weft/'s modules and the weft modules each imports (cycles: tests/unit/architecture)."""
+    mods = {m: p for m, p in source_modules().items() if m.split(".")[0] == "weft"}
+    return {m: {d for d in imports(p) if d in mods} - {m} for m, p in mods.items()}
 
 
 @pytest.mark.parametrize("helper", ["weft.launcher.supervision", "weft.launcher.chaos", "weft.launcher.control"])
