@@ -80,8 +80,12 @@ def degradation_contract(contract: common_pb2.Contract) -> DegradationContract:
 def job_from_pb(request: scheduler_pb2.ScheduleRequest, time_remaining_s: Callable[[], float | None] = lambda: None,
                 trace_parent: TraceContext | None = None) -> Job:
     """A ScheduleRequest as the dispatcher reads it; raises InvalidScheduleRequest naming a
-    bad contract field. The request itself rides along (``wire``) for ``execute_request``."""
+    bad contract field or a request class this scheduler does not know (the router refuses
+    one as well: the class drives admission, priority and the contract, so none is guessed).
+    The request itself rides along (``wire``) for ``execute_request``."""
     ses, c, sampling = request.session, request.session.contract, request.sampling
+    if ses.request_class not in CLASSES and ses.request_class != common_pb2.REQUEST_CLASS_UNSPECIFIED:
+        raise InvalidScheduleRequest("session.request_class", f"unknown request class {ses.request_class}")
     request_class = CLASSES.get(ses.request_class)
     contract = degradation_contract(c)
     hop = HopRequest(
