@@ -1,6 +1,12 @@
 """Chat messages and tools of ``/v1/chat/completions``, validated into the plain dicts
 the chat template expects (role, content text, tool_calls with parsed arguments,
-tool_call_id, name). Rejections name the field (``messages[2].tool_calls[0].function``)."""
+tool_call_id, name). Rejections name the field (``messages[2].tool_calls[0].function``).
+
+An assistant message that only calls tools may leave ``content`` null or absent (OpenAI's
+own clients send ``null``); the template gets ``""`` then. Templates test content for truth
+before rendering it beside tool calls, so ``""`` reads as "no text" to them, while one that
+concatenates ``message['content']`` unconditionally (SmolLM2's GGUF template) renders
+instead of failing on the missing key, which the router answered with a 400."""
 from __future__ import annotations
 
 import json
@@ -38,10 +44,9 @@ def parse_message(value: Any, field: str) -> dict[str, Any]:
     if role not in ROLES:
         raise InvalidRequestError(f"{field}.role", f"must be one of {list(ROLES)}, got {role!r}")
     tool_calls = m.get("tool_calls") if role == "assistant" else None
-    out: dict[str, Any] = {
-        "role": "system" if role == "developer" else role,
-        "content": text_content(m.get("content"), f"{field}.content", allow_null=bool(tool_calls)),
-    }
+    content = text_content(m.get("content"), f"{field}.content", allow_null=bool(tool_calls))
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                           "content": "" if content is None else content}
     if m.get("name") is not None:
         out["name"] = optional_field(m, "name", str, None)
     if role == "tool":

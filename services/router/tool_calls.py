@@ -1,11 +1,16 @@
-"""Tool calls out of generated text: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+"""Tool calls out of generated text, in the two tagged forms models are taught:
 
-This is the Hermes / Qwen2.5 convention, which the chat templates of those families
-teach the model. ``ToolCallParser`` works on a stream: plain text passes through as
-content, except a tail that may be the start of ``<tool_call>`` (held until the next
-delta decides); a complete tagged block becomes a ``ToolCall``. A block whose body is not
-a JSON object with a string ``name`` is returned as content unchanged, so nothing the
-model wrote is lost.
+- ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: one call per tag, the
+  Hermes / Qwen2.5 convention their chat templates teach;
+- ``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``: a JSON array of
+  calls in one tag, SmolLM2's (weft/models/chat_templates.py); each element becomes one
+  ``ToolCall``, and ``[]`` ("no call needed") becomes none.
+
+``ToolCallParser`` works on a stream: plain text passes through as content, except a tail
+that may be the start of ``<tool_call>`` (held until the next delta decides); a complete
+tagged block becomes its ``ToolCall`` events. A block whose body is not one of the forms
+above (every element a JSON object with a non-empty string ``name``) is returned as
+content unchanged, so nothing the model wrote is lost.
 """
 from __future__ import annotations
 
@@ -34,12 +39,21 @@ class ContentDelta:
 ParseEvent = ContentDelta | ToolCall
 
 
-def parse_tool_call_body(body: str) -> ToolCall | None:
-    """The ToolCall of one tag body, or None when it is not a valid call."""
+def parse_tool_call_body(body: str) -> list[ToolCall] | None:
+    """The ToolCalls of one tag body (an object, or an array of objects), or None when
+    it is not valid: all of an array's elements are calls, or the block is content."""
     try:
         value = json.loads(body)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: a body nested too deeply
         return None
+    values = value if isinstance(value, list) else [value]
+    calls = [_tool_call(v) for v in values]
+    if any(c is None for c in calls):
+        return None
+    return calls
+
+
+def _tool_call(value: object) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     args = value.get("arguments", value.get("parameters", {}))
@@ -96,13 +110,13 @@ class ToolCallParser:
         return events
 
     def _emit_call(self, body: str, events: list[ParseEvent], closed: bool) -> None:
-        call = parse_tool_call_body(body.strip())
-        if call is None:
+        calls = parse_tool_call_body(body.strip())
+        if calls is None:
             raw = OPEN_TAG + body + (CLOSE_TAG if closed else "")
             events.append(ContentDelta(raw))
             return
-        self.num_tool_calls += 1
-        events.append(call)
+        self.num_tool_calls += len(calls)
+        events.extend(calls)
 
     def _emit_content(self, text: str, events: list[ParseEvent]) -> None:
         if not text or (self.num_tool_calls and not text.strip()):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, strategies as st
 
 from services.router.stop_strings import StopStringMatcher
@@ -88,3 +89,32 @@ def test_a_lone_less_than_sign_is_not_held_forever():
 def test_unterminated_but_complete_call_at_end_of_stream_counts():
     content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"k": "v"}}')
     assert [c.name for c in calls] == ["f"] and content is None
+
+
+# SmolLM2's form: a JSON array of calls inside one <tool_call> (weft/models/chat_templates.py).
+SMOL_CALLS = ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+              '{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}]</tool_call>')
+
+
+def test_a_json_array_in_one_tag_becomes_one_call_per_element():
+    content, calls = parse_tool_calls(SMOL_CALLS)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                  ("get_time", {"tz": "CET"})]
+    assert calls[0].id != calls[1].id
+
+
+def test_a_json_array_streamed_char_by_char_gives_the_same_calls():
+    events = _events(list("Let me check.\n" + SMOL_CALLS))
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Let me check.\n"
+    assert [e.name for e in events if isinstance(e, ToolCall)] == ["get_weather", "get_time"]
+
+
+def test_an_empty_array_is_no_call_and_no_content():
+    assert parse_tool_calls("<tool_call>[]</tool_call>") == ("", [])
+
+
+@pytest.mark.parametrize("body", ['[{"name": "f"}, 3]', '[{"name": ""}]', '[{"arguments": {}}]', "[" * 100_000])
+def test_an_array_with_any_invalid_element_stays_content(body):
+    text = f"<tool_call>{body}</tool_call>"
+    assert parse_tool_calls(text) == (text, [])
