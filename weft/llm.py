@@ -14,6 +14,7 @@ from services.executor.engine.config import EngineConfig
 from services.executor.engine.sampling_params import SamplingParams
 from services.shared.detokenizer import IncrementalDetokenizer
 from services.shared.tokenizer import Tokenizer
+from weft.models.sources import resolve_model
 
 
 @dataclass(frozen=True)
@@ -30,17 +31,23 @@ class RequestOutput:
 
 
 class LLM:
-    """Load a Hugging Face checkpoint directory and generate from it.
+    """Load a model and generate from it.
 
+    ``model``: a Hugging Face checkpoint directory, a ``.gguf`` file or a named model
+    (``"smollm2-135m-instruct"``); the last two are imported / pulled into the model cache
+    (``cache_dir``, default ``$WEFT_CACHE_DIR`` else ``~/.cache/weft``) the first time only
+    (``weft/models/sources.py``). ``model_dir`` is the directory actually loaded.
     ``engine_options`` are ``EngineConfig`` fields (``device``, ``dtype``,
     ``attention_backend``, ``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ...).
     """
 
-    def __init__(self, model: str | Path, **engine_options) -> None:
+    def __init__(self, model: str | Path, *, cache_dir: str | Path | None = None, **engine_options) -> None:
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(engine_options) - known)
         if unknown:
             raise TypeError(f"unknown engine options {unknown}; known: {sorted(known)}")
+        model = resolve_model(model, Path(cache_dir) if cache_dir is not None else None)
+        self.model_dir = model
         self.engine = LLMEngine(model, EngineConfig(**engine_options))
         self.tokenizer = Tokenizer.from_dir(model)
         self._ids = itertools.count()

@@ -1,6 +1,12 @@
 """``weft up`` / ``weft ps`` / ``weft scale``: registration functions for ``weft/cli/commands.py``.
 
-``weft up`` runs the launcher in this process; ``ps`` reads the state file and probes;
+``weft up`` runs the launcher in this process; which model it serves is decided here, not
+in the launcher (policy apart from mechanism): ``--model`` may be a checkpoint directory,
+a ``.gguf`` file or a named model, resolved by ``weft/models/sources.py`` (pulled or
+imported into the cache on first use) AFTER the cheap checks, so a taken port fails in one
+line without a download; without ``--model`` it serves ``DEFAULT_MODEL`` (SmolLM2). The
+launcher itself only ever sees a directory (or None: its tiny random model, for tests and
+benchmarks). ``ps`` reads the state file and probes;
 ``scale`` asks the running launcher over its control endpoint. The launcher, grpc and
 aiohttp are imported inside the handlers, so registering these commands costs nothing.
 """
@@ -8,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 
+from weft.cli.model_cli import add_cache_dir_arg
 from weft.cli.state_dir import add_state_dir_arg, running_mesh
 from weft.launcher.mesh_state import pid_alive, read_state
+from weft.models.sources import DEFAULT_MODEL, SOURCES
 
 
 def register_up(subparsers) -> None:
@@ -21,8 +30,11 @@ def register_up(subparsers) -> None:
         description="Start nats-server, cachestore, scheduler, N executors and the router as local "
                     "processes on loopback; wait until all are healthy; print the endpoints; stop "
                     "everything on Ctrl-C / SIGTERM.")
-    up.add_argument("--model", default=None, metavar="DIR",
-                    help="checkpoint directory; default: a tiny random model created (once) in the state dir")
+    up.add_argument("--model", default=DEFAULT_MODEL, metavar="DIR|FILE.gguf|NAME",
+                    help="a checkpoint directory, a .gguf file (imported into the cache once) or a named "
+                         f"model ({', '.join(SOURCES)}; pulled into the cache once, see `weft model list`); "
+                         "default: %(default)s")
+    add_cache_dir_arg(up)
     up.add_argument("--executors", type=int, default=1, metavar="N", help="executor processes; default: %(default)s")
     up.add_argument("--extra-executor", action="append", default=[], metavar="FLAGS", dest="extra_executors",
                     help="one more executor started with these executor flags, e.g. "
@@ -48,6 +60,7 @@ def _up(args: argparse.Namespace) -> int:
     from services.mesh.logging import configure_logging
     from weft.launcher.launcher import Launcher, MeshStartError, UpOptions
     from weft.launcher.restart_policy import RestartConfig
+    from weft.launcher.startup_checks import check_ports_free
 
     configure_logging("launcher", "warning")
     previous = read_state(args.state_dir)
@@ -64,6 +77,16 @@ def _up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"weft up failed: {exc}", file=sys.stderr)
         return 2
+    # Ports before the model: a pull is a download, a taken port is one line (the launcher
+    # checks both again before it starts anything).
+    problem = check_ports_free(options.host, {"--http-port": options.http_port, "--grpc-port": options.grpc_port})
+    if problem:
+        print(f"weft up failed: {problem}", file=sys.stderr)
+        return 1
+    model_dir = _resolve_model(args.model, args.cache_dir)
+    if model_dir is None:
+        return 1
+    options = dataclasses.replace(options, model_dir=str(model_dir))
 
     def ready(state) -> None:
         print("Weft mesh is up")
@@ -88,6 +111,22 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     print("mesh stopped")
     return 0
+
+
+def _resolve_model(spec: str, cache_dir: Path | None) -> Path | None:
+    """``--model`` as a checkpoint directory (pulled / imported on first use, with progress
+    on stderr), or None after printing why not in one line."""
+    from weft.models.sources import ModelFetchError, ModelSpecError, resolve_model
+
+    try:
+        return resolve_model(spec, cache_dir)
+    except ModelSpecError as exc:
+        print(f"weft up failed: {exc} (--model)", file=sys.stderr)
+    except (ModelFetchError, OSError, ValueError) as exc:  # ValueError: GgufImportError
+        print(f"weft up failed: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("weft up: interrupted while getting the model (nothing was installed)", file=sys.stderr)
+    return None
 
 
 def register_ps(subparsers) -> None:

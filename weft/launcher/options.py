@@ -11,7 +11,9 @@ from weft.launcher.restart_policy import RestartConfig
 
 @dataclass(frozen=True)
 class UpOptions:
-    model_dir: str | None = None  # None: the tiny model, created under the state dir
+    # A checkpoint directory. None: the tiny random model, created under the state dir (tests,
+    # benchmarks); `weft up` resolves --model (default: SmolLM2, weft/models/sources.py) before.
+    model_dir: str | None = None
     num_executors: int = 1
     http_port: int = 8000  # 0: a free port
     grpc_port: int = 50051  # 0: a free port
