@@ -28,24 +28,34 @@ Rungs (one executor profile each, see docs/architecture.md):
 
 The models are small Llamas trained here for a few hundred steps (benchmarks/
 degradation_models.py says why): a random-weight model's flat logits would make every
-rung look broken. Writes benchmarks/results/degradation.md and degradation.png.
+rung look broken. ``--model smollm2-135m-instruct`` (or any checkpoint directory / .gguf)
+measures the ladder on real weights instead, held-out perplexity included
+(degradation_real.py). Each model writes its own generated section of
+benchmarks/results/degradation.md (the prose around it stays) and its own PNG.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.degradation_rungs import (  # noqa: E402
+    RungResult, agreement, kv_bytes_per_token, replace_section, run_rung)
+
 RESULTS = ROOT / "benchmarks" / "results"
+TRAINED = "trained"
+TITLE = "# Degradation ladder: quality cost and capacity of each rung"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=TRAINED,
+                   help="'trained' (default: the two small Llamas trained here) or a real model: a "
+                        "checkpoint directory, a .gguf file or a named model (smollm2-135m-instruct)")
     p.add_argument("--cache-dir", type=Path, default=ROOT / ".weft" / "models" / "degradation",
                    help="where the trained checkpoints are cached (default: .weft/models/degradation)")
     p.add_argument("--train-steps", type=int, default=None,
@@ -59,58 +69,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "192 + 64 token sequence)")
     p.add_argument("--compress-recent", type=int, default=4,
                    help="kv_compress: newest blocks always kept (default: 4)")
-    p.add_argument("--kv-bytes", type=int, default=64 * 1024 * 1024,
-                   help="KV cache bytes of every engine, for the capacity column (default: 64 MiB)")
+    p.add_argument("--kv-bytes", type=int, default=None,
+                   help="KV cache bytes of every engine, for the capacity column (default: 64 MiB; "
+                        "512 MiB for a real model, so every window fits without preemption)")
+    p.add_argument("--num-windows", type=int, default=24,
+                   help="real model: held-out windows of prompt-len + output-len tokens scored for "
+                        "perplexity (default: 24)")
+    p.add_argument("--ppl-prompt-len", type=int, default=64,
+                   help="real model: tokens of each window given as the prompt; the rest are scored "
+                        "(default: 64)")
+    p.add_argument("--repeats", type=int, default=2, help="timed greedy runs per rung, best kept (default: 2)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     p.add_argument("--out", type=Path, default=RESULTS / "degradation.md",
-                   help="Markdown table to write (default: benchmarks/results/degradation.md); the PNG "
-                        "goes beside it")
-    return p.parse_args(argv)
-
-
-@dataclass
-class RungResult:
-    rung: str
-    outputs: list[list[int]]
-    seconds: float
-    kv_capacity: float
-    note: str = ""
-
-
-def agreement(reference: list[list[int]], outputs: list[list[int]]) -> tuple[float, float, float]:
-    """(positional token agreement, mean first divergence, share identical)."""
-    same = total = 0
-    firsts, identical = [], 0
-    for ref, out in zip(reference, outputs):
-        n = len(ref)
-        same += sum(a == b for a, b in zip(ref, out))
-        total += n
-        first = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(n, len(out)))
-        firsts.append(first)
-        identical += out == ref
-    return same / max(total, 1), sum(firsts) / max(len(firsts), 1), identical / max(len(reference), 1)
-
-
-def run_rung(name: str, model_dir: Path, prompts, args, **options) -> tuple[list[list[int]], float, object]:
-    import torch
-
-    from weft import LLM, SamplingParams
-
-    torch.set_num_threads(args.threads)
-    llm = LLM(str(model_dir), block_size=args.block_size, kv_cache_memory_bytes=args.kv_bytes,
-              max_num_seqs=len(prompts), enable_prefix_caching=False, **options)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    seconds = float("inf")
-    for _ in range(2):  # best of two: the first run also pays one-off warm-up costs
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = min(seconds, time.perf_counter() - start)
-    return [list(o.token_ids) for o in outs], seconds, llm.engine
-
-
-def kv_bytes_per_token(engine) -> float:
-    return engine.config.kv_cache_memory_bytes / (engine.num_blocks * engine.config.block_size)
+                   help="Markdown page whose generated section for this model is (re)written "
+                        "(default: benchmarks/results/degradation.md); the PNG goes beside it")
+    args = p.parse_args(argv)
+    if args.kv_bytes is None:
+        args.kv_bytes = (64 if args.model == TRAINED else 512) * 1024 * 1024
+    if args.model != TRAINED and not 0 < args.ppl_prompt_len < args.prompt_len + args.output_len:
+        p.error("--ppl-prompt-len must be in (0, prompt-len + output-len)")
+    return args
 
 
 def measure(args) -> tuple[list[RungResult], dict]:
@@ -140,7 +118,8 @@ def measure(args) -> tuple[list[RungResult], dict]:
     results: list[RungResult] = []
     base_bpt = None
     for name, model_dir, options in tqdm(plan, desc="rungs", unit="rung"):
-        outputs, seconds, engine = run_rung(name, model_dir, prompts, args, **options)
+        outputs, seconds, llm = run_rung(model_dir, prompts, args, repeats=args.repeats, **options)
+        engine = llm.engine
         bpt = kv_bytes_per_token(engine)
         base_bpt = base_bpt or bpt
         capacity, note = base_bpt / bpt, ""
@@ -173,7 +152,7 @@ def render(results: list[RungResult], info: dict, args) -> str:
     desc = ", ".join(f"{k}: {v['hidden_size']} hidden x {v['num_hidden_layers']} layers, {v['steps']} steps, "
                      f"held-out loss {info['loss'][k]:.2f}" for k, v in losses.items())
     return "\n".join([
-        "# Degradation ladder: quality cost and capacity of each rung",
+        "## Small Llamas trained here",
         "",
         f"`python benchmarks/degradation.py` — {args.num_prompts} held-out prompts of {args.prompt_len} "
         f"tokens (standard-library source the models never trained on), {args.output_len} greedy tokens "
@@ -219,11 +198,22 @@ def plot(results: list[RungResult], args, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results, info = measure(args)
-    text = render(results, info, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text, encoding="utf-8")
-    plot(results, args, args.out.with_suffix(".png"))
+    if args.model == TRAINED:
+        results, info = measure(args)
+        text = render(results, info, args)
+        plot(results, args, args.out.with_suffix(".png"))
+        text += f"\n![{TRAINED}]({args.out.with_suffix('.png').name})\n"
+        section = TRAINED
+    else:
+        from benchmarks import degradation_real
+
+        results, info = degradation_real.measure(args)
+        text = degradation_real.render(results, info, args)
+        section = Path(str(args.model)).stem.lower()  # the named model, or the file / directory name
+        png = args.out.with_name(f"{args.out.stem}_{section}.png")
+        degradation_real.plot(results, str(args.model), png)
+        text += f"\n![{section}]({png.name})\n"
+    replace_section(args.out, section, text, TITLE)
     print(text)
     return 0
 

@@ -8,6 +8,11 @@ Workloads (all greedy, EOS ignored so every engine produces the same token count
 Baselines, measured in the same run: transformers `generate` (static batch, left
 padding) and transformers `generate_batch` (its continuous batching, paged cache).
 Writes benchmarks/results/offline_throughput.md and offline_throughput.png.
+
+``--paired MODEL ...`` instead compares Weft with transformers `generate` on each model
+(a preset or a real one, default: bench and smollm2-135m-instruct) in interleaved rounds,
+batch-1 and --num-prompts concurrent, median and range (paired_throughput.py says why);
+writes offline_throughput_paired.md and .png.
 """
 from __future__ import annotations
 
@@ -29,8 +34,9 @@ from benchmarks.report import write_bar_chart, write_markdown  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=None,
-                   help="checkpoint directory; default: generate the --preset checkpoint under --cache-dir")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory, .gguf file or named model (smollm2-135m-instruct); "
+                        "default: generate the --preset checkpoint under --cache-dir")
     p.add_argument("--preset", default="bench", choices=["tiny", "small", "bench"],
                    help="tiny-model preset to generate when --model is not given (default: bench, ~55M params)")
     p.add_argument("--cache-dir", type=Path, default=ROOT / ".weft" / "models",
@@ -45,8 +51,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-hf-cb", action="store_true", help="skip transformers' continuous batching baseline")
     p.add_argument("--no-profile", action="store_true",
                    help="skip the operator profile of Weft's decode steps appended to the report")
+    p.add_argument("--paired", nargs="*", default=None, metavar="MODEL", dest="paired_models",
+                   help="interleaved Weft vs transformers generate on each MODEL (a preset name or a real "
+                        "model; none given: bench smollm2-135m-instruct) instead of the workloads above")
+    p.add_argument("--rounds", type=int, default=3, help="--paired: timed rounds per engine (default: 3)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="where results are written")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.paired_models == []:
+        args.paired_models = ["bench", "smollm2-135m-instruct"]
+    return args
 
 
 def make_workloads(vocab: int, args) -> dict[str, list[list[int]]]:
@@ -170,9 +183,17 @@ def run_hf_cb(model_dir: Path, workloads, args, results, bar) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.paired_models is not None:
+        from benchmarks import paired_throughput
+
+        return paired_throughput.main(args)
     torch.set_num_threads(args.threads)
     model_dir = args.model
-    if model_dir is None:
+    if model_dir is not None:
+        from benchmarks.real_model import resolve_checkpoint
+
+        model_dir = resolve_checkpoint(model_dir)
+    else:
         from weft.testing.tiny_model import make_tiny_checkpoint
 
         model_dir = args.cache_dir / f"{args.preset}-llama"
