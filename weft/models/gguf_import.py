@@ -147,9 +147,11 @@ def tokenizer_files(reader: Any, chat_template: str | None) -> dict[str, dict[st
     if not tokens:
         raise GgufImportError("the GGUF carries no vocabulary (tokenizer.ggml.tokens)")
     types = _field(reader, "tokenizer.ggml.token_type") or []
-    tokenizer = build_tokenizer_json(_field(reader, "tokenizer.ggml.model", ""), _field(reader, "tokenizer.ggml.pre",
-                                     "default"), tokens, _field(reader, "tokenizer.ggml.merges") or [], types)
     ids = {key: _field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("bos", "eos", "unknown", "padding")}
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and ids["bos"] is not None
+    tokenizer = build_tokenizer_json(_field(reader, "tokenizer.ggml.model", ""), _field(reader, "tokenizer.ggml.pre",
+                                     "default"), tokens, _field(reader, "tokenizer.ggml.merges") or [], types,
+                                     bos_id=ids["bos"] if add_bos else None)
     special = special_token_names(tokens, {"bos": ids["bos"], "eos": ids["eos"], "unk": ids["unknown"],
                                            "pad": ids["padding"]})
     config: dict[str, Any] = {

@@ -34,8 +34,9 @@ class GgufImportError(ValueError):
 
 
 def build_tokenizer_json(model: str, pre: str, tokens: Sequence[str], merges: Sequence[str],
-                         token_types: Sequence[int]) -> dict[str, Any]:
-    """tokenizer.json for a byte-level BPE GGUF vocabulary. Pure."""
+                         token_types: Sequence[int], bos_id: int | None = None) -> dict[str, Any]:
+    """tokenizer.json for a byte-level BPE GGUF vocabulary; ``bos_id`` (the GGUF's
+    ``add_bos_token`` was set): every encoding starts with it, as llama.cpp's does. Pure."""
     if model != "gpt2":
         raise GgufImportError(f"tokenizer.ggml.model {model!r} is not supported (supported: 'gpt2', "
                               "byte-level BPE)")
@@ -55,7 +56,7 @@ def build_tokenizer_json(model: str, pre: str, tokens: Sequence[str], merges: Se
         "added_tokens": added,
         "normalizer": None,
         "pre_tokenizer": PRE_TOKENIZERS[pre],
-        "post_processor": None,
+        "post_processor": _bos_template(tokens[bos_id], bos_id) if bos_id is not None else None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
             "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
@@ -63,6 +64,17 @@ def build_tokenizer_json(model: str, pre: str, tokens: Sequence[str], merges: Se
             "vocab": {t: i for i, t in enumerate(tokens)},
             "merges": [m.split(" ", 1) for m in merges],
         },
+    }
+
+
+def _bos_template(bos: str, bos_id: int) -> dict[str, Any]:
+    """A post-processor that puts ``bos`` before every sequence (and each of a pair)."""
+    piece = {"SpecialToken": {"id": bos, "type_id": 0}}
+    return {
+        "type": "TemplateProcessing",
+        "single": [piece, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [piece, {"Sequence": {"id": "A", "type_id": 0}}, piece, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
     }
 
 

@@ -32,7 +32,7 @@ def permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(ckpt: Path, out: Path, qtype: Callable[[str, np.ndarray], str] = lambda name, w: "F32", *,
-               arch: str = "llama", pre: str = "smollm", tokenizer_model: str = "gpt2",
+               arch: str = "llama", pre: str = "smollm", tokenizer_model: str = "gpt2", add_bos: bool | None = None,
                extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
     """A GGUF of ``ckpt`` whose tensor ``name`` is stored as ``qtype(name, weight)``."""
     import gguf
@@ -66,6 +66,8 @@ def write_gguf(ckpt: Path, out: Path, qtype: Callable[[str, np.ndarray], str] = 
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_bos_token_id(tokens.index(tok_config["bos_token"]) if tok_config.get("bos_token") else 1)
     w.add_eos_token_id(tokens.index(tok_config["eos_token"]))
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     if tok_config.get("chat_template"):
         w.add_chat_template(tok_config["chat_template"])
     for name, weight in weights.items():

@@ -150,3 +150,16 @@ def test_an_import_replaces_the_old_checkpoint_whole_and_a_failed_one_leaves_it(
     with pytest.raises(GgufImportError):
         import_gguf(write_gguf(tiny, tmp_path / "b.gguf", arch="falcon"), out, progress=False)
     assert (out / "model.safetensors").exists() and not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize("add_bos", [True, False, None])
+def test_the_ggufs_add_bos_token_decides_whether_encodings_start_with_bos(tiny, tmp_path, add_bos):
+    import transformers
+
+    from services.shared.tokenizer import Tokenizer
+
+    out = import_gguf(write_gguf(tiny, tmp_path / "m.gguf", add_bos=add_bos), tmp_path / "out", progress=False)
+    ids = list(Tokenizer.from_dir(out).encode("Hello there"))
+    bos = json.loads((out / "generation_config.json").read_text())["bos_token_id"]
+    assert (ids[0] == bos) is bool(add_bos)
+    assert transformers.AutoTokenizer.from_pretrained(out).encode("Hello there") == ids
