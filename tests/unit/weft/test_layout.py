@@ -4,6 +4,7 @@
     weft/cli/                  the command line     ──▶ launcher, testing, health
     weft/launcher/             `weft up` and its helpers ──▶ health, testing, services/mesh
     weft/testing/              test-model writers   ──▶ services (checkpoint format)
+    weft/models/               model sources, cache, GGUF import  ──▶ nothing else of weft/
     weft/health.py             probes (also compose's healthchecks) ──▶ services/mesh
 
 Nothing imports the CLI but ``python -m weft``; the launcher's helpers (supervision,
@@ -35,6 +36,7 @@ def test_only_python_dash_m_weft_imports_the_cli():
 
 @pytest.mark.parametrize(("wing", "may_import"), [
     ("weft.testing", ()),
+    ("weft.models", ()),
     ("weft.launcher", ("weft.health", "weft.testing")),
     ("weft.health", ()),
 ])
