@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from weft.models.gguf_layout import check_layout
 from weft.models.gguf_tokenizer import GgufImportError, build_tokenizer_json, special_token_names
 
 __all__ = ["GgufImportError", "SUPPORTED_ARCHITECTURES", "SUPPORTED_TYPES", "import_gguf", "unpermute"]
@@ -113,6 +114,9 @@ def hf_config(reader: Any) -> dict[str, Any]:
     if scaling not in ("none", "linear"):
         raise GgufImportError(f"{arch}.rope.scaling.type {scaling!r} is not supported (supported: none, linear)")
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    if hidden <= 0 or heads <= 0:
+        raise GgufImportError(f"{arch}.embedding_length {hidden} and {arch}.attention.head_count {heads} "
+                              "must be positive")
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     names = {t.name for t in reader.tensors}
     config = {
@@ -141,6 +145,46 @@ def hf_config(reader: Any) -> dict[str, Any]:
     return config
 
 
+def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor name the config implies → its (out, in) shape."""
+    h, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], h)
+    per_layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+                 "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+                 "mlp.down_proj.weight": (h, inter)}
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
+    return shapes
+
+
+def check_shapes(config: dict[str, Any], reader: Any) -> None:
+    """Refuse, before dequantizing anything, a GGUF whose tensors do not match its own
+    metadata (a layer missing or extra, a head count or vocab_size that disagrees): such a
+    checkpoint would be written, cached, and fail only when a server loads it."""
+    expected = expected_shapes(config)
+    found = {hf_tensor_name(t.name): (t.name, tuple(int(d) for d in reversed(t.shape.tolist())))
+             for t in reader.tensors}
+    for name, (gguf_name, shape) in found.items():
+        if name not in expected:
+            raise GgufImportError(f"tensor {gguf_name!r} is beyond the metadata's model "
+                                  f"({config['num_hidden_layers']} layers)")
+        if shape != expected[name]:
+            raise GgufImportError(f"tensor {gguf_name!r} has shape {list(shape)}, the metadata implies "
+                                  f"{list(expected[name])} (hidden, heads, head_dim, vocab_size disagree)")
+    missing = [n for n in expected if n not in found]
+    if missing:
+        raise GgufImportError(f"the GGUF lacks {len(missing)} tensor(s) its metadata implies, e.g. {missing[0]!r}")
+    tokens = len(_field(reader, "tokenizer.ggml.tokens") or [])
+    if tokens > config["vocab_size"]:
+        raise GgufImportError(f"tokenizer.ggml.tokens has {tokens} tokens, more than vocab_size "
+                              f"{config['vocab_size']}")
+
+
 def tokenizer_files(reader: Any, chat_template: str | None) -> dict[str, dict[str, Any]]:
     """tokenizer.json, tokenizer_config.json and generation_config.json contents."""
     tokens = _field(reader, "tokenizer.ggml.tokens")
@@ -148,12 +192,12 @@ def tokenizer_files(reader: Any, chat_template: str | None) -> dict[str, dict[st
         raise GgufImportError("the GGUF carries no vocabulary (tokenizer.ggml.tokens)")
     types = _field(reader, "tokenizer.ggml.token_type") or []
     ids = {key: _field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("bos", "eos", "unknown", "padding")}
+    special = special_token_names(tokens, {"bos": ids["bos"], "eos": ids["eos"], "unk": ids["unknown"],
+                                           "pad": ids["padding"]})  # first: it checks the ids are in range
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and ids["bos"] is not None
     tokenizer = build_tokenizer_json(_field(reader, "tokenizer.ggml.model", ""), _field(reader, "tokenizer.ggml.pre",
                                      "default"), tokens, _field(reader, "tokenizer.ggml.merges") or [], types,
                                      bos_id=ids["bos"] if add_bos else None)
-    special = special_token_names(tokens, {"bos": ids["bos"], "eos": ids["eos"], "unk": ids["unknown"],
-                                           "pad": ids["padding"]})
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
@@ -202,10 +246,14 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
+        check_layout(path)  # before the reader: it trusts the header's counts (gguf_layout.py)
         reader = gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError / struct errors / IndexError on garbage
+    except GgufImportError as exc:
+        raise GgufImportError(f"{path} is not a readable GGUF file: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError / struct errors / IndexError on garbage
         raise GgufImportError(f"{path} is not a readable GGUF file: {exc}") from exc
     config = hf_config(reader)
+    check_shapes(config, reader)
     files = tokenizer_files(reader, _chat_template(reader))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, np.ndarray] = {}

@@ -1,0 +1,105 @@
+"""Hostile and broken GGUF files (issue 14's attack): each is a GgufImportError naming the
+problem, found before anything is dequantized or written, in time and memory bounded by
+the file; the CLI exits 1 with one line, no traceback and no half-written directory."""
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+
+from tests.unit.weft.gguf_files import write_gguf
+from weft.models.gguf_import import GgufImportError, import_gguf
+from weft.testing.tiny_model import make_tiny_checkpoint
+
+_U32, _STR, _ARR = 4, 8, 9
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+def _s(text: str) -> bytes:
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+def _header(tensors: int, kvs: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, tensors, kvs)
+
+
+_ARCH = _s("general.architecture") + struct.pack("<I", _STR) + _s("llama")
+
+
+@pytest.mark.parametrize(("data", "named"), [
+    (_header(1 << 40, 1) + _ARCH, "tensor count 1099511627776"),
+    (_header(0, 1 << 40) + _ARCH, "claims 1099511627776 entries"),
+    (_header(0, 1) + struct.pack("<Q", 1 << 60) + b"general", "metadata key claims 1152921504606846976 bytes"),
+    (_header(0, 1) + _s("general.architecture") + struct.pack("<IQ", _STR, 1 << 60) + b"llama",
+     "general.architecture claims 1152921504606846976 bytes"),
+    # 10^6 u32 claimed, 64 bytes present: the gguf reader looped a million times on empty
+    # reads (with 10^9 it grew ~200 MB/s of RSS until killed)
+    (_header(0, 2) + _ARCH + _s("tokenizer.ggml.token_type") + struct.pack("<IIQ", _ARR, _U32, 10**6) + bytes(64),
+     "tokenizer.ggml.token_type claims 1000000 entries"),
+    (_header(0, 1) + _s("x") + struct.pack("<I", 99) + bytes(16), "value type 99"),
+], ids=["tensor_count_2e40", "kv_count_2e40", "key_length_2e60", "string_length_2e60", "array_1e6_u32",
+        "unknown_value_type"])
+def test_a_header_claiming_more_than_the_file_holds_is_refused_naming_the_field(tmp_path, data, named):
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(data)
+    with pytest.raises(GgufImportError, match=named):
+        import_gguf(path, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_file_names_the_tensor_past_its_end(tiny, tmp_path):
+    path = write_gguf(tiny, tmp_path / "m.gguf")
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(GgufImportError, match=r"tensor '.*' ends at byte \d+, past the end of the file"):
+        import_gguf(path, tmp_path / "out", progress=False)
+
+
+def _write_patched(monkeypatch, tiny: Path, path: Path, method: str, change, **kwargs) -> Path:
+    original = getattr(gguf.GGUFWriter, method)
+    with monkeypatch.context() as m:
+        m.setattr(gguf.GGUFWriter, method, lambda self, value: original(self, change(value)))
+        return write_gguf(tiny, path, **kwargs)
+
+
+@pytest.mark.parametrize(("method", "change", "named"), [
+    ("add_vocab_size", lambda n: n + 1000, r"'output.weight' has shape \[1024, 64\].*\[2024, 64\]"),
+    ("add_head_count", lambda n: 0, "head_count 0 must be positive"),
+    ("add_head_count", lambda n: 2 * n, r"'blk.0.attn_k.weight' has shape"),
+    ("add_block_count", lambda n: n + 3, "lacks 27 tensor.*model.layers.2"),
+    ("add_token_list", lambda tokens: tokens + ["extra"], "1025 tokens, more than vocab_size 1024"),
+])
+def test_metadata_that_disagrees_with_the_tensors_is_refused_before_writing(monkeypatch, tiny, tmp_path, method,
+                                                                            change, named):
+    if method == "add_token_list":  # token types must stay one per token
+        original = gguf.GGUFWriter.add_token_types
+        monkeypatch.setattr(gguf.GGUFWriter, "add_token_types", lambda self, t: original(self, list(t) + [1]))
+    path = _write_patched(monkeypatch, tiny, tmp_path / "m.gguf", method, change)
+    with pytest.raises(GgufImportError, match=named):
+        import_gguf(path, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bos_id_outside_the_vocabulary_with_add_bos_is_an_import_error(monkeypatch, tiny, tmp_path):
+    path = _write_patched(monkeypatch, tiny, tmp_path / "m.gguf", "add_bos_token_id", lambda i: 10**6, add_bos=True)
+    with pytest.raises(GgufImportError, match="bos_id 1000000 is outside the vocabulary"):
+        import_gguf(path, tmp_path / "out", progress=False)
+
+
+def test_the_cli_fails_in_one_line_without_a_traceback_or_leftovers(monkeypatch, tiny, tmp_path):
+    path = _write_patched(monkeypatch, tiny, tmp_path / "m.gguf", "add_bos_token_id", lambda i: 10**6, add_bos=True)
+    out = tmp_path / "out" / "ckpt"
+    done = subprocess.run([sys.executable, "-m", "weft.cli", "model", "import-gguf", "--no-progress", str(path),
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "bos_id 1000000 is outside the vocabulary" in done.stderr
+    assert done.stdout == ""
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []
