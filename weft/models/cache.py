@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -30,6 +31,10 @@ log = structlog.get_logger(__name__)
 CACHE_DIR_ENV = "WEFT_CACHE_DIR"
 # Files whose presence makes a directory a usable entry (what every service reads first).
 _ENTRY_FILES = ("config.json", "tokenizer.json")
+# Written by install_once into each entry: every file's size at install time. An entry whose
+# weights were deleted or truncated by hand no longer matches it and is rebuilt, instead of
+# being served until an executor fails to load it.
+MANIFEST = "weft-files.json"
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -40,8 +45,25 @@ def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
 
 
 def is_complete(entry: Path) -> bool:
-    """Whether ``entry`` is an installed checkpoint (a directory with its config and tokenizer)."""
-    return entry.is_dir() and all((entry / name).is_file() for name in _ENTRY_FILES)
+    """Whether ``entry`` is an installed checkpoint: a directory with its config and
+    tokenizer, and every file its manifest lists at the size it had when installed."""
+    if not (entry.is_dir() and all((entry / name).is_file() for name in _ENTRY_FILES)):
+        return False
+    try:
+        sizes = json.loads((entry / MANIFEST).read_text())
+    except FileNotFoundError:  # an entry installed before manifests
+        return True
+    except (OSError, ValueError):
+        return False
+    try:
+        return all((entry / name).stat().st_size == size for name, size in sizes.items())
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
+def _write_manifest(checkpoint: Path) -> None:
+    sizes = {f.name: f.stat().st_size for f in sorted(checkpoint.iterdir()) if f.is_file() and f.name != MANIFEST}
+    (checkpoint / MANIFEST).write_text(json.dumps(sizes, indent=2) + "\n")
 
 
 @contextlib.contextmanager
@@ -92,6 +114,7 @@ def install_once(entry: Path, build: Callable[[Path], Path],
             built = build(scratch)
             if not is_complete(built):
                 raise RuntimeError(f"building {entry.name} produced no checkpoint in {built}")
+            _write_manifest(built)
             os.replace(built, entry)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,38 @@
+"""The model cache under an unlucky operator (issue 14's attack): an entry whose weights
+were deleted or truncated by hand is rebuilt on the next pull, not served until an
+executor fails to load it ("no model.safetensors ..." at `weft up`, with no way back but
+finding and deleting the directory)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from weft.models.cache import install_once, is_complete
+
+
+def _builder(calls: list[int]):
+    def build(scratch: Path) -> Path:
+        calls.append(1)
+        out = scratch / "checkpoint"
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        (out / "tokenizer.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"w" * 4096)
+        return out
+    return build
+
+
+@pytest.mark.parametrize("damage", [
+    lambda entry: (entry / "model.safetensors").unlink(),
+    lambda entry: (entry / "model.safetensors").write_bytes(b"w" * 100),  # truncated
+], ids=["weights_deleted", "weights_truncated"])
+def test_an_entry_damaged_by_hand_is_rebuilt_not_served(tmp_path, damage):
+    entry = tmp_path / "models" / "m"
+    calls: list[int] = []
+    assert install_once(entry, _builder(calls)) == (entry, True)
+    assert install_once(entry, _builder(calls)) == (entry, False) and calls == [1]
+    damage(entry)
+    assert not is_complete(entry)
+    assert install_once(entry, _builder(calls)) == (entry, True) and calls == [1, 1]
+    assert (entry / "model.safetensors").stat().st_size == 4096
