@@ -239,6 +239,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
     ``GgufImportError`` naming an unsupported architecture, tensor or tensor type, and
     ``FileNotFoundError`` / ``ValueError`` for a missing or malformed file."""
     import gguf
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
@@ -271,7 +272,10 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+        try:
+            save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+        except SafetensorError as exc:  # not an OSError: a full disk was a traceback
+            raise OSError(f"could not write the weights into {out.parent}: {exc}") from exc
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, content in files.items():
             (staging / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")

@@ -103,3 +103,25 @@ def test_the_cli_fails_in_one_line_without_a_traceback_or_leftovers(monkeypatch,
     assert "bos_id 1000000 is outside the vocabulary" in done.stderr
     assert done.stdout == ""
     assert not out.parent.exists() or list(out.parent.iterdir()) == []
+
+
+def test_a_full_disk_while_writing_the_weights_is_one_line_and_leaves_nothing(monkeypatch, tiny, tmp_path, capsys):
+    """safetensors raises its own SafetensorError (not an OSError) on ENOSPC: `weft model
+    import-gguf` and `weft up --model x.gguf` printed a traceback."""
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    from weft.cli import main
+
+    path = write_gguf(tiny, tmp_path / "m.gguf")
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
+    out = tmp_path / "out" / "ckpt"
+    with pytest.raises(OSError, match="No space left on device"):
+        import_gguf(path, out, progress=False)
+    assert list(out.parent.iterdir()) == []
+    assert main(["model", "import-gguf", "--no-progress", str(path), str(out)]) == 1
+    assert "weft model import-gguf failed: could not write the weights" in capsys.readouterr().err
