@@ -114,6 +114,9 @@ def _import_gguf(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # GgufImportError is a ValueError naming what is unsupported
         print(f"weft model import-gguf failed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C mid-import: one line, not a traceback from inside numpy
+        print("weft model import-gguf: interrupted (nothing was written)", file=sys.stderr)
+        return 130
     print(out)
     return 0
 
@@ -127,6 +130,9 @@ def _pull(args: argparse.Namespace) -> int:
     except (ModelFetchError, OSError, ValueError) as exc:
         print(f"weft model pull failed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("weft model pull: interrupted (nothing was installed; pull again to start over)", file=sys.stderr)
+        return 130
     print(out)
     return 0
 
