@@ -43,19 +43,29 @@ def parse_message(value: Any, field: str) -> dict[str, Any]:
     role = m.get("role")
     if role not in ROLES:
         raise InvalidRequestError(f"{field}.role", f"must be one of {list(ROLES)}, got {role!r}")
-    tool_calls = m.get("tool_calls") if role == "assistant" else None
+    tool_calls = m.get("tool_calls")
+    if tool_calls is not None and role != "assistant":  # was dropped silently: the caller's mistake
+        raise InvalidRequestError(f"{field}.tool_calls", f"only assistant messages carry tool_calls, not {role!r}")
     content = text_content(m.get("content"), f"{field}.content", allow_null=bool(tool_calls))
     out: dict[str, Any] = {"role": "system" if role == "developer" else role,
                            "content": "" if content is None else content}
     if m.get("name") is not None:
-        out["name"] = optional_field(m, "name", str, None)
+        out["name"] = _string(m, "name", field)
     if role == "tool":
-        out["tool_call_id"] = optional_field(m, "tool_call_id", str, None)
+        out["tool_call_id"] = _string(m, "tool_call_id", field)
         if out["tool_call_id"] is None:
             raise InvalidRequestError(f"{field}.tool_call_id", "is required for role 'tool'")
     if tool_calls is not None:
         out["tool_calls"] = _assistant_tool_calls(tool_calls, f"{field}.tool_calls")
     return out
+
+
+def _string(m: Mapping[str, Any], key: str, field: str) -> str | None:
+    """``m[key]`` as an optional string; the error names ``messages[i].key``, not ``key``."""
+    try:
+        return optional_field(m, key, str, None)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{field}.{key}", exc.message) from None
 
 
 def _assistant_tool_calls(value: Any, field: str) -> list[dict[str, Any]]:
@@ -64,6 +74,9 @@ def _assistant_tool_calls(value: Any, field: str) -> list[dict[str, Any]]:
     calls = []
     for i, call in enumerate(value):
         call = json_object(call, f"{field}[{i}]")
+        if call.get("type", "function") != "function":
+            raise InvalidRequestError(f"{field}[{i}].type", f"must be 'function', got {call.get('type')!r}")
+        call_id = _string(call, "id", f"{field}[{i}]")
         fn = json_object(call.get("function"), f"{field}[{i}].function")
         name = fn.get("name")
         if not isinstance(name, str) or not name:
@@ -77,7 +90,7 @@ def _assistant_tool_calls(value: Any, field: str) -> list[dict[str, Any]]:
                 pass
             except RecursionError:  # a RuntimeError, not a ValueError: was an HTTP 500
                 raise InvalidRequestError(f"{field}[{i}].function.arguments", "JSON nested too deeply") from None
-        calls.append({"id": call.get("id") or f"call_{i}", "type": "function",
+        calls.append({"id": call_id or f"call_{i}", "type": "function",
                       "function": {"name": name, "arguments": args}})
     return calls
 
