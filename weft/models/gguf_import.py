@@ -233,6 +233,21 @@ def _readable_by_all(staging: Path) -> None:
         f.chmod(0o666 & ~umask)
 
 
+def _check_loads(staging: Path) -> None:
+    """Load the written tokenizer the way the router will: merges naming tokens the
+    vocabulary lacks, or a chat template jinja cannot compile, are refused here, not cached
+    and found only when ``weft up`` exits during startup."""
+    import jinja2
+
+    from services.shared.tokenizer import Tokenizer
+
+    try:
+        Tokenizer.from_dir(staging)
+    except (ValueError, jinja2.TemplateError) as exc:
+        raise GgufImportError(f"the GGUF's tokenizer.ggml.* / tokenizer.chat_template do not make a loadable "
+                              f"tokenizer: {exc}") from None
+
+
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True) -> Path:
     """Write the checkpoint of ``gguf_path`` into ``out_dir`` (created; replaced whole,
     atomically, so a crash never leaves half a checkpoint). Returns ``out_dir``. Raises
@@ -279,6 +294,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, content in files.items():
             (staging / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+        _check_loads(staging)
         _readable_by_all(staging)
         if out.exists():
             shutil.rmtree(out)

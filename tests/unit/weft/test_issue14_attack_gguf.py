@@ -125,3 +125,17 @@ def test_a_full_disk_while_writing_the_weights_is_one_line_and_leaves_nothing(mo
     assert list(out.parent.iterdir()) == []
     assert main(["model", "import-gguf", "--no-progress", str(path), str(out)]) == 1
     assert "weft model import-gguf failed: could not write the weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("method", "change", "named"), [
+    ("add_token_merges", lambda merges: list(merges) + ["zzzq qqqz"], "Token `zzzq` out of vocabulary"),
+    ("add_token_merges", lambda merges: ["abc"] + list(merges), "cannot be parsed"),
+    ("add_chat_template", lambda template: "{% if %}", "Expected an expression"),
+], ids=["merge_of_unknown_tokens", "merge_without_a_pair", "template_syntax_error"])
+def test_a_vocabulary_or_template_the_router_cannot_load_is_refused_at_import(monkeypatch, tiny, tmp_path, method,
+                                                                             change, named):
+    """These imported, were cached, and `weft up` then failed with the router exiting during startup."""
+    path = _write_patched(monkeypatch, tiny, tmp_path / "m.gguf", method, change)
+    with pytest.raises(GgufImportError, match=f"do not make a loadable tokenizer: .*{named}"):
+        import_gguf(path, tmp_path / "out", progress=False)
+    assert list(tmp_path.iterdir()) == [path]
