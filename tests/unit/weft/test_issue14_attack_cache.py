@@ -36,3 +36,19 @@ def test_an_entry_damaged_by_hand_is_rebuilt_not_served(tmp_path, damage):
     assert not is_complete(entry)
     assert install_once(entry, _builder(calls)) == (entry, True) and calls == [1, 1]
     assert (entry / "model.safetensors").stat().st_size == 4096
+
+
+def test_a_file_that_is_not_a_gguf_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
+    """The cache key is the file's sha256: a 20 GB file named .gguf that is no GGUF took
+    45 s of CPU to hash before the importer said "no GGUF magic"."""
+    import weft.models.sources as sources
+
+    def no_hashing(path):
+        raise AssertionError("hashed a file that is not a GGUF")
+
+    monkeypatch.setattr(sources, "_sha256", no_hashing)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04" + bytes(4096))  # e.g. a wheel renamed
+    with pytest.raises(sources.ModelSpecError, match="not a GGUF file"):
+        sources.resolve_model(path, tmp_path / "cache", progress=False)
+    assert not (tmp_path / "cache").exists()
