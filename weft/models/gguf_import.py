@@ -258,9 +258,13 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
-    path, out = Path(gguf_path), Path(out_dir)
+    path, out = Path(gguf_path), Path(out_dir).expanduser().absolute()  # absolute: "." has no name
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "config.json").is_file())):
+        # "replaced whole" is for an old checkpoint: `import-gguf x.gguf .` emptied the working directory
+        raise FileExistsError(f"{out} exists and is not a checkpoint directory (no config.json); not replacing it: "
+                              "name a new or empty directory")
     try:
         check_layout(path)  # before the reader: it trusts the header's counts (gguf_layout.py)
         reader = gguf.GGUFReader(path)

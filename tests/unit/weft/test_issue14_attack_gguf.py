@@ -139,3 +139,31 @@ def test_a_vocabulary_or_template_the_router_cannot_load_is_refused_at_import(mo
     with pytest.raises(GgufImportError, match=f"do not make a loadable tokenizer: .*{named}"):
         import_gguf(path, tmp_path / "out", progress=False)
     assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize("target", [".", "models"], ids=["working_directory", "a_directory_of_models"])
+def test_an_existing_directory_that_is_no_checkpoint_is_not_replaced(tiny, tmp_path, monkeypatch, target):
+    """`weft model import-gguf x.gguf .` deleted everything in the working directory, and
+    `... models` a directory holding other models ("an existing one is replaced whole")."""
+    path = write_gguf(tiny, tmp_path / "m.gguf")
+    work = tmp_path / "work"
+    precious = work / "models" / "other" / "weights.bin"
+    precious.parent.mkdir(parents=True)
+    precious.write_bytes(b"keep")
+    (work / "notes.txt").write_text("keep")
+    monkeypatch.chdir(work)
+    with pytest.raises(FileExistsError, match="is not a checkpoint directory"):
+        import_gguf(path, target, progress=False)
+    assert precious.read_bytes() == b"keep" and (work / "notes.txt").read_text() == "keep"
+    assert sorted(p.name for p in work.iterdir()) == ["models", "notes.txt"]
+    assert sorted(p.name for p in (work / "models").iterdir()) == ["other"]
+
+
+def test_an_empty_directory_or_an_old_checkpoint_is_still_the_target(tiny, tmp_path, monkeypatch):
+    path = write_gguf(tiny, tmp_path / "m.gguf")
+    (tmp_path / "empty").mkdir()
+    assert (import_gguf(path, tmp_path / "empty", progress=False) / "config.json").is_file()
+    monkeypatch.chdir(tmp_path / "empty")  # an old checkpoint, named "."
+    (tmp_path / "empty" / "stale.txt").write_text("x")
+    assert import_gguf(path, ".", progress=False) == tmp_path / "empty"
+    assert not (tmp_path / "empty" / "stale.txt").exists() and (tmp_path / "empty" / "config.json").is_file()
