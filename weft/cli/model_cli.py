@@ -75,7 +75,8 @@ def _register_import(actions) -> None:
                     "type fails naming it. (`weft up --model FILE.gguf` and LLM(\"FILE.gguf\") import "
                     "into the cache by themselves.)")
     imp.add_argument("file", metavar="FILE", help="the .gguf file to read")
-    imp.add_argument("dir", metavar="DIR", help="output directory (created; an old checkpoint there is replaced whole, any other non-empty directory is refused)")
+    imp.add_argument("dir", metavar="DIR", help="output directory (created; an old checkpoint there is replaced "
+                                                "whole, any other non-empty directory is refused)")
     imp.add_argument("--no-progress", action="store_false", dest="progress",
                      help="no progress bar on stderr")
     imp.set_defaults(handler=_import_gguf)

@@ -31,7 +31,8 @@ def test_a_malformed_tool_message_is_refused_naming_its_full_path(message, field
 
 
 def test_the_shapes_openai_clients_send_still_parse():
-    assert parse_message({"role": "assistant", "content": None, "tool_calls": [CALL]}, "m")["tool_calls"][0]["id"] == "c1"
+    calls = parse_message({"role": "assistant", "content": None, "tool_calls": [CALL]}, "m")["tool_calls"]
+    assert calls[0]["id"] == "c1"
     assert parse_message({"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}, "m")["tool_calls"][0][
         "id"] == "call_0"
     assert parse_message({"role": "user", "content": "x", "tool_calls": None}, "m") == {"role": "user", "content": "x"}
