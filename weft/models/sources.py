@@ -222,9 +222,19 @@ def cached_models(cache_dir: Path | None = None) -> list[CacheEntry]:
         for path in sorted((root / kind).glob("[!.]*")):
             if is_complete(path):
                 record = path / SOURCE_RECORD
-                origin = json.loads(record.read_text()) if record.is_file() else {}
+                origin = _read_record(record)
                 entries.append(CacheEntry(path=path, origin=origin))
     return entries
+
+
+def _read_record(record: Path) -> dict:
+    """An entry's weft-source.json, or {} when it is absent or was mangled by hand
+    (`weft model list` printed a JSONDecodeError traceback)."""
+    try:
+        origin = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return {}
+    return origin if isinstance(origin, dict) else {}
 
 
 def _cache(cache_dir: Path | None) -> Path:

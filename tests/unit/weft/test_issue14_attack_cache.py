@@ -52,3 +52,17 @@ def test_a_file_that_is_not_a_gguf_is_refused_before_it_is_hashed(tmp_path, monk
     with pytest.raises(sources.ModelSpecError, match="not a GGUF file"):
         sources.resolve_model(path, tmp_path / "cache", progress=False)
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("record", ["{broken", "[1, 2]"], ids=["not_json", "not_an_object"])
+def test_a_mangled_source_record_does_not_break_model_list(tmp_path, record):
+    from weft.cli import main
+    from weft.models.sources import cached_models
+
+    entry = tmp_path / "cache" / "gguf" / "0123456789abcdef"
+    entry.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json"):
+        (entry / name).write_text("{}")
+    (entry / "weft-source.json").write_text(record)
+    assert [(e.path, e.origin) for e in cached_models(tmp_path / "cache")] == [(entry, {})]
+    assert main(["model", "list", "--cache-dir", str(tmp_path / "cache")]) == 0
