@@ -86,9 +86,45 @@ def dequantize(tensor: Any) -> np.ndarray:
     return np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 
 
+# What each metadata value read here must be (keys under "<arch>." by their suffix). A value
+# of another type (a string for embedding_length, ints for merges) was a TypeError or
+# AttributeError traceback, or a checkpoint with a context length of -5.
+_POSITIVE_INTS = ("embedding_length", "attention.head_count", "attention.head_count_kv", "attention.key_length",
+                  "feed_forward_length", "block_count", "context_length", "vocab_size")
+_KINDS = {**dict.fromkeys(_POSITIVE_INTS, "a positive integer"),
+          **dict.fromkeys(("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor"),
+                          "a positive number"),
+          **dict.fromkeys(("tokenizer.ggml.tokens", "tokenizer.ggml.merges"), "an array of strings"),
+          "tokenizer.ggml.token_type": "an array of integers",
+          **dict.fromkeys((f"tokenizer.ggml.{k}_token_id" for k in ("bos", "eos", "unknown", "padding")),
+                          "a token id (an integer >= 0)"),
+          **dict.fromkeys(("general.architecture", "general.basename", "tokenizer.ggml.model", "tokenizer.ggml.pre",
+                           "tokenizer.chat_template", "rope.scaling.type"), "a string")}
+_CHECKS = {
+    "a positive integer": lambda v: _is_int(v) and v > 0,
+    "a positive number": lambda v: (_is_int(v) or isinstance(v, float)) and 0 < v < float("inf"),
+    "an array of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "an array of integers": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+    "a token id (an integer >= 0)": lambda v: _is_int(v) and v >= 0,
+    "a string": lambda v: isinstance(v, str),
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value, checked against ``_KINDS``; ``default`` when the key is absent."""
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    value = field.contents()
+    kind = _KINDS.get(key) or _KINDS.get(key.split(".", 1)[-1])
+    if kind is not None and not _CHECKS[kind](value):
+        shown = repr(value) if len(repr(value)) < 60 else repr(value)[:57] + "..."
+        raise GgufImportError(f"metadata key {key} is {shown}, expected {kind}")
+    return value
 
 
 def _f32(value: float) -> float:
@@ -114,9 +150,6 @@ def hf_config(reader: Any) -> dict[str, Any]:
     if scaling not in ("none", "linear"):
         raise GgufImportError(f"{arch}.rope.scaling.type {scaling!r} is not supported (supported: none, linear)")
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    if hidden <= 0 or heads <= 0:
-        raise GgufImportError(f"{arch}.embedding_length {hidden} and {arch}.attention.head_count {heads} "
-                              "must be positive")
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     names = {t.name for t in reader.tensors}
     config = {

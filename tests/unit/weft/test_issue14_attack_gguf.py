@@ -71,7 +71,7 @@ def _write_patched(monkeypatch, tiny: Path, path: Path, method: str, change, **k
 
 @pytest.mark.parametrize(("method", "change", "named"), [
     ("add_vocab_size", lambda n: n + 1000, r"'output.weight' has shape \[1024, 64\].*\[2024, 64\]"),
-    ("add_head_count", lambda n: 0, "head_count 0 must be positive"),
+    ("add_head_count", lambda n: 0, "llama.attention.head_count is 0, expected a positive integer"),
     ("add_head_count", lambda n: 2 * n, r"'blk.0.attn_k.weight' has shape"),
     ("add_block_count", lambda n: n + 3, "lacks 27 tensor.*model.layers.2"),
     ("add_token_list", lambda tokens: tokens + ["extra"], "1025 tokens, more than vocab_size 1024"),
@@ -167,3 +167,29 @@ def test_an_empty_directory_or_an_old_checkpoint_is_still_the_target(tiny, tmp_p
     (tmp_path / "empty" / "stale.txt").write_text("x")
     assert import_gguf(path, ".", progress=False) == tmp_path / "empty"
     assert not (tmp_path / "empty" / "stale.txt").exists() and (tmp_path / "empty" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(("method", "write", "named"), [
+    ("add_embedding_length", lambda w, n: w.add_array("llama.embedding_length", [1, 2]),
+     r"llama.embedding_length is \[1, 2\], expected a positive integer"),
+    ("add_embedding_length", lambda w, n: w.add_string("llama.embedding_length", "abc"),
+     "llama.embedding_length is 'abc', expected a positive integer"),
+    ("add_bos_token_id", lambda w, n: w.add_string("tokenizer.ggml.bos_token_id", "x"),
+     "tokenizer.ggml.bos_token_id is 'x', expected a token id"),
+    ("add_token_merges", lambda w, m: w.add_array("tokenizer.ggml.merges", [1, 2]),
+     r"tokenizer.ggml.merges is \[1, 2\], expected an array of strings"),
+    ("add_chat_template", lambda w, t: w.add_array("tokenizer.chat_template", [1]),
+     r"tokenizer.chat_template is \[1\], expected a string"),
+    ("add_context_length", lambda w, n: w.add_int32("llama.context_length", -5),
+     "llama.context_length is -5, expected a positive integer"),
+], ids=["int_as_array", "int_as_string", "token_id_as_string", "merges_as_ints", "template_as_array",
+        "negative_context"])
+def test_a_metadata_value_of_the_wrong_type_is_refused_naming_the_key(monkeypatch, tiny, tmp_path, method, write,
+                                                                      named):
+    """These were TypeError / AttributeError tracebacks, a ValueError naming no key, or (a
+    negative context length, a template that is an array) a checkpoint written and cached."""
+    monkeypatch.setattr(gguf.GGUFWriter, method, write)
+    path = write_gguf(tiny, tmp_path / "m.gguf")
+    with pytest.raises(GgufImportError, match=f"metadata key {named}"):
+        import_gguf(path, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
