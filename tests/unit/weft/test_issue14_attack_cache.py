@@ -11,6 +11,15 @@ import pytest
 from weft.models.cache import install_once, is_complete
 
 
+@pytest.fixture(autouse=True)
+def _keep_logging(monkeypatch):
+    """The model commands reconfigure structlog onto this test's captured stderr, which
+    later tests' cached loggers would then write to after it is closed: not here."""
+    import weft.cli.model_cli
+
+    monkeypatch.setattr(weft.cli.model_cli, "_quiet_logs", lambda: None)
+
+
 def _builder(calls: list[int]):
     def build(scratch: Path) -> Path:
         calls.append(1)

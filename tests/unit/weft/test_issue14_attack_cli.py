@@ -10,6 +10,15 @@ import weft.models.sources
 from weft.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _keep_logging(monkeypatch):
+    """The model commands reconfigure structlog onto this test's captured stderr, which
+    later tests' cached loggers would then write to after it is closed: not here."""
+    import weft.cli.model_cli
+
+    monkeypatch.setattr(weft.cli.model_cli, "_quiet_logs", lambda: None)
+
+
 def _interrupt(*args, **kwargs):
     raise KeyboardInterrupt
 

@@ -62,6 +62,15 @@ def test_a_truncated_file_names_the_tensor_past_its_end(tiny, tmp_path):
         import_gguf(path, tmp_path / "out", progress=False)
 
 
+@pytest.fixture(autouse=True)
+def _keep_logging(monkeypatch):
+    """The model commands reconfigure structlog onto this test's captured stderr, which
+    later tests' cached loggers would then write to after it is closed: not here."""
+    import weft.cli.model_cli
+
+    monkeypatch.setattr(weft.cli.model_cli, "_quiet_logs", lambda: None)
+
+
 def _write_patched(monkeypatch, tiny: Path, path: Path, method: str, change, **kwargs) -> Path:
     original = getattr(gguf.GGUFWriter, method)
     with monkeypatch.context() as m:
