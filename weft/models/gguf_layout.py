@@ -25,12 +25,18 @@ _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 1
 _STRING, _ARRAY = 8, 9
 _MIN_SIZE = {**_SCALAR_SIZES, _STRING: 8, _ARRAY: 12}
 _MAX_ARRAY_NESTING = 4
+# The gguf reader builds a numpy array per array element (~700 bytes each): a 10 MB file
+# holding 10^7 one-byte elements took 7 GB of RSS. Real vocabularies are under 300k
+# tokens (tokens, scores, types, merges: four arrays of that size).
+MAX_ARRAY_ELEMENTS = 1 << 21
+MAX_TOTAL_ELEMENTS = 1 << 22
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 class _Cursor:
     def __init__(self, data: mmap.mmap, order: str) -> None:
         self.data, self.order, self.offset = data, order, 0
+        self.elements = 0  # array elements so far, all arrays
 
     def left(self) -> int:
         return len(self.data) - self.offset
@@ -80,6 +86,10 @@ def _value(cur: _Cursor, kind: int, key: str, depth: int = 0) -> int | None:
     if item not in _MIN_SIZE:
         raise GgufImportError(f"metadata key {key!r} is an array of type {item}, which GGUF does not define: corrupt")
     n = cur.count(f"the array {key}", _MIN_SIZE[item])
+    cur.elements += n
+    if n > MAX_ARRAY_ELEMENTS or cur.elements > MAX_TOTAL_ELEMENTS:
+        raise GgufImportError(f"the array {key} has {n} entries ({cur.elements} in all arrays so far), more than this "
+                              f"importer reads ({MAX_ARRAY_ELEMENTS} per array, {MAX_TOTAL_ELEMENTS} in all)")
     if item in _SCALAR_SIZES:
         cur.offset += n * _SCALAR_SIZES[item]
     else:

@@ -202,3 +202,23 @@ def test_a_metadata_value_of_the_wrong_type_is_refused_naming_the_key(monkeypatc
     with pytest.raises(GgufImportError, match=f"metadata key {named}"):
         import_gguf(path, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_array_longer_than_any_vocabulary_is_refused_before_the_reader_builds_it(tmp_path, monkeypatch):
+    """The reader allocates ~700 bytes per array element: a 10 MB file holding an array of
+    10^7 bytes took 7 GB of RSS and 89 s before failing. Here with the cap lowered, so the
+    file is small; the real cap is checked against the largest vocabularies below."""
+    import weft.models.gguf_layout as layout
+
+    monkeypatch.setattr(layout, "MAX_ARRAY_ELEMENTS", 1000, raising=False)
+    path = tmp_path / "big-array.gguf"
+    path.write_bytes(_header(0, 2) + _ARCH + _s("x.junk") + struct.pack("<IIQ", _ARR, 0, 5000) + bytes(5000))
+    with pytest.raises(GgufImportError, match="the array x.junk has 5000 entries.*more than this importer reads"):
+        import_gguf(path, tmp_path / "out", progress=False)
+
+
+def test_the_array_caps_admit_the_largest_real_vocabularies():
+    import weft.models.gguf_layout as layout
+
+    gemma_tokens = 262_144  # tokens, scores and types each; merges of the same order
+    assert layout.MAX_ARRAY_ELEMENTS >= 4 * gemma_tokens and layout.MAX_TOTAL_ELEMENTS >= 4 * 2 * gemma_tokens
