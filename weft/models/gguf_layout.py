@@ -30,6 +30,8 @@ _MAX_ARRAY_NESTING = 4
 # tokens (tokens, scores, types, merges: four arrays of that size).
 MAX_ARRAY_ELEMENTS = 1 << 21
 MAX_TOTAL_ELEMENTS = 1 << 22
+# Likewise per tensor; the largest real models have about 2,000 tensors.
+MAX_TENSORS = 1 << 16
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
@@ -122,6 +124,8 @@ def check_layout(path: Path) -> None:
                 value = _value(cur, cur.take("I", f"the type of {key}"), key)
                 if key == "general.alignment":
                     alignment = value or 0
+            if tensor_count > MAX_TENSORS:
+                raise GgufImportError(f"the tensor count {tensor_count} is more than this importer reads ({MAX_TENSORS})")
             if tensor_count * 32 > cur.left():
                 raise GgufImportError(f"the tensor count {tensor_count} needs more than the {cur.left()} bytes left "
                                       "in the file: truncated or corrupt")

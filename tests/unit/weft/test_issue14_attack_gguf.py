@@ -222,3 +222,13 @@ def test_the_array_caps_admit_the_largest_real_vocabularies():
 
     gemma_tokens = 262_144  # tokens, scores and types each; merges of the same order
     assert layout.MAX_ARRAY_ELEMENTS >= 4 * gemma_tokens and layout.MAX_TOTAL_ELEMENTS >= 4 * 2 * gemma_tokens
+
+
+def test_more_tensors_than_any_model_has_are_refused_before_the_reader_builds_them(tmp_path):
+    """70,000 32-byte tensor entries fit in 2 MB; the reader built an object for each (a
+    100 MB file could hold 1.5 million) before anything looked at them."""
+    entry = struct.pack("<QIQIQ", 0, 1, 8, 0, 0)  # name "", 1 dim of 8, F32, offset 0
+    path = tmp_path / "many-tensors.gguf"
+    path.write_bytes(_header(70_000, 1) + _ARCH + entry * 70_000 + bytes(64))
+    with pytest.raises(GgufImportError, match="tensor count 70000 is more than this importer reads"):
+        import_gguf(path, tmp_path / "out", progress=False)
