@@ -43,8 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.degradation_rungs import (  # noqa: E402
-    RungResult, agreement, kv_bytes_per_token, replace_section, run_rung)
+from benchmarks.degradation_rungs import RungResult, agreement, kv_bytes_per_token, run_rung  # noqa: E402
+from benchmarks.results_page import replace_section  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TRAINED = "trained"

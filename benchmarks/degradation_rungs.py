@@ -1,5 +1,5 @@
-"""What every degradation measurement shares: running one rung, scoring it against the
-reference, and writing a generated section into a results page that also holds prose."""
+"""What every degradation measurement shares: running one rung and scoring it against the
+reference."""
 from __future__ import annotations
 
 import time
@@ -57,19 +57,3 @@ def run_rung(model_dir: Path, prompts: list[list[int]], args, repeats: int = 2, 
 
 def kv_bytes_per_token(engine) -> float:
     return engine.config.kv_cache_memory_bytes / (engine.num_blocks * engine.config.block_size)
-
-
-def replace_section(path: Path, name: str, text: str, title: str) -> None:
-    """Write ``text`` between the ``generated:name`` markers of ``path`` (appended when the
-    page has none; the page is created with ``title`` when missing), leaving the prose
-    around it alone: a rerun refreshes its numbers without clobbering the reading."""
-    begin, end = f"<!-- generated:{name} begin -->", f"<!-- generated:{name} end -->"
-    block = f"{begin}\n{text.rstrip()}\n{end}"
-    page = path.read_text(encoding="utf-8") if path.exists() else f"{title}\n"
-    if begin in page and end in page:
-        head, rest = page.split(begin, 1)
-        page = head + block + rest.split(end, 1)[1]
-    else:
-        page = page.rstrip() + "\n\n" + block + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")

@@ -26,7 +26,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.results_page import replace_section
+
 PRESETS = ("tiny", "small", "bench")
+TITLE = "# Offline throughput on a real model: Weft vs transformers, interleaved"
 
 
 @dataclass
@@ -126,8 +129,6 @@ def report(per_model: list[tuple[dict, dict]], args) -> str:
             rows.append([f"{facts['name']} ({facts['params'] / 1e6:.1f}M, {facts['layers']} × {facts['hidden']})",
                          w, spread(weft), spread(hf), spread(ratios, "{:.2f}×")])
     return "\n".join([
-        "# Offline throughput on a real model: Weft vs transformers, interleaved",
-        "",
         f"`python benchmarks/offline_throughput.py --paired {' '.join(args.paired_models)}` — "
         f"float32, {args.threads} threads, {args.input_len} prompt tokens / {args.output_len} new tokens per "
         f"request (greedy, EOS ignored), transformers `generate` (static batch, same prompts, same "
@@ -137,6 +138,7 @@ def report(per_model: list[tuple[dict, dict]], args) -> str:
         "",
         write_markdown(["model", "workload", "weft tok/s", "transformers tok/s", "weft / transformers"], rows),
         "",
+        "![paired](offline_throughput_paired.png)",
     ])
 
 
@@ -146,7 +148,7 @@ def plot(per_model: list[tuple[dict, dict]], path: Path) -> None:
     groups, series = [], {"weft": [], "hf-generate": []}
     for s, facts in per_model:
         for w in dict.fromkeys(k[1] for k in s):
-            groups.append(f"{facts['name']}\n{w}")
+            groups.append(f"{facts['name'].removesuffix('-instruct')}\n{w}")  # short: labels share a row
             for e in series:
                 series[e].append(statistics.median(s[(e, w)].rates()))
     write_bar_chart(path, title="Output tokens/s, median of interleaved rounds (higher is better)",
@@ -162,8 +164,7 @@ def main(args) -> int:
         for spec in args.paired_models:
             per_model.append(measure_model(spec, args, bar))
     text = report(per_model, args)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "offline_throughput_paired.md").write_text(text, encoding="utf-8")
+    replace_section(args.out_dir / "offline_throughput_paired.md", "paired", text, TITLE)
     plot(per_model, args.out_dir / "offline_throughput_paired.png")
     print(text)
     return 0
