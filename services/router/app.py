@@ -18,9 +18,8 @@ from services.router.continuation import ContinuationPolicy, ContinuingStreamer
 from services.router.generation import Generator, model_limits
 from services.router.http_api import HttpApi
 from services.router.scheduler_client import SchedulerClient
-from services.router.server import ROUTER_ERROR_RULES, RouterServicer
+from services.router.server import ROUTER_ERROR_RULES, RouterServicer, add_router_to_server
 from services.shared.tokenizer import Tokenizer
-from weft.v1 import router_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -53,7 +52,7 @@ class RouterApp:
                                peer_auth=False)
         self.metrics_server = MetricsServer(config.metrics_host, config.metrics_port)
         servicer = RouterServicer(self.generator, keys, config.model_name, self.scheduler.list_executors)
-        router_pb2_grpc.add_RouterServicer_to_server(servicer, self.grpc.server)
+        add_router_to_server(servicer, self.grpc.server)  # with server reflection
         self._runner: web.AppRunner | None = None
         self.http_port: int | None = None
 

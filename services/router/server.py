@@ -24,6 +24,8 @@ from dataclasses import replace
 
 import grpc
 import structlog
+from grpc_health.v1 import health
+from grpc_reflection.v1alpha import reflection
 
 from services.mesh.grpc_server import ErrorRule
 from services.mesh.logging import request_context
@@ -53,6 +55,12 @@ _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH
            "error": common_pb2.FINISH_REASON_ERROR}
 
 
+# What server reflection lists on the public port (grpcurl, Postman): the API, its
+# liveness check and reflection itself. Schema only: every call still needs a key.
+REFLECTED_SERVICES = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health.SERVICE_NAME,
+                      reflection.SERVICE_NAME)
+
+
 def status_label(exc: BaseException) -> str:
     """The gRPC status name a failed call ends with (the label, not a Python class name:
     it was ``CancelledError`` / ``GeneratorExit`` for a client that cancelled)."""
@@ -71,15 +79,44 @@ def _api_key(context: grpc.aio.ServicerContext) -> str | None:
     return bearer_token(metadata.get("authorization")) or metadata.get("x-api-key")
 
 
-def sampling_from_proto(s: common_pb2.SamplingParams, return_logprobs: bool, limits) -> Sampling:
-    """Proto defaults read as OpenAI's: max_tokens 0 = room left, top_p 0 = 1."""
-    body = {
-        "max_tokens": s.max_tokens or None, "temperature": s.temperature, "top_p": s.top_p or 1.0,
-        "top_k": s.top_k, "seed": s.seed if s.HasField("seed") else None,
-        "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos, "min_tokens": s.min_tokens,
-    }
-    sampling = parse_sampling(body, limits, body["max_tokens"], "sampling.max_tokens", default_max_tokens=None)
-    return replace(sampling, logprobs=s.logprobs or return_logprobs)
+# HTTP's /v1/completions default (validation.parse_completion_request): a text or token-ids prompt
+# is that door's request, so an unset max_tokens is 16 there and here.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def _given(s: common_pb2.SamplingParams, sent: bool, name: str) -> bool:
+    """Whether the caller set the sampling field ``name``. Nothing is set when the
+    ``sampling`` message itself is absent; a proto3 ``optional`` field says so itself
+    (``HasField``); a field without presence is set when non-zero, or, for ``temperature``
+    (where 0 means greedy), whenever ``sampling`` was sent: those are the only readings the
+    wire allows, and they become exact once ``common.proto`` marks the field ``optional``."""
+    if not sent:
+        return False
+    if s.DESCRIPTOR.fields_by_name[name].has_presence:
+        return s.HasField(name)
+    return name == "temperature" or getattr(s, name) != 0
+
+
+def sampling_from_proto(request: router_pb2.GenerateRequest, limits: Limits) -> Sampling:
+    """``request.sampling`` with HTTP's defaults for what the caller did not set, so one
+    request means the same at both doors: temperature 1.0, top_p 1.0, and max_tokens as the
+    HTTP endpoint of the prompt's form (a chat prompt: the room the context leaves, as
+    ``/v1/chat/completions``; text or token ids: 16, as ``/v1/completions``). Validation is
+    HTTP's (``parse_sampling``), so a set value is checked, never replaced (an ``optional``
+    max_tokens or top_p set to 0 is refused naming the field; without presence, 0 is unset)."""
+    s, sent = request.sampling, request.HasField("sampling")
+    body: dict = {"top_k": s.top_k, "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
+                  "min_tokens": s.min_tokens}
+    for name in ("temperature", "top_p", "seed"):  # absent: parse_sampling's (HTTP's) default
+        if _given(s, sent, name):
+            body[name] = getattr(s, name)
+    if _given(s, sent, "max_tokens"):
+        max_tokens, default = s.max_tokens, None
+    else:
+        max_tokens = None
+        default = None if request.WhichOneof("prompt") == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS
+    sampling = parse_sampling(body, limits, max_tokens, "sampling.max_tokens", default_max_tokens=default)
+    return replace(sampling, logprobs=s.logprobs or request.return_logprobs)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -110,7 +147,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if request.model and request.model not in self.generator.limits.served_models:
             raise InvalidRequestError("model", f"model {request.model!r} does not exist; served: {self.model_name!r}")
         with request_context(rid, tenant=tenant):
-            sampling = sampling_from_proto(request.sampling, request.return_logprobs, self.generator.limits)
+            sampling = sampling_from_proto(request, self.generator.limits)
             sampling = replace(sampling, semantic_cache=request.semantic_cache)
             stop = parse_stop(list(request.stop) or None, self.generator.limits)
             session = _session(request.session)
@@ -136,6 +173,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         model = router_pb2.ModelInfo(id=self.model_name, max_model_len=self.generator.limits.max_model_len,
                                      num_executors=num_executors)
         return router_pb2.ListModelsResponse(models=[model])
+
+
+def add_router_to_server(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    """Serve ``weft.v1.Router`` and server reflection on ``server``: a client with no
+    ``.proto`` in hand can list the services and describe every message."""
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(REFLECTED_SERVICES, server)
 
 
 def prompt_from_proto(request: router_pb2.GenerateRequest, limits: Limits) -> Prompt:
