@@ -84,33 +84,21 @@ def _api_key(context: grpc.aio.ServicerContext) -> str | None:
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-def _given(s: common_pb2.SamplingParams, sent: bool, name: str) -> bool:
-    """Whether the caller set the sampling field ``name``. Nothing is set when the
-    ``sampling`` message itself is absent; a proto3 ``optional`` field says so itself
-    (``HasField``); a field without presence is set when non-zero, or, for ``temperature``
-    (where 0 means greedy), whenever ``sampling`` was sent: those are the only readings the
-    wire allows, and they become exact once ``common.proto`` marks the field ``optional``."""
-    if not sent:
-        return False
-    if s.DESCRIPTOR.fields_by_name[name].has_presence:
-        return s.HasField(name)
-    return name == "temperature" or getattr(s, name) != 0
-
-
 def sampling_from_proto(request: router_pb2.GenerateRequest, limits: Limits) -> Sampling:
     """``request.sampling`` with HTTP's defaults for what the caller did not set, so one
     request means the same at both doors: temperature 1.0, top_p 1.0, and max_tokens as the
     HTTP endpoint of the prompt's form (a chat prompt: the room the context leaves, as
     ``/v1/chat/completions``; text or token ids: 16, as ``/v1/completions``). Validation is
-    HTTP's (``parse_sampling``), so a set value is checked, never replaced (an ``optional``
-    max_tokens or top_p set to 0 is refused naming the field; without presence, 0 is unset)."""
-    s, sent = request.sampling, request.HasField("sampling")
+    HTTP's (``parse_sampling``), so a set value is checked, never replaced: max_tokens or
+    top_p set to 0 is refused naming the field (the fields are proto3 ``optional``, so
+    "unset" is told from 0)."""
+    s = request.sampling  # an absent message reads as one with nothing set
     body: dict = {"top_k": s.top_k, "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
                   "min_tokens": s.min_tokens}
     for name in ("temperature", "top_p", "seed"):  # absent: parse_sampling's (HTTP's) default
-        if _given(s, sent, name):
+        if s.HasField(name):
             body[name] = getattr(s, name)
-    if _given(s, sent, "max_tokens"):
+    if s.HasField("max_tokens"):
         max_tokens, default = s.max_tokens, None
     else:
         max_tokens = None

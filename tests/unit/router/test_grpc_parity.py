@@ -51,6 +51,13 @@ CASES = {
                           router_pb2.GenerateRequest(text="hello"), 1.0, 16),
     "token ids, nothing set": ("/v1/completions", {"prompt": [5, 6, 7]},
                                router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5, 6, 7])), 1.0, 16),
+    "chat, only max_tokens set": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3},
+                                  router_pb2.GenerateRequest(chat=_chat_proto(),
+                                                             sampling=common_pb2.SamplingParams(max_tokens=3)), 1.0, 3),
+    "text, only temperature set": ("/v1/completions", {"prompt": "hello", "temperature": 0.5},
+                                   router_pb2.GenerateRequest(text="hello",
+                                                              sampling=common_pb2.SamplingParams(temperature=0.5)),
+                                   0.5, 16),
     "chat, greedy and max_tokens set": (
         "/v1/chat/completions", {"messages": CHAT, "temperature": 0, "max_tokens": 3},
         router_pb2.GenerateRequest(chat=_chat_proto(),
@@ -129,3 +136,30 @@ def test_the_public_grpc_port_serves_reflection_of_the_router_api(model_dir, tmp
     services, request_type, sampling_type = asyncio.run(go())
     assert "weft.v1.Router" in services and "grpc.health.v1.Health" in services
     assert request_type == "weft.v1.GenerateRequest" and sampling_type == "weft.v1.SamplingParams"
+
+
+@pytest.mark.parametrize("sampling, field", [
+    (common_pb2.SamplingParams(max_tokens=0), "sampling.max_tokens"),
+    (common_pb2.SamplingParams(top_p=0), "top_p"),
+])
+def test_a_sampling_field_set_to_zero_is_refused_naming_it_not_read_as_unset(model_dir, sampling, field):
+    """As over HTTP (max_tokens 0, top_p 0 are 400): 0 read as "unset" hid a client's bug."""
+    async def go():
+        tokenizer = Tokenizer.from_dir(model_dir)
+        generator = Generator(tokenizer, model_limits(model_dir, tokenizer, [MODEL], max_model_len=MAX_MODEL_LEN),
+                              FakeDownstream(tokenizer))
+        server = GrpcServer("weft.v1.Router", "127.0.0.1", 0, rules=ROUTER_ERROR_RULES)
+        add_router_to_server(RouterServicer(generator, KeyStore({KEY: "acme"}), MODEL), server.server)
+        port = await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            stub = router_pb2_grpc.RouterStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [c async for c in stub.Generate(router_pb2.GenerateRequest(text="hi", sampling=sampling),
+                                                metadata=(("authorization", f"Bearer {KEY}"),))]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith(f"{field}:")
+        finally:
+            await channel.close()
+            await server.server.stop(0)
+    asyncio.run(go())
