@@ -3,6 +3,7 @@
     POST /v1/chat/completions   chat, SSE streaming or not; tools and tool messages
     POST /v1/completions        text or token-id prompts; ``return_token_ids`` extension
     GET  /v1/models             the served model
+    GET  /v1/models/{id}        one served model's card (404 naming the id otherwise)
     GET  /health                liveness: 200 while serving, 503 while draining
     GET  /health/ready          readiness: 200 once an executor serves, else 503 (``readiness.py``)
     GET  /v1/weft/verdict       the rolling p99 attribution of the caller's tenant (``attribution.py``)
@@ -119,6 +120,7 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)  # ".+": ids may hold a "/" (org/name)
         app.router.add_get("/health", self.health)
         app.router.add_get("/health/ready", self.ready)
         app.router.add_get("/v1/weft/verdict", self.verdict)
@@ -214,11 +216,24 @@ class HttpApi:
             raise web.HTTPNotFound(text=f"no recent timeline for request {rid!r}")
         return web.json_response(timeline_json(client_request_id(rid), spans))
 
+    def _model_cards(self) -> list[dict]:
+        return [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "weft",
+                 "max_model_len": self.generator.limits.max_model_len}]
+
     async def models(self, request: web.Request) -> web.Response:
         self._tenant(request)
-        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "weft",
-                "max_model_len": self.generator.limits.max_model_len}
-        return web.json_response({"object": "list", "data": [card]})
+        return web.json_response({"object": "list", "data": self._model_cards()})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One entry of ``/v1/models`` (what ``client.models.retrieve(id)`` reads); an id not
+        served is 404 with OpenAI's ``model_not_found`` code, never another model's card."""
+        self._tenant(request)
+        model_id = request.match_info["model_id"]
+        card = next((c for c in self._model_cards() if c["id"] == model_id), None)
+        if card is None:
+            message = f"model {model_id[:200]!r} does not exist; served models: {[self.model_name]}"
+            return web.json_response(error_body(404, message, "model", "model_not_found"), status=404)
+        return web.json_response(card)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
