@@ -3,24 +3,22 @@
 Every rejection is an ``InvalidRequestError`` naming the field (``messages[1].content``,
 ``temperature``), which the HTTP layer answers with 400 in OpenAI's error shape.
 
-NOTE: no field that would change the output is parsed and dropped. A field is either
-honoured, or listed in ``CHAT_FIELD_GAPS`` / ``COMPLETION_FIELD_GAPS`` (any ``guided_*``
-too) and refused naming it unless its value is the one that means today's behaviour
-(``parallel_tool_calls: true``, ``min_p: 0``, ``logit_bias: {}``): a client asking for
-JSON output or a forced tool call learns it did not get one instead of parsing prose.
-Fields without effect on the output (``user``, ``metadata``, ``store``,
-``service_tier``) and unknown fields are accepted, as OpenAI's clients send optional
-extras. ``docs/openai.md`` tables every field; a test keeps it and these tables in step.
+NOTE: no field that would change the output is parsed and dropped: it is honoured or
+refused naming it (``field_gaps.py``). Fields without effect on the output (``user``,
+``metadata``, ``store``, ``service_tier``) and unknown fields are accepted, as OpenAI's
+clients send optional extras.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from services.router.chat_messages import parse_message, parse_tool_choice, parse_tools
 from services.router.errors import InvalidRequestError, ModelNotFoundError
+from services.router.field_gaps import (
+    CHAT_FIELD_GAPS, COMPLETION_FIELD_GAPS, CONSTRAINED, refuse_field_gaps, refuse_strict_tools,
+)
 from services.router.json_fields import json_object, json_type, optional_field
 from services.router.schema import ChatRequest, CompletionRequest, ContractSpec, Sampling, Session
 from services.shared.vocabulary import REQUEST_CLASS_LABELS, RUNG_LABELS
@@ -62,12 +60,12 @@ def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
     if isinstance(tools, list) and len(tools) > limits.max_tools:
         raise InvalidRequestError("tools", f"at most {limits.max_tools} tools, got {len(tools)}")
     tools = parse_tools(tools)
-    _refuse_strict_tools(tools)
+    refuse_strict_tools(tools)
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
     if tool_choice not in ("auto", "none"):  # "required" or {"type": "function", ...}
         what = repr(tool_choice) if isinstance(tool_choice, str) else "a named function"
         raise InvalidRequestError("tool_choice", f"{what} is not supported yet (forcing a tool call "
-                                  f"{_CONSTRAINED}); use 'auto' or 'none'")
+                                  f"{CONSTRAINED}); use 'auto' or 'none'")
     if optional_field(body, "logprobs", bool, False):
         raise InvalidRequestError("logprobs", "log-probabilities are not supported on /v1/chat/completions")
     if optional_field(body, "top_logprobs", int, 0):
@@ -147,101 +145,6 @@ def resolve_max_tokens(sampling: Sampling, num_prompt_tokens: int, max_model_len
             f"{room} of the model's context length of {max_model_len}",
         )
     return sampling.max_tokens
-
-
-# -- fields Weft does not honour yet ---------------------------------------------------
-class FieldGap(NamedTuple):
-    """A request field Weft cannot honour yet: absent, ``null`` or ``default`` (the value
-    that means today's behaviour) is accepted, anything else refused with ``why``.
-    ``default`` None: only absent / ``null`` is accepted."""
-
-    default: Any
-    why: str
-
-
-_CONSTRAINED = "needs constrained decoding, coming with structured output in issue 15"
-_TEMPLATE = "the model's own chat template renders every conversation"
-_BEAM = "decoding samples one sequence per prompt, no beam search"
-_SHARED_GAPS = {
-    "response_format": FieldGap({"type": "text"}, f"JSON / schema output {_CONSTRAINED}"),
-    "structured_outputs": FieldGap(None, _CONSTRAINED),
-    "json_schema": FieldGap(None, _CONSTRAINED),  # SGLang's extras
-    "regex": FieldGap(None, _CONSTRAINED),
-    "ebnf": FieldGap(None, _CONSTRAINED),
-    "allowed_token_ids": FieldGap(None, _CONSTRAINED),
-    "logit_bias": FieldGap({}, "the sampler applies no logit bias yet"),
-    "min_p": FieldGap(0, "the sampler has no min-p filter yet"),
-    "typical_p": FieldGap(1, "the sampler has no typical-p filter"),
-    "repetition_penalty": FieldGap(1, "the sampler applies no repetition penalty yet"),
-    "bad_words": FieldGap([], "the sampler cannot ban words yet"),
-    "logits_processors": FieldGap(None, "no custom logits processors are loaded"),
-    "best_of": FieldGap(1, _BEAM),
-    "use_beam_search": FieldGap(False, _BEAM),
-    "length_penalty": FieldGap(1, _BEAM),
-    "include_stop_str_in_output": FieldGap(False, "a matched stop string is cut from the text"),
-    "skip_special_tokens": FieldGap(True, "special tokens are left out of the text"),
-    "spaces_between_special_tokens": FieldGap(True, "special tokens are left out of the text"),
-    "truncate_prompt_tokens": FieldGap(None, "a prompt that does not fit is refused, never truncated"),
-    "prompt_logprobs": FieldGap(None, "log-probabilities are not returned over HTTP yet"),
-    "return_tokens_as_token_ids": FieldGap(False, "use return_token_ids"),
-}
-CHAT_FIELD_GAPS = {
-    **_SHARED_GAPS,
-    "parallel_tool_calls": FieldGap(True, f"every call the model writes is returned; at most one {_CONSTRAINED}"),
-    "functions": FieldGap(None, "the deprecated functions API is not served; use tools"),
-    "function_call": FieldGap(None, "the deprecated functions API is not served; use tool_choice"),
-    "audio": FieldGap(None, "output is text only"),
-    "modalities": FieldGap(["text"], "output is text only"),
-    "web_search_options": FieldGap(None, "there is no web search"),
-    "reasoning_effort": FieldGap(None, "the served model has no reasoning-effort setting"),
-    "verbosity": FieldGap(None, "the served model has no verbosity setting"),
-    "echo": FieldGap(False, "the reply does not repeat the last message"),
-    "add_generation_prompt": FieldGap(True, _TEMPLATE),
-    "continue_final_message": FieldGap(False, _TEMPLATE),
-    "chat_template": FieldGap(None, _TEMPLATE),
-    "chat_template_kwargs": FieldGap({}, _TEMPLATE),
-    "documents": FieldGap(None, _TEMPLATE),
-    "add_special_tokens": FieldGap(False, "the chat template places the special tokens"),
-}
-COMPLETION_FIELD_GAPS = {
-    **_SHARED_GAPS,
-    "add_special_tokens": FieldGap(True, "a text prompt is encoded with the tokenizer's special tokens (BOS)"),
-}
-GUIDED_PREFIX = "guided_"  # vLLM's guided decoding: guided_json, guided_regex, guided_choice, ...
-
-
-def refuse_field_gaps(body: Mapping[str, Any], gaps: Mapping[str, FieldGap]) -> None:
-    """Refuse the first field of ``gaps`` (or ``guided_*``) whose value asks for what Weft
-    does not do yet, naming it; does not modify ``body``."""
-    for name, gap in gaps.items():
-        value = body.get(name)
-        if not _means_default(value, gap.default):
-            hint = "omit it" if gap.default is None else f"omit it or send {json.dumps(gap.default)}"
-            raise InvalidRequestError(name, f"is not supported yet ({gap.why}); {hint}")
-    for name, value in body.items():
-        if isinstance(name, str) and name.startswith(GUIDED_PREFIX) and value is not None:
-            raise InvalidRequestError(name, f"is not supported yet (guided decoding {_CONSTRAINED}); omit it")
-
-
-def _refuse_strict_tools(tools: tuple[dict[str, Any], ...] | None) -> None:
-    """``strict: true`` on a tool promises arguments valid against its schema: Weft does not
-    check them yet, so the promise is refused rather than broken."""
-    for i, tool in enumerate(tools or ()):
-        if not _means_default(tool["function"].get("strict"), False):
-            raise InvalidRequestError(f"tools[{i}].function.strict", f"is not supported yet (arguments valid "
-                                      f"against the schema {_CONSTRAINED}); omit it or send false")
-
-
-def _means_default(value: Any, default: Any) -> bool:
-    """``value`` is absent / null or equals ``default`` with the same JSON type (``true`` is
-    not ``1``; ``1.0`` is ``1``)."""
-    if value is None:
-        return True
-    if isinstance(value, bool) or isinstance(default, bool):
-        return value is default
-    if isinstance(default, (int, float)):
-        return isinstance(value, (int, float)) and value == default
-    return default is not None and value == default
 
 
 # -- pieces --------------------------------------------------------------------------

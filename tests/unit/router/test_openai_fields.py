@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from services.router.auth import KeyStore
 from services.router.generation import Generator, model_limits
 from services.router.http_api import HttpApi
-from services.router.validation import CHAT_FIELD_GAPS, COMPLETION_FIELD_GAPS
+from services.router.field_gaps import CHAT_FIELD_GAPS, COMPLETION_FIELD_GAPS
 from services.shared.tokenizer import Tokenizer
 from tests.unit.router.test_http import MODEL, FakeDownstream, model_dir  # noqa: F401  (fixture)
 
