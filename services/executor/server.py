@@ -21,7 +21,7 @@ from services.executor.kv.block_pool import AllBlocksCleared, BlockRemoved, Bloc
 from services.executor.engine.engine import StepOutput
 from services.executor.errors import CapacityError, InvalidRequestError
 from services.executor.events import ExecutorState, Heartbeat, KvChange, LoadSnapshot
-from services.executor.engine.sampling_params import SamplingParams
+from services.executor.engine.sampling_params import GrammarSpec, SamplingParams
 from services.executor.engine.sequence import FinishReason, SessionOptions
 from services.executor.engine.step_trace import RequestSteps, StepTrace, add_executor_spans
 from services.mesh import metric_catalogue as catalogue
@@ -64,6 +64,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, present: bool) -> Sampli
     An absent message means the defaults of SamplingParams."""
     if not present:
         return SamplingParams()
+    if msg.n > 1:
+        raise InvalidRequestError("sampling.n", "the executor runs one completion per request; the router fans out n")
     return SamplingParams(
         max_tokens=msg.max_tokens,
         temperature=msg.temperature,
@@ -74,7 +76,32 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, present: bool) -> Sampli
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs,
         min_tokens=msg.min_tokens,
+        grammar=grammar_from_proto(msg),
+        top_logprobs=msg.top_logprobs,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        logit_bias=tuple(msg.logit_bias.items()),
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        resumed_output_tokens=msg.resumed_output_tokens,
     )
+
+
+def grammar_from_proto(msg: common_pb2.SamplingParams) -> GrammarSpec | None:
+    """The oneof as a GrammarSpec (None: free text)."""
+    kind = msg.grammar.WhichOneof("kind") if msg.HasField("grammar") else None
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not msg.grammar.json_object:
+            return None
+        return GrammarSpec("json_object")
+    return GrammarSpec(kind, getattr(msg.grammar, kind))
+
+
+def _top_logprobs_pb(rows) -> list[common_pb2.TokenLogprobs]:
+    return [common_pb2.TokenLogprobs(token_ids=[t for t, _ in row], logprobs=[lp for _, lp in row]) for row in rows]
 
 
 def step_to_proto(out: StepOutput, executor: str) -> executor_pb2.ExecuteResponse:
@@ -90,6 +117,9 @@ def step_to_proto(out: StepOutput, executor: str) -> executor_pb2.ExecuteRespons
         ),
         executor=executor,
         mean_entropy=out.mean_entropy,
+        top_logprobs_delta=_top_logprobs_pb(out.new_top_logprobs),
+        prompt_logprobs=out.prompt_logprobs,
+        prompt_top_logprobs=_top_logprobs_pb(out.prompt_top_logprobs),
     )
 
 

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from weft.v1 import events_pb2 as weft_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18weft/v1/cachestore.proto\x12\x07weft.v1\x1a\x14weft/v1/events.proto\"\xb8\x01\n\x0b\x42lockHeader\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\r\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x10\n\x08priority\x18\x08 \x01(\x02\x12\x19\n\x11\x65xpected_pause_ms\x18\t \x01(\r\"Q\n\x0ePutBlocksChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.weft.v1.BlockHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x63hunk\"Z\n\x11PutBlocksResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0cstored_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13num_already_present\x18\x03 \x01(\r\"A\n\x10GetBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\r\"o\n\x0eGetBlocksChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.weft.v1.BlockHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x1c\n\x12missing_block_hash\x18\x03 \x01(\x04H\x00\x42\x07\n\x05\x63hunk\"\'\n\x0f\x43ontainsRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"0\n\x10\x43ontainsResponse\x12\x1c\n\x05tiers\x18\x01 \x03(\x0e\x32\r.weft.v1.Tier\"\x13\n\x11\x43\x61\x63heStatsRequest\"\xa5\x01\n\tTierStats\x12\x1b\n\x04tier\x18\x01 \x01(\x0e\x32\r.weft.v1.Tier\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x10\n\x08num_hits\x18\x05 \x01(\x04\x12\x12\n\nnum_misses\x18\x06 \x01(\x04\x12\x15\n\rnum_evictions\x18\x07 \x01(\x04\"S\n\x12\x43\x61\x63heStatsResponse\x12!\n\x05tiers\x18\x01 \x03(\x0b\x32\x12.weft.v1.TierStats\x12\x1a\n\x12num_corrupt_blocks\x18\x02 \x01(\x04\"\x1d\n\x0c\x45mbedRequest\x12\r\n\x05texts\x18\x01 \x03(\t\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"D\n\rEmbedResponse\x12&\n\nembeddings\x18\x01 \x03(\x0b\x32\x12.weft.v1.Embedding\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\"3\n\x11SimilarityRequest\x12\x0e\n\x06text_a\x18\x01 \x01(\t\x12\x0e\n\x06text_b\x18\x02 \x01(\t\"L\n\x12SimilarityResponse\x12\x12\n\nsimilarity\x18\x01 \x01(\x02\x12\x0f\n\x07similar\x18\x02 \x01(\x08\x12\x11\n\tthreshold\x18\x03 \x01(\x02\"i\n\x15SemanticLookupRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.weft.v1.SemanticKind\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05scope\x18\x04 \x01(\t\"_\n\x16SemanticLookupResponse\x12\x0b\n\x03hit\x18\x01 \x01(\x08\x12\x12\n\nsimilarity\x18\x02 \x01(\x02\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x11\n\tthreshold\x18\x04 \x01(\x02\"{\n\x14SemanticStoreRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.weft.v1.SemanticKind\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05scope\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\"<\n\x15SemanticStoreResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x13\n\x0bnum_entries\x18\x02 \x01(\r\":\n\x15PrefetchBlocksRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"M\n\x16PrefetchBlocksResponse\x12\x18\n\x10num_found_blocks\x18\x01 \x01(\r\x12\x19\n\x11num_warmed_blocks\x18\x02 \x01(\r*k\n\x0cSemanticKind\x12\x1d\n\x19SEMANTIC_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16SEMANTIC_KIND_RESPONSE\x10\x01\x12 \n\x1cSEMANTIC_KIND_SESSION_PREFIX\x10\x02\x32\x8b\x05\n\nCacheStore\x12\x42\n\tPutBlocks\x12\x17.weft.v1.PutBlocksChunk\x1a\x1a.weft.v1.PutBlocksResponse(\x01\x12\x41\n\tGetBlocks\x12\x19.weft.v1.GetBlocksRequest\x1a\x17.weft.v1.GetBlocksChunk0\x01\x12?\n\x08\x43ontains\x12\x18.weft.v1.ContainsRequest\x1a\x19.weft.v1.ContainsResponse\x12@\n\x05Stats\x12\x1a.weft.v1.CacheStatsRequest\x1a\x1b.weft.v1.CacheStatsResponse\x12\x36\n\x05\x45mbed\x12\x15.weft.v1.EmbedRequest\x1a\x16.weft.v1.EmbedResponse\x12\x45\n\nSimilarity\x12\x1a.weft.v1.SimilarityRequest\x1a\x1b.weft.v1.SimilarityResponse\x12Q\n\x0eSemanticLookup\x12\x1e.weft.v1.SemanticLookupRequest\x1a\x1f.weft.v1.SemanticLookupResponse\x12N\n\rSemanticStore\x12\x1d.weft.v1.SemanticStoreRequest\x1a\x1e.weft.v1.SemanticStoreResponse\x12Q\n\x0ePrefetchBlocks\x12\x1e.weft.v1.PrefetchBlocksRequest\x1a\x1f.weft.v1.PrefetchBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18weft/v1/cachestore.proto\x12\x07weft.v1\x1a\x14weft/v1/events.proto\"\xb8\x01\n\x0b\x42lockHeader\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\r\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x10\n\x08priority\x18\x08 \x01(\x02\x12\x19\n\x11\x65xpected_pause_ms\x18\t \x01(\r\"Q\n\x0ePutBlocksChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.weft.v1.BlockHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x63hunk\"Z\n\x11PutBlocksResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0cstored_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13num_already_present\x18\x03 \x01(\r\"A\n\x10GetBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\r\"o\n\x0eGetBlocksChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.weft.v1.BlockHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x1c\n\x12missing_block_hash\x18\x03 \x01(\x04H\x00\x42\x07\n\x05\x63hunk\"\'\n\x0f\x43ontainsRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"0\n\x10\x43ontainsResponse\x12\x1c\n\x05tiers\x18\x01 \x03(\x0e\x32\r.weft.v1.Tier\"\x13\n\x11\x43\x61\x63heStatsRequest\"\xa5\x01\n\tTierStats\x12\x1b\n\x04tier\x18\x01 \x01(\x0e\x32\r.weft.v1.Tier\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x10\n\x08num_hits\x18\x05 \x01(\x04\x12\x12\n\nnum_misses\x18\x06 \x01(\x04\x12\x15\n\rnum_evictions\x18\x07 \x01(\x04\"S\n\x12\x43\x61\x63heStatsResponse\x12!\n\x05tiers\x18\x01 \x03(\x0b\x32\x12.weft.v1.TierStats\x12\x1a\n\x12num_corrupt_blocks\x18\x02 \x01(\x04\"\x1d\n\x0c\x45mbedRequest\x12\r\n\x05texts\x18\x01 \x03(\t\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"g\n\rEmbedResponse\x12&\n\nembeddings\x18\x01 \x03(\x0b\x32\x12.weft.v1.Embedding\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\r\n\x05model\x18\x04 \x01(\t\"3\n\x11SimilarityRequest\x12\x0e\n\x06text_a\x18\x01 \x01(\t\x12\x0e\n\x06text_b\x18\x02 \x01(\t\"L\n\x12SimilarityResponse\x12\x12\n\nsimilarity\x18\x01 \x01(\x02\x12\x0f\n\x07similar\x18\x02 \x01(\x08\x12\x11\n\tthreshold\x18\x03 \x01(\x02\"i\n\x15SemanticLookupRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.weft.v1.SemanticKind\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05scope\x18\x04 \x01(\t\"_\n\x16SemanticLookupResponse\x12\x0b\n\x03hit\x18\x01 \x01(\x08\x12\x12\n\nsimilarity\x18\x02 \x01(\x02\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x11\n\tthreshold\x18\x04 \x01(\x02\"{\n\x14SemanticStoreRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.weft.v1.SemanticKind\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05scope\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\"<\n\x15SemanticStoreResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x13\n\x0bnum_entries\x18\x02 \x01(\r\":\n\x15PrefetchBlocksRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"M\n\x16PrefetchBlocksResponse\x12\x18\n\x10num_found_blocks\x18\x01 \x01(\r\x12\x19\n\x11num_warmed_blocks\x18\x02 \x01(\r*k\n\x0cSemanticKind\x12\x1d\n\x19SEMANTIC_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16SEMANTIC_KIND_RESPONSE\x10\x01\x12 \n\x1cSEMANTIC_KIND_SESSION_PREFIX\x10\x02\x32\x8b\x05\n\nCacheStore\x12\x42\n\tPutBlocks\x12\x17.weft.v1.PutBlocksChunk\x1a\x1a.weft.v1.PutBlocksResponse(\x01\x12\x41\n\tGetBlocks\x12\x19.weft.v1.GetBlocksRequest\x1a\x17.weft.v1.GetBlocksChunk0\x01\x12?\n\x08\x43ontains\x12\x18.weft.v1.ContainsRequest\x1a\x19.weft.v1.ContainsResponse\x12@\n\x05Stats\x12\x1a.weft.v1.CacheStatsRequest\x1a\x1b.weft.v1.CacheStatsResponse\x12\x36\n\x05\x45mbed\x12\x15.weft.v1.EmbedRequest\x1a\x16.weft.v1.EmbedResponse\x12\x45\n\nSimilarity\x12\x1a.weft.v1.SimilarityRequest\x1a\x1b.weft.v1.SimilarityResponse\x12Q\n\x0eSemanticLookup\x12\x1e.weft.v1.SemanticLookupRequest\x1a\x1f.weft.v1.SemanticLookupResponse\x12N\n\rSemanticStore\x12\x1d.weft.v1.SemanticStoreRequest\x1a\x1e.weft.v1.SemanticStoreResponse\x12Q\n\x0ePrefetchBlocks\x12\x1e.weft.v1.PrefetchBlocksRequest\x1a\x1f.weft.v1.PrefetchBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weft.v1.cachestore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SEMANTICKIND']._serialized_start=1757
-  _globals['_SEMANTICKIND']._serialized_end=1864
+  _globals['_SEMANTICKIND']._serialized_start=1792
+  _globals['_SEMANTICKIND']._serialized_end=1899
   _globals['_BLOCKHEADER']._serialized_start=60
   _globals['_BLOCKHEADER']._serialized_end=244
   _globals['_PUTBLOCKSCHUNK']._serialized_start=246
@@ -59,23 +59,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EMBEDDING']._serialized_start=997
   _globals['_EMBEDDING']._serialized_end=1024
   _globals['_EMBEDRESPONSE']._serialized_start=1026
-  _globals['_EMBEDRESPONSE']._serialized_end=1094
-  _globals['_SIMILARITYREQUEST']._serialized_start=1096
-  _globals['_SIMILARITYREQUEST']._serialized_end=1147
-  _globals['_SIMILARITYRESPONSE']._serialized_start=1149
-  _globals['_SIMILARITYRESPONSE']._serialized_end=1225
-  _globals['_SEMANTICLOOKUPREQUEST']._serialized_start=1227
-  _globals['_SEMANTICLOOKUPREQUEST']._serialized_end=1332
-  _globals['_SEMANTICLOOKUPRESPONSE']._serialized_start=1334
-  _globals['_SEMANTICLOOKUPRESPONSE']._serialized_end=1429
-  _globals['_SEMANTICSTOREREQUEST']._serialized_start=1431
-  _globals['_SEMANTICSTOREREQUEST']._serialized_end=1554
-  _globals['_SEMANTICSTORERESPONSE']._serialized_start=1556
-  _globals['_SEMANTICSTORERESPONSE']._serialized_end=1616
-  _globals['_PREFETCHBLOCKSREQUEST']._serialized_start=1618
-  _globals['_PREFETCHBLOCKSREQUEST']._serialized_end=1676
-  _globals['_PREFETCHBLOCKSRESPONSE']._serialized_start=1678
-  _globals['_PREFETCHBLOCKSRESPONSE']._serialized_end=1755
-  _globals['_CACHESTORE']._serialized_start=1867
-  _globals['_CACHESTORE']._serialized_end=2518
+  _globals['_EMBEDRESPONSE']._serialized_end=1129
+  _globals['_SIMILARITYREQUEST']._serialized_start=1131
+  _globals['_SIMILARITYREQUEST']._serialized_end=1182
+  _globals['_SIMILARITYRESPONSE']._serialized_start=1184
+  _globals['_SIMILARITYRESPONSE']._serialized_end=1260
+  _globals['_SEMANTICLOOKUPREQUEST']._serialized_start=1262
+  _globals['_SEMANTICLOOKUPREQUEST']._serialized_end=1367
+  _globals['_SEMANTICLOOKUPRESPONSE']._serialized_start=1369
+  _globals['_SEMANTICLOOKUPRESPONSE']._serialized_end=1464
+  _globals['_SEMANTICSTOREREQUEST']._serialized_start=1466
+  _globals['_SEMANTICSTOREREQUEST']._serialized_end=1589
+  _globals['_SEMANTICSTORERESPONSE']._serialized_start=1591
+  _globals['_SEMANTICSTORERESPONSE']._serialized_end=1651
+  _globals['_PREFETCHBLOCKSREQUEST']._serialized_start=1653
+  _globals['_PREFETCHBLOCKSREQUEST']._serialized_end=1711
+  _globals['_PREFETCHBLOCKSRESPONSE']._serialized_start=1713
+  _globals['_PREFETCHBLOCKSRESPONSE']._serialized_end=1790
+  _globals['_CACHESTORE']._serialized_start=1902
+  _globals['_CACHESTORE']._serialized_end=2553
 # @@protoc_insertion_point(module_scope)

@@ -130,12 +130,16 @@ class Embedding(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("embeddings", "dim")
+    __slots__ = ("embeddings", "dim", "num_tokens", "model")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
     dim: int
-    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., dim: _Optional[int] = ...) -> None: ...
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    model: str
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., dim: _Optional[int] = ..., num_tokens: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class SimilarityRequest(_message.Message):
     __slots__ = ("text_a", "text_b")

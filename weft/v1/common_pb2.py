@@ -24,31 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14weft/v1/common.proto\x12\x07weft.v1\"\xfd\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xb4\x01\n\x08\x43ontract\x12\x17\n\x0fkv_quota_blocks\x18\x01 \x01(\r\x12\x17\n\x0fttft_ceiling_ms\x18\x02 \x01(\r\x12\x17\n\x0ftpot_ceiling_ms\x18\x03 \x01(\r\x12\'\n\x08\x66\x61llback\x18\x04 \x01(\x0e\x32\x15.weft.v1.FallbackPath\x12\x34\n\x16\x61\x63\x63\x65pted_degrade_steps\x18\x05 \x03(\x0e\x32\x14.weft.v1.DegradeStep\"\xc7\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprogram_id\x18\x02 \x01(\t\x12\x11\n\thop_index\x18\x03 \x01(\r\x12\x18\n\x10\x65xpected_tool_ms\x18\x04 \x01(\r\x12,\n\rrequest_class\x18\x05 \x01(\x0e\x32\x15.weft.v1.RequestClass\x12#\n\x08\x63ontract\x18\x06 \x01(\x0b\x32\x11.weft.v1.Contract\x12\x10\n\x08stateful\x18\x07 \x01(\x08\"X\n\x05Usage\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xa1\x01\n\x0cRequestClass\x12\x1d\n\x19REQUEST_CLASS_UNSPECIFIED\x10\x00\x12\x1d\n\x19REQUEST_CLASS_INTERACTIVE\x10\x01\x12\x1f\n\x1bREQUEST_CLASS_DETERMINISTIC\x10\x02\x12\x17\n\x13REQUEST_CLASS_BATCH\x10\x03\x12\x19\n\x15REQUEST_CLASS_AGENTIC\x10\x04*|\n\rPauseDecision\x12\x1e\n\x1aPAUSE_DECISION_UNSPECIFIED\x10\x00\x12\x17\n\x13PAUSE_DECISION_KEEP\x10\x01\x12\x19\n\x15PAUSE_DECISION_DEMOTE\x10\x02\x12\x17\n\x13PAUSE_DECISION_DROP\x10\x03*\xb1\x01\n\x0b\x44\x65gradeStep\x12\x1c\n\x18\x44\x45GRADE_STEP_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x45GRADE_STEP_KV_INT8\x10\x01\x12\x1c\n\x18\x44\x45GRADE_STEP_KV_COMPRESS\x10\x02\x12\x1e\n\x1a\x44\x45GRADE_STEP_SMALLER_MODEL\x10\x03\x12\x15\n\x11\x44\x45GRADE_STEP_SHED\x10\x04\x12\x15\n\x11\x44\x45GRADE_STEP_NONE\x10\x05*\x80\x01\n\x0c\x46\x61llbackPath\x12\x1d\n\x19\x46\x41LLBACK_PATH_UNSPECIFIED\x10\x00\x12\x19\n\x15\x46\x41LLBACK_PATH_DEGRADE\x10\x01\x12\x19\n\x15\x46\x41LLBACK_PATH_REROUTE\x10\x02\x12\x1b\n\x17\x46\x41LLBACK_PATH_FAIL_FAST\x10\x03*\xcd\x01\n\x0f\x44\x65gradationRung\x12 \n\x1c\x44\x45GRADATION_RUNG_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44\x45GRADATION_RUNG_NONE\x10\x01\x12\x1c\n\x18\x44\x45GRADATION_RUNG_KV_INT8\x10\x02\x12 \n\x1c\x44\x45GRADATION_RUNG_KV_COMPRESS\x10\x03\x12\"\n\x1e\x44\x45GRADATION_RUNG_SMALLER_MODEL\x10\x04\x12\x19\n\x15\x44\x45GRADATION_RUNG_SHED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14weft/v1/common.proto\x12\x07weft.v1\"\xfc\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12!\n\x07grammar\x18\n \x01(\x0b\x32\x10.weft.v1.Grammar\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\rH\x04\x88\x01\x01\x12:\n\nlogit_bias\x18\r \x03(\x0b\x32&.weft.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x10 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x11 \x01(\x02\x12\x1d\n\x15resumed_output_tokens\x18\x12 \x01(\r\x12\t\n\x01n\x18\x13 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"z\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xb4\x01\n\x08\x43ontract\x12\x17\n\x0fkv_quota_blocks\x18\x01 \x01(\r\x12\x17\n\x0fttft_ceiling_ms\x18\x02 \x01(\r\x12\x17\n\x0ftpot_ceiling_ms\x18\x03 \x01(\r\x12\'\n\x08\x66\x61llback\x18\x04 \x01(\x0e\x32\x15.weft.v1.FallbackPath\x12\x34\n\x16\x61\x63\x63\x65pted_degrade_steps\x18\x05 \x03(\x0e\x32\x14.weft.v1.DegradeStep\"\xc7\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprogram_id\x18\x02 \x01(\t\x12\x11\n\thop_index\x18\x03 \x01(\r\x12\x18\n\x10\x65xpected_tool_ms\x18\x04 \x01(\r\x12,\n\rrequest_class\x18\x05 \x01(\x0e\x32\x15.weft.v1.RequestClass\x12#\n\x08\x63ontract\x18\x06 \x01(\x0b\x32\x11.weft.v1.Contract\x12\x10\n\x08stateful\x18\x07 \x01(\x08\"X\n\x05Usage\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xa1\x01\n\x0cRequestClass\x12\x1d\n\x19REQUEST_CLASS_UNSPECIFIED\x10\x00\x12\x1d\n\x19REQUEST_CLASS_INTERACTIVE\x10\x01\x12\x1f\n\x1bREQUEST_CLASS_DETERMINISTIC\x10\x02\x12\x17\n\x13REQUEST_CLASS_BATCH\x10\x03\x12\x19\n\x15REQUEST_CLASS_AGENTIC\x10\x04*|\n\rPauseDecision\x12\x1e\n\x1aPAUSE_DECISION_UNSPECIFIED\x10\x00\x12\x17\n\x13PAUSE_DECISION_KEEP\x10\x01\x12\x19\n\x15PAUSE_DECISION_DEMOTE\x10\x02\x12\x17\n\x13PAUSE_DECISION_DROP\x10\x03*\xb1\x01\n\x0b\x44\x65gradeStep\x12\x1c\n\x18\x44\x45GRADE_STEP_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x45GRADE_STEP_KV_INT8\x10\x01\x12\x1c\n\x18\x44\x45GRADE_STEP_KV_COMPRESS\x10\x02\x12\x1e\n\x1a\x44\x45GRADE_STEP_SMALLER_MODEL\x10\x03\x12\x15\n\x11\x44\x45GRADE_STEP_SHED\x10\x04\x12\x15\n\x11\x44\x45GRADE_STEP_NONE\x10\x05*\x80\x01\n\x0c\x46\x61llbackPath\x12\x1d\n\x19\x46\x41LLBACK_PATH_UNSPECIFIED\x10\x00\x12\x19\n\x15\x46\x41LLBACK_PATH_DEGRADE\x10\x01\x12\x19\n\x15\x46\x41LLBACK_PATH_REROUTE\x10\x02\x12\x1b\n\x17\x46\x41LLBACK_PATH_FAIL_FAST\x10\x03*\xcd\x01\n\x0f\x44\x65gradationRung\x12 \n\x1c\x44\x45GRADATION_RUNG_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44\x45GRADATION_RUNG_NONE\x10\x01\x12\x1c\n\x18\x44\x45GRADATION_RUNG_KV_INT8\x10\x02\x12 \n\x1c\x44\x45GRADATION_RUNG_KV_COMPRESS\x10\x03\x12\"\n\x1e\x44\x45GRADATION_RUNG_SMALLER_MODEL\x10\x04\x12\x19\n\x15\x44\x45GRADATION_RUNG_SHED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weft.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=765
-  _globals['_FINISHREASON']._serialized_end=910
-  _globals['_REQUESTCLASS']._serialized_start=913
-  _globals['_REQUESTCLASS']._serialized_end=1074
-  _globals['_PAUSEDECISION']._serialized_start=1076
-  _globals['_PAUSEDECISION']._serialized_end=1200
-  _globals['_DEGRADESTEP']._serialized_start=1203
-  _globals['_DEGRADESTEP']._serialized_end=1380
-  _globals['_FALLBACKPATH']._serialized_start=1383
-  _globals['_FALLBACKPATH']._serialized_end=1511
-  _globals['_DEGRADATIONRUNG']._serialized_start=1514
-  _globals['_DEGRADATIONRUNG']._serialized_end=1719
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1326
+  _globals['_FINISHREASON']._serialized_end=1471
+  _globals['_REQUESTCLASS']._serialized_start=1474
+  _globals['_REQUESTCLASS']._serialized_end=1635
+  _globals['_PAUSEDECISION']._serialized_start=1637
+  _globals['_PAUSEDECISION']._serialized_end=1761
+  _globals['_DEGRADESTEP']._serialized_start=1764
+  _globals['_DEGRADESTEP']._serialized_end=1941
+  _globals['_FALLBACKPATH']._serialized_start=1944
+  _globals['_FALLBACKPATH']._serialized_end=2072
+  _globals['_DEGRADATIONRUNG']._serialized_start=2075
+  _globals['_DEGRADATIONRUNG']._serialized_end=2280
   _globals['_SAMPLINGPARAMS']._serialized_start=34
-  _globals['_SAMPLINGPARAMS']._serialized_end=287
-  _globals['_CONTRACT']._serialized_start=290
-  _globals['_CONTRACT']._serialized_end=470
-  _globals['_SESSIONINFO']._serialized_start=473
-  _globals['_SESSIONINFO']._serialized_end=672
-  _globals['_USAGE']._serialized_start=674
-  _globals['_USAGE']._serialized_end=762
+  _globals['_SAMPLINGPARAMS']._serialized_end=670
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=529
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=577
+  _globals['_GRAMMAR']._serialized_start=672
+  _globals['_GRAMMAR']._serialized_end=794
+  _globals['_TOKENLOGPROBS']._serialized_start=796
+  _globals['_TOKENLOGPROBS']._serialized_end=848
+  _globals['_CONTRACT']._serialized_start=851
+  _globals['_CONTRACT']._serialized_end=1031
+  _globals['_SESSIONINFO']._serialized_start=1034
+  _globals['_SESSIONINFO']._serialized_end=1233
+  _globals['_USAGE']._serialized_start=1235
+  _globals['_USAGE']._serialized_end=1323
 # @@protoc_insertion_point(module_scope)

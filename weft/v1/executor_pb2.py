@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from weft.v1 import common_pb2 as weft_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16weft/v1/executor.proto\x12\x07weft.v1\x1a\x14weft/v1/common.proto\"\xf7\x01\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.weft.v1.SamplingParams\x12\x13\n\x0btenant_salt\x18\x04 \x01(\t\x12\x11\n\tpartition\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x02\x12%\n\x07session\x18\x07 \x01(\x0b\x32\x14.weft.v1.SessionInfo\x12\x12\n\npin_ttl_ms\x18\x08 \x01(\r\x12\x17\n\x0fkv_quota_blocks\x18\t \x01(\r\"\xcb\x01\n\x0f\x45xecuteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0ftoken_ids_delta\x18\x02 \x03(\r\x12\x16\n\x0elogprobs_delta\x18\x03 \x03(\x02\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.weft.v1.FinishReason\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.weft.v1.Usage\x12\x10\n\x08\x65xecutor\x18\x06 \x01(\t\x12\x14\n\x0cmean_entropy\x18\x07 \x01(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xb4\x01\n\x10GetStatsResponse\x12\x10\n\x08\x65xecutor\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x11\n\tnum_steps\x18\x08 \x01(\x04\"G\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x12\x65vict_block_hashes\x18\x02 \x03(\x04\"Q\n\x16ReleaseSessionResponse\x12\x1b\n\x13num_unpinned_blocks\x18\x01 \x01(\r\x12\x1a\n\x12num_evicted_blocks\x18\x02 \x01(\r\"\x95\x01\n\x13\x44\x65moteBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0btenant_salt\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\x02\x12\x19\n\x11\x65xpected_pause_ms\x18\x05 \x01(\r\x12\x13\n\x0b\x65vict_local\x18\x06 \x01(\x08\"\xa4\x01\n\x14\x44\x65moteBlocksResponse\x12\x1a\n\x12num_demoted_blocks\x18\x01 \x01(\r\x12!\n\x19num_already_stored_blocks\x18\x02 \x01(\r\x12\x1a\n\x12num_missing_blocks\x18\x03 \x01(\r\x12\x15\n\rdemoted_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12num_evicted_blocks\x18\x05 \x01(\r\"`\n\x14PromoteBlocksRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0btenant_salt\x18\x02 \x01(\t\x12\x11\n\tpartition\x18\x03 \x01(\t\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\"\xb4\x01\n\x15PromoteBlocksResponse\x12\x18\n\x10num_local_blocks\x18\x01 \x01(\r\x12\x1b\n\x13num_promoted_blocks\x18\x02 \x01(\r\x12\x1c\n\x14num_available_blocks\x18\x03 \x01(\r\x12\x16\n\x0epromoted_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07load_ms\x18\x05 \x01(\x02\x12\x1d\n\x15skipped_by_cost_model\x18\x06 \x01(\x08\"B\n\x17UpdatePrioritiesRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\npriorities\x18\x02 \x03(\x02\"/\n\x18UpdatePrioritiesResponse\x12\x13\n\x0bnum_updated\x18\x01 \x01(\r2\x8d\x04\n\x08\x45xecutor\x12?\n\x08Generate\x12\x17.weft.v1.ExecuteRequest\x1a\x18.weft.v1.ExecuteResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.weft.v1.AbortRequest\x1a\x16.weft.v1.AbortResponse\x12?\n\x08GetStats\x12\x18.weft.v1.GetStatsRequest\x1a\x19.weft.v1.GetStatsResponse\x12Q\n\x0eReleaseSession\x12\x1e.weft.v1.ReleaseSessionRequest\x1a\x1f.weft.v1.ReleaseSessionResponse\x12W\n\x10UpdatePriorities\x12 .weft.v1.UpdatePrioritiesRequest\x1a!.weft.v1.UpdatePrioritiesResponse\x12K\n\x0c\x44\x65moteBlocks\x12\x1c.weft.v1.DemoteBlocksRequest\x1a\x1d.weft.v1.DemoteBlocksResponse\x12N\n\rPromoteBlocks\x12\x1d.weft.v1.PromoteBlocksRequest\x1a\x1e.weft.v1.PromoteBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16weft/v1/executor.proto\x12\x07weft.v1\x1a\x14weft/v1/common.proto\"\xf7\x01\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.weft.v1.SamplingParams\x12\x13\n\x0btenant_salt\x18\x04 \x01(\t\x12\x11\n\tpartition\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x02\x12%\n\x07session\x18\x07 \x01(\x0b\x32\x14.weft.v1.SessionInfo\x12\x12\n\npin_ttl_ms\x18\x08 \x01(\r\x12\x17\n\x0fkv_quota_blocks\x18\t \x01(\r\"\xcd\x02\n\x0f\x45xecuteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0ftoken_ids_delta\x18\x02 \x03(\r\x12\x16\n\x0elogprobs_delta\x18\x03 \x03(\x02\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.weft.v1.FinishReason\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.weft.v1.Usage\x12\x10\n\x08\x65xecutor\x18\x06 \x01(\t\x12\x14\n\x0cmean_entropy\x18\x07 \x01(\x02\x12\x32\n\x12top_logprobs_delta\x18\x08 \x03(\x0b\x32\x16.weft.v1.TokenLogprobs\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12\x33\n\x13prompt_top_logprobs\x18\n \x03(\x0b\x32\x16.weft.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xb4\x01\n\x10GetStatsResponse\x12\x10\n\x08\x65xecutor\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x11\n\tnum_steps\x18\x08 \x01(\x04\"G\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x12\x65vict_block_hashes\x18\x02 \x03(\x04\"Q\n\x16ReleaseSessionResponse\x12\x1b\n\x13num_unpinned_blocks\x18\x01 \x01(\r\x12\x1a\n\x12num_evicted_blocks\x18\x02 \x01(\r\"\x95\x01\n\x13\x44\x65moteBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0btenant_salt\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\x02\x12\x19\n\x11\x65xpected_pause_ms\x18\x05 \x01(\r\x12\x13\n\x0b\x65vict_local\x18\x06 \x01(\x08\"\xa4\x01\n\x14\x44\x65moteBlocksResponse\x12\x1a\n\x12num_demoted_blocks\x18\x01 \x01(\r\x12!\n\x19num_already_stored_blocks\x18\x02 \x01(\r\x12\x1a\n\x12num_missing_blocks\x18\x03 \x01(\r\x12\x15\n\rdemoted_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12num_evicted_blocks\x18\x05 \x01(\r\"`\n\x14PromoteBlocksRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0btenant_salt\x18\x02 \x01(\t\x12\x11\n\tpartition\x18\x03 \x01(\t\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\"\xb4\x01\n\x15PromoteBlocksResponse\x12\x18\n\x10num_local_blocks\x18\x01 \x01(\r\x12\x1b\n\x13num_promoted_blocks\x18\x02 \x01(\r\x12\x1c\n\x14num_available_blocks\x18\x03 \x01(\r\x12\x16\n\x0epromoted_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07load_ms\x18\x05 \x01(\x02\x12\x1d\n\x15skipped_by_cost_model\x18\x06 \x01(\x08\"B\n\x17UpdatePrioritiesRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\npriorities\x18\x02 \x03(\x02\"/\n\x18UpdatePrioritiesResponse\x12\x13\n\x0bnum_updated\x18\x01 \x01(\r2\x8d\x04\n\x08\x45xecutor\x12?\n\x08Generate\x12\x17.weft.v1.ExecuteRequest\x1a\x18.weft.v1.ExecuteResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.weft.v1.AbortRequest\x1a\x16.weft.v1.AbortResponse\x12?\n\x08GetStats\x12\x18.weft.v1.GetStatsRequest\x1a\x19.weft.v1.GetStatsResponse\x12Q\n\x0eReleaseSession\x12\x1e.weft.v1.ReleaseSessionRequest\x1a\x1f.weft.v1.ReleaseSessionResponse\x12W\n\x10UpdatePriorities\x12 .weft.v1.UpdatePrioritiesRequest\x1a!.weft.v1.UpdatePrioritiesResponse\x12K\n\x0c\x44\x65moteBlocks\x12\x1c.weft.v1.DemoteBlocksRequest\x1a\x1d.weft.v1.DemoteBlocksResponse\x12N\n\rPromoteBlocks\x12\x1d.weft.v1.PromoteBlocksRequest\x1a\x1e.weft.v1.PromoteBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXECUTEREQUEST']._serialized_start=58
   _globals['_EXECUTEREQUEST']._serialized_end=305
   _globals['_EXECUTERESPONSE']._serialized_start=308
-  _globals['_EXECUTERESPONSE']._serialized_end=511
-  _globals['_ABORTREQUEST']._serialized_start=513
-  _globals['_ABORTREQUEST']._serialized_end=547
-  _globals['_ABORTRESPONSE']._serialized_start=549
-  _globals['_ABORTRESPONSE']._serialized_end=581
-  _globals['_GETSTATSREQUEST']._serialized_start=583
-  _globals['_GETSTATSREQUEST']._serialized_end=600
-  _globals['_GETSTATSRESPONSE']._serialized_start=603
-  _globals['_GETSTATSRESPONSE']._serialized_end=783
-  _globals['_RELEASESESSIONREQUEST']._serialized_start=785
-  _globals['_RELEASESESSIONREQUEST']._serialized_end=856
-  _globals['_RELEASESESSIONRESPONSE']._serialized_start=858
-  _globals['_RELEASESESSIONRESPONSE']._serialized_end=939
-  _globals['_DEMOTEBLOCKSREQUEST']._serialized_start=942
-  _globals['_DEMOTEBLOCKSREQUEST']._serialized_end=1091
-  _globals['_DEMOTEBLOCKSRESPONSE']._serialized_start=1094
-  _globals['_DEMOTEBLOCKSRESPONSE']._serialized_end=1258
-  _globals['_PROMOTEBLOCKSREQUEST']._serialized_start=1260
-  _globals['_PROMOTEBLOCKSREQUEST']._serialized_end=1356
-  _globals['_PROMOTEBLOCKSRESPONSE']._serialized_start=1359
-  _globals['_PROMOTEBLOCKSRESPONSE']._serialized_end=1539
-  _globals['_UPDATEPRIORITIESREQUEST']._serialized_start=1541
-  _globals['_UPDATEPRIORITIESREQUEST']._serialized_end=1607
-  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_start=1609
-  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_end=1656
-  _globals['_EXECUTOR']._serialized_start=1659
-  _globals['_EXECUTOR']._serialized_end=2184
+  _globals['_EXECUTERESPONSE']._serialized_end=641
+  _globals['_ABORTREQUEST']._serialized_start=643
+  _globals['_ABORTREQUEST']._serialized_end=677
+  _globals['_ABORTRESPONSE']._serialized_start=679
+  _globals['_ABORTRESPONSE']._serialized_end=711
+  _globals['_GETSTATSREQUEST']._serialized_start=713
+  _globals['_GETSTATSREQUEST']._serialized_end=730
+  _globals['_GETSTATSRESPONSE']._serialized_start=733
+  _globals['_GETSTATSRESPONSE']._serialized_end=913
+  _globals['_RELEASESESSIONREQUEST']._serialized_start=915
+  _globals['_RELEASESESSIONREQUEST']._serialized_end=986
+  _globals['_RELEASESESSIONRESPONSE']._serialized_start=988
+  _globals['_RELEASESESSIONRESPONSE']._serialized_end=1069
+  _globals['_DEMOTEBLOCKSREQUEST']._serialized_start=1072
+  _globals['_DEMOTEBLOCKSREQUEST']._serialized_end=1221
+  _globals['_DEMOTEBLOCKSRESPONSE']._serialized_start=1224
+  _globals['_DEMOTEBLOCKSRESPONSE']._serialized_end=1388
+  _globals['_PROMOTEBLOCKSREQUEST']._serialized_start=1390
+  _globals['_PROMOTEBLOCKSREQUEST']._serialized_end=1486
+  _globals['_PROMOTEBLOCKSRESPONSE']._serialized_start=1489
+  _globals['_PROMOTEBLOCKSRESPONSE']._serialized_end=1669
+  _globals['_UPDATEPRIORITIESREQUEST']._serialized_start=1671
+  _globals['_UPDATEPRIORITIESREQUEST']._serialized_end=1737
+  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_start=1739
+  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_end=1786
+  _globals['_EXECUTOR']._serialized_start=1789
+  _globals['_EXECUTOR']._serialized_end=2314
 # @@protoc_insertion_point(module_scope)

@@ -30,7 +30,7 @@ class ExecuteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[str] = ..., partition: _Optional[str] = ..., priority: _Optional[float] = ..., session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ..., pin_ttl_ms: _Optional[int] = ..., kv_quota_blocks: _Optional[int] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "mean_entropy")
+    __slots__ = ("request_id", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "mean_entropy", "top_logprobs_delta", "prompt_logprobs", "prompt_top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_DELTA_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,9 @@ class ExecuteResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_FIELD_NUMBER: _ClassVar[int]
     MEAN_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_DELTA_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids_delta: _containers.RepeatedScalarFieldContainer[int]
     logprobs_delta: _containers.RepeatedScalarFieldContainer[float]
@@ -45,7 +48,10 @@ class ExecuteResponse(_message.Message):
     usage: _common_pb2.Usage
     executor: str
     mean_entropy: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., mean_entropy: _Optional[float] = ...) -> None: ...
+    top_logprobs_delta: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., mean_entropy: _Optional[float] = ..., top_logprobs_delta: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

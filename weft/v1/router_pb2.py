@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from weft.v1 import common_pb2 as weft_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14weft/v1/router.proto\x12\x07weft.v1\x1a\x14weft/v1/common.proto\"P\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\"U\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.weft.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xae\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.weft.v1.ChatMessagesH\x00\x12&\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x11.weft.v1.TokenIdsH\x00\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.weft.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12%\n\x07session\x18\x08 \x01(\x0b\x32\x14.weft.v1.SessionInfo\x12\x17\n\x0freturn_logprobs\x18\t \x01(\x08\x12\x16\n\x0esemantic_cache\x18\n \x01(\x08\x42\x08\n\x06prompt\"\x96\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x17\n\x0ftoken_ids_delta\x18\x03 \x03(\r\x12\x16\n\x0elogprobs_delta\x18\x04 \x03(\x02\x12,\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x15.weft.v1.FinishReason\x12\x1d\n\x05usage\x18\x06 \x01(\x0b\x32\x0e.weft.v1.Usage\x12\x10\n\x08\x65xecutor\x18\x07 \x01(\t\x12\x32\n\x10\x64\x65gradation_rung\x18\x08 \x01(\x0e\x32\x18.weft.v1.DegradationRung\x12\x16\n\x0enum_migrations\x18\t \x01(\r\"\x13\n\x11ListModelsRequest\"E\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\rnum_executors\x18\x03 \x01(\r\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.weft.v1.ModelInfo2\x92\x01\n\x06Router\x12\x41\n\x08Generate\x12\x18.weft.v1.GenerateRequest\x1a\x19.weft.v1.GenerateResponse0\x01\x12\x45\n\nListModels\x12\x1a.weft.v1.ListModelsRequest\x1a\x1b.weft.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14weft/v1/router.proto\x12\x07weft.v1\x1a\x14weft/v1/common.proto\"w\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12%\n\ntool_calls\x18\x05 \x03(\x0b\x32\x11.weft.v1.ToolCall\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"L\n\x0eToolDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xad\x01\n\nToolChoice\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.weft.v1.ToolChoice.Mode\x12\x15\n\rfunction_name\x18\x02 \x01(\t\"`\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_AUTO\x10\x01\x12\r\n\tMODE_NONE\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x12\x11\n\rMODE_FUNCTION\x10\x04\"U\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.weft.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc8\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.weft.v1.ChatMessagesH\x00\x12&\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x11.weft.v1.TokenIdsH\x00\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.weft.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12%\n\x07session\x18\x08 \x01(\x0b\x32\x14.weft.v1.SessionInfo\x12\x17\n\x0freturn_logprobs\x18\t \x01(\x08\x12\x16\n\x0esemantic_cache\x18\n \x01(\x08\x12&\n\x05tools\x18\x0b \x03(\x0b\x32\x17.weft.v1.ToolDefinition\x12(\n\x0btool_choice\x18\x0c \x01(\x0b\x32\x13.weft.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\r \x01(\x08H\x01\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x0e \x01(\x08\x42\x08\n\x06promptB\x16\n\x14_parallel_tool_calls\"\xce\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x17\n\x0ftoken_ids_delta\x18\x03 \x03(\r\x12\x16\n\x0elogprobs_delta\x18\x04 \x03(\x02\x12,\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x15.weft.v1.FinishReason\x12\x1d\n\x05usage\x18\x06 \x01(\x0b\x32\x0e.weft.v1.Usage\x12\x10\n\x08\x65xecutor\x18\x07 \x01(\t\x12\x32\n\x10\x64\x65gradation_rung\x18\x08 \x01(\x0e\x32\x18.weft.v1.DegradationRung\x12\x16\n\x0enum_migrations\x18\t \x01(\r\x12\r\n\x05index\x18\n \x01(\r\x12\x32\n\x12top_logprobs_delta\x18\x0b \x03(\x0b\x32\x16.weft.v1.TokenLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x0c \x03(\x02\x12\x33\n\x13prompt_top_logprobs\x18\r \x03(\x0b\x32\x16.weft.v1.TokenLogprobs\x12%\n\ntool_calls\x18\x0e \x03(\x0b\x32\x11.weft.v1.ToolCall\"\x13\n\x11ListModelsRequest\"E\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\rnum_executors\x18\x03 \x01(\r\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.weft.v1.ModelInfo2\x92\x01\n\x06Router\x12\x41\n\x08Generate\x12\x18.weft.v1.GenerateRequest\x1a\x19.weft.v1.GenerateResponse0\x01\x12\x45\n\nListModels\x12\x1a.weft.v1.ListModelsRequest\x1a\x1b.weft.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weft.v1.router_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=55
-  _globals['_CHATMESSAGE']._serialized_end=135
-  _globals['_CHATMESSAGES']._serialized_start=137
-  _globals['_CHATMESSAGES']._serialized_end=222
-  _globals['_TOKENIDS']._serialized_start=224
-  _globals['_TOKENIDS']._serialized_end=247
-  _globals['_GENERATEREQUEST']._serialized_start=250
-  _globals['_GENERATEREQUEST']._serialized_end=552
-  _globals['_GENERATERESPONSE']._serialized_start=555
-  _globals['_GENERATERESPONSE']._serialized_end=833
-  _globals['_LISTMODELSREQUEST']._serialized_start=835
-  _globals['_LISTMODELSREQUEST']._serialized_end=854
-  _globals['_MODELINFO']._serialized_start=856
-  _globals['_MODELINFO']._serialized_end=925
-  _globals['_LISTMODELSRESPONSE']._serialized_start=927
-  _globals['_LISTMODELSRESPONSE']._serialized_end=983
-  _globals['_ROUTER']._serialized_start=986
-  _globals['_ROUTER']._serialized_end=1132
+  _globals['_CHATMESSAGE']._serialized_end=174
+  _globals['_TOOLCALL']._serialized_start=176
+  _globals['_TOOLCALL']._serialized_end=236
+  _globals['_TOOLDEFINITION']._serialized_start=238
+  _globals['_TOOLDEFINITION']._serialized_end=314
+  _globals['_TOOLCHOICE']._serialized_start=317
+  _globals['_TOOLCHOICE']._serialized_end=490
+  _globals['_TOOLCHOICE_MODE']._serialized_start=394
+  _globals['_TOOLCHOICE_MODE']._serialized_end=490
+  _globals['_CHATMESSAGES']._serialized_start=492
+  _globals['_CHATMESSAGES']._serialized_end=577
+  _globals['_TOKENIDS']._serialized_start=579
+  _globals['_TOKENIDS']._serialized_end=602
+  _globals['_GENERATEREQUEST']._serialized_start=605
+  _globals['_GENERATEREQUEST']._serialized_end=1061
+  _globals['_GENERATERESPONSE']._serialized_start=1064
+  _globals['_GENERATERESPONSE']._serialized_end=1526
+  _globals['_LISTMODELSREQUEST']._serialized_start=1528
+  _globals['_LISTMODELSREQUEST']._serialized_end=1547
+  _globals['_MODELINFO']._serialized_start=1549
+  _globals['_MODELINFO']._serialized_end=1618
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1620
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1676
+  _globals['_ROUTER']._serialized_start=1679
+  _globals['_ROUTER']._serialized_end=1825
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,7 @@ from weft.v1 import common_pb2 as weft_dot_v1_dot_common__pb2
 from weft.v1 import events_pb2 as weft_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17weft/v1/scheduler.proto\x12\x07weft.v1\x1a\x14weft/v1/common.proto\x1a\x14weft/v1/events.proto\"\xdf\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.weft.v1.SamplingParams\x12%\n\x07session\x18\x06 \x01(\x0b\x32\x14.weft.v1.SessionInfo\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x04\x12\x10\n\x08priority\x18\x08 \x01(\x02\"\xba\x03\n\x10ScheduleResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0ftoken_ids_delta\x18\x02 \x03(\r\x12\x16\n\x0elogprobs_delta\x18\x03 \x03(\x02\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.weft.v1.FinishReason\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.weft.v1.Usage\x12\x10\n\x08\x65xecutor\x18\x06 \x01(\t\x12\x10\n\x08queue_ms\x18\x07 \x01(\r\x12-\n\x0e\x66\x61llback_taken\x18\x08 \x01(\x0e\x32\x15.weft.v1.FallbackPath\x12\x17\n\x0f\x66\x61llback_reason\x18\t \x01(\t\x12,\n\rrequest_class\x18\n \x01(\x0e\x32\x15.weft.v1.RequestClass\x12.\n\x0epause_decision\x18\x0b \x01(\x0e\x32\x16.weft.v1.PauseDecision\x12\x32\n\x10\x64\x65gradation_rung\x18\x0c \x01(\x0e\x32\x18.weft.v1.DegradationRung\x12\x16\n\x0enum_migrations\x18\r \x01(\r\"\x16\n\x14ListExecutorsRequest\"\x96\x01\n\x0c\x45xecutorInfo\x12-\n\theartbeat\x18\x01 \x01(\x0b\x32\x1a.weft.v1.ExecutorHeartbeat\x12!\n\x04load\x18\x02 \x01(\x0b\x32\x13.weft.v1.LoadReport\x12\x1a\n\x12num_indexed_blocks\x18\x03 \x01(\x04\x12\x18\n\x10last_seen_ago_ms\x18\x04 \x01(\x04\"A\n\x15ListExecutorsResponse\x12(\n\texecutors\x18\x01 \x03(\x0b\x32\x15.weft.v1.ExecutorInfo2\x9e\x01\n\tScheduler\x12\x41\n\x08Generate\x12\x18.weft.v1.ScheduleRequest\x1a\x19.weft.v1.ScheduleResponse0\x01\x12N\n\rListExecutors\x12\x1d.weft.v1.ListExecutorsRequest\x1a\x1e.weft.v1.ListExecutorsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17weft/v1/scheduler.proto\x12\x07weft.v1\x1a\x14weft/v1/common.proto\x1a\x14weft/v1/events.proto\"\xdf\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.weft.v1.SamplingParams\x12%\n\x07session\x18\x06 \x01(\x0b\x32\x14.weft.v1.SessionInfo\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x04\x12\x10\n\x08priority\x18\x08 \x01(\x02\"\xbc\x04\n\x10ScheduleResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0ftoken_ids_delta\x18\x02 \x03(\r\x12\x16\n\x0elogprobs_delta\x18\x03 \x03(\x02\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.weft.v1.FinishReason\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.weft.v1.Usage\x12\x10\n\x08\x65xecutor\x18\x06 \x01(\t\x12\x10\n\x08queue_ms\x18\x07 \x01(\r\x12-\n\x0e\x66\x61llback_taken\x18\x08 \x01(\x0e\x32\x15.weft.v1.FallbackPath\x12\x17\n\x0f\x66\x61llback_reason\x18\t \x01(\t\x12,\n\rrequest_class\x18\n \x01(\x0e\x32\x15.weft.v1.RequestClass\x12.\n\x0epause_decision\x18\x0b \x01(\x0e\x32\x16.weft.v1.PauseDecision\x12\x32\n\x10\x64\x65gradation_rung\x18\x0c \x01(\x0e\x32\x18.weft.v1.DegradationRung\x12\x16\n\x0enum_migrations\x18\r \x01(\r\x12\x32\n\x12top_logprobs_delta\x18\x0e \x03(\x0b\x32\x16.weft.v1.TokenLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x0f \x03(\x02\x12\x33\n\x13prompt_top_logprobs\x18\x10 \x03(\x0b\x32\x16.weft.v1.TokenLogprobs\"\x16\n\x14ListExecutorsRequest\"\x96\x01\n\x0c\x45xecutorInfo\x12-\n\theartbeat\x18\x01 \x01(\x0b\x32\x1a.weft.v1.ExecutorHeartbeat\x12!\n\x04load\x18\x02 \x01(\x0b\x32\x13.weft.v1.LoadReport\x12\x1a\n\x12num_indexed_blocks\x18\x03 \x01(\x04\x12\x18\n\x10last_seen_ago_ms\x18\x04 \x01(\x04\"A\n\x15ListExecutorsResponse\x12(\n\texecutors\x18\x01 \x03(\x0b\x32\x15.weft.v1.ExecutorInfo2\x9e\x01\n\tScheduler\x12\x41\n\x08Generate\x12\x18.weft.v1.ScheduleRequest\x1a\x19.weft.v1.ScheduleResponse0\x01\x12N\n\rListExecutors\x12\x1d.weft.v1.ListExecutorsRequest\x1a\x1e.weft.v1.ListExecutorsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULEREQUEST']._serialized_start=81
   _globals['_SCHEDULEREQUEST']._serialized_end=304
   _globals['_SCHEDULERESPONSE']._serialized_start=307
-  _globals['_SCHEDULERESPONSE']._serialized_end=749
-  _globals['_LISTEXECUTORSREQUEST']._serialized_start=751
-  _globals['_LISTEXECUTORSREQUEST']._serialized_end=773
-  _globals['_EXECUTORINFO']._serialized_start=776
-  _globals['_EXECUTORINFO']._serialized_end=926
-  _globals['_LISTEXECUTORSRESPONSE']._serialized_start=928
-  _globals['_LISTEXECUTORSRESPONSE']._serialized_end=993
-  _globals['_SCHEDULER']._serialized_start=996
-  _globals['_SCHEDULER']._serialized_end=1154
+  _globals['_SCHEDULERESPONSE']._serialized_end=879
+  _globals['_LISTEXECUTORSREQUEST']._serialized_start=881
+  _globals['_LISTEXECUTORSREQUEST']._serialized_end=903
+  _globals['_EXECUTORINFO']._serialized_start=906
+  _globals['_EXECUTORINFO']._serialized_end=1056
+  _globals['_LISTEXECUTORSRESPONSE']._serialized_start=1058
+  _globals['_LISTEXECUTORSRESPONSE']._serialized_end=1123
+  _globals['_SCHEDULER']._serialized_start=1126
+  _globals['_SCHEDULER']._serialized_end=1284
 # @@protoc_insertion_point(module_scope)

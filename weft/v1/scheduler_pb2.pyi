@@ -29,7 +29,7 @@ class ScheduleRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., priority: _Optional[float] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "queue_ms", "fallback_taken", "fallback_reason", "request_class", "pause_decision", "degradation_rung", "num_migrations")
+    __slots__ = ("request_id", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "queue_ms", "fallback_taken", "fallback_reason", "request_class", "pause_decision", "degradation_rung", "num_migrations", "top_logprobs_delta", "prompt_logprobs", "prompt_top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_DELTA_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,9 @@ class ScheduleResponse(_message.Message):
     PAUSE_DECISION_FIELD_NUMBER: _ClassVar[int]
     DEGRADATION_RUNG_FIELD_NUMBER: _ClassVar[int]
     NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_DELTA_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids_delta: _containers.RepeatedScalarFieldContainer[int]
     logprobs_delta: _containers.RepeatedScalarFieldContainer[float]
@@ -56,7 +59,10 @@ class ScheduleResponse(_message.Message):
     pause_decision: _common_pb2.PauseDecision
     degradation_rung: _common_pb2.DegradationRung
     num_migrations: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., queue_ms: _Optional[int] = ..., fallback_taken: _Optional[_Union[_common_pb2.FallbackPath, str]] = ..., fallback_reason: _Optional[str] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ..., pause_decision: _Optional[_Union[_common_pb2.PauseDecision, str]] = ..., degradation_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., num_migrations: _Optional[int] = ...) -> None: ...
+    top_logprobs_delta: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., queue_ms: _Optional[int] = ..., fallback_taken: _Optional[_Union[_common_pb2.FallbackPath, str]] = ..., fallback_reason: _Optional[str] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ..., pause_decision: _Optional[_Union[_common_pb2.PauseDecision, str]] = ..., degradation_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., num_migrations: _Optional[int] = ..., top_logprobs_delta: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ListExecutorsRequest(_message.Message):
     __slots__ = ()

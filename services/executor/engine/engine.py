@@ -48,6 +48,12 @@ class StepOutput:
     num_cached_tokens: int
     num_output_tokens: int
     mean_entropy: float = 0.0  # nats; sessions that track entropy, on the last output
+    # With params.top_logprobs: (token id, logprob) alternatives of each new token, most likely first.
+    new_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    # With params.prompt_logprobs (first output only): each prompt token's logprob after the
+    # first, and (when > 0) the alternatives of each of those positions.
+    prompt_logprobs: tuple[float, ...] = ()
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 class LLMEngine:
@@ -293,6 +299,11 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
             mean_entropy=seq.mean_entropy if seq.session.track_entropy and seq.is_finished else 0.0,
+            new_top_logprobs=tuple(seq.output_top_logprobs[-num_new:]) if seq.params.top_logprobs and num_new else (),
+            # the prompt's logprobs ride on the first output only
+            prompt_logprobs=tuple(seq.prompt_logprobs) if num_new and seq.num_output_tokens == num_new else (),
+            prompt_top_logprobs=tuple(seq.prompt_top_logprobs)
+            if num_new and seq.num_output_tokens == num_new else (),
         )
 
     def stats(self) -> dict[str, float]:

@@ -80,6 +80,15 @@ class Sequence:
     # each kept block received, aligned with ``blocks``. Both reset when all blocks go.
     num_evicted_tokens: int = 0
     block_scores: list[float] = field(default_factory=list)
+    # Constrained decoding: the request's grammar matcher (services/executor/grammar), fed
+    # every appended token; None for free text.
+    grammar: object | None = None
+    # With params.top_logprobs: (token id, logprob) alternatives of each output token.
+    output_top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # With params.prompt_logprobs: each prompt token's logprob after the first (and its
+    # alternatives), filled as the prefill chunks run; sent once, with the first output.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -111,11 +120,16 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_token(self, token_id: int, logprob: float | None = None,
+                     top_logprobs: tuple[tuple[int, float], ...] | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
 

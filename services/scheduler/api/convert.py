@@ -123,6 +123,8 @@ def execute_request(call: ExecutorCall) -> executor_pb2.ExecuteRequest:
         out.sampling.max_tokens, out.sampling.min_tokens = call.max_tokens, call.min_tokens
         if call.seed is not None:
             out.sampling.seed = call.seed
+    if call.resumed_output_tokens:
+        out.sampling.resumed_output_tokens = wire.sampling.resumed_output_tokens + call.resumed_output_tokens
     return out
 
 
@@ -142,6 +144,8 @@ def schedule_response(request_id: str, chunk: Chunk) -> scheduler_pb2.ScheduleRe
     msg: executor_pb2.ExecuteResponse = chunk.payload
     out = scheduler_pb2.ScheduleResponse(
         request_id=request_id, token_ids_delta=chunk.token_ids, logprobs_delta=msg.logprobs_delta,
+        top_logprobs_delta=msg.top_logprobs_delta, prompt_logprobs=msg.prompt_logprobs,
+        prompt_top_logprobs=msg.prompt_top_logprobs,
         finish_reason=msg.finish_reason, executor=chunk.executor, queue_ms=chunk.queue_ms,
         usage=common_pb2.Usage(num_prompt_tokens=chunk.num_prompt_tokens, num_cached_tokens=chunk.num_cached_tokens,
                                num_output_tokens=chunk.num_output_tokens),

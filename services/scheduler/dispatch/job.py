@@ -89,6 +89,9 @@ class ExecutorCall:
     pin_ttl_ms: int = 0
     kv_quota_blocks: int = 0
     wire: object = None  # Job.wire
+    # Trailing prompt tokens an earlier attempt generated (a migration): the executor's
+    # grammar and penalties replay them as output.
+    resumed_output_tokens: int = 0
 
 
 class ExecutorCallError(Exception):

@@ -79,7 +79,7 @@ class Relay:
                 request_id=job.request_id, prompt_token_ids=attempt.prompt_token_ids, tenant=job.tenant,
                 priority=job.priority, session_id=executor_session_id(job.tenant, job.session_id),
                 max_tokens=attempt.max_tokens, min_tokens=attempt.min_tokens, seed=attempt.seed,
-                wire=job.wire, **exec_fields)
+                wire=job.wire, resumed_output_tokens=len(attempt.prompt_token_ids) - len(prompt), **exec_fields)
             return pieces(call, placements, 0 if attempt.index else queue_ms)
 
         async def pieces(call: ExecutorCall, placements: list[Placement], attempt_queue_ms: int):
@@ -109,6 +109,9 @@ class Relay:
                     chunk.rung = rung
                     first = False
                 if progress.num_migrations:
+                    if hasattr(chunk.payload, "ClearField"):  # the prompt's logprobs went out with the first attempt
+                        chunk.payload.ClearField("prompt_logprobs")
+                        chunk.payload.ClearField("prompt_top_logprobs")
                     chunk.num_prompt_tokens = len(prompt)
                     chunk.num_cached_tokens = cached[0]
                     chunk.num_output_tokens = len(progress.output_token_ids)
