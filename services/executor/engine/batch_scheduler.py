@@ -160,7 +160,8 @@ class BatchScheduler:
         for row, item in enumerate(result.sampled):
             seq = item.seq
             logprob = tokens.logprobs[row] if tokens.logprobs is not None and seq.params.logprobs else None
-            seq.append_token(tokens.token_ids[row], logprob)
+            top = tokens.top_logprobs[row] if tokens.top_logprobs is not None and seq.params.top_logprobs else None
+            seq.append_token(tokens.token_ids[row], logprob, top)
             if tokens.entropies is not None:
                 seq.entropy_sum += tokens.entropies[row]
             self._check_stop(seq)

@@ -15,6 +15,9 @@ class SampledTokens:
     logprobs: list[float] | None  # logprob of each chosen token under the raw model distribution
     # Mean entropy (nats) of each row's raw distribution: the intent-entropy signal.
     entropies: list[float] | None = None
+    # (token id, logprob) alternatives of each row, most likely first (rows whose params ask
+    # for top_logprobs; other rows hold an empty tuple); None when no row asked.
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
