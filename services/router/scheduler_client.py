@@ -67,10 +67,22 @@ def to_proto(req: TokenRequest) -> scheduler_pb2.ScheduleRequest:
     sampling = common_pb2.SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
         stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
-        min_tokens=s.min_tokens,
+        min_tokens=s.min_tokens, top_logprobs=s.top_logprobs, logit_bias=dict(s.logit_bias), min_p=s.min_p,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        resumed_output_tokens=s.resumed_output_tokens,
     )
     if s.seed is not None:
         sampling.seed = s.seed
+    if s.prompt_logprobs is not None:
+        sampling.prompt_logprobs = s.prompt_logprobs
+    if s.repetition_penalty != 1.0:
+        sampling.repetition_penalty = s.repetition_penalty
+    if s.grammar is not None:
+        kind, text = s.grammar
+        if kind == "json_object":
+            sampling.grammar.json_object = True
+        else:
+            setattr(sampling.grammar, kind, text)
     ses = req.session
     session = common_pb2.SessionInfo(
         session_id=ses.session_id, program_id=ses.program_id, hop_index=ses.hop_index,
@@ -87,10 +99,17 @@ def to_proto(req: TokenRequest) -> scheduler_pb2.ScheduleRequest:
     )
 
 
+def _alternatives(rows) -> tuple[tuple[tuple[int, float], ...], ...]:
+    return tuple(tuple(zip(row.token_ids, row.logprobs)) for row in rows)
+
+
 def from_proto(resp: scheduler_pb2.ScheduleResponse) -> TokenChunk:
     return TokenChunk(
         token_ids=tuple(resp.token_ids_delta),
         logprobs=tuple(resp.logprobs_delta),
+        top_logprobs=_alternatives(resp.top_logprobs_delta),
+        prompt_logprobs=tuple(resp.prompt_logprobs),
+        prompt_top_logprobs=_alternatives(resp.prompt_top_logprobs),
         finish_reason=_FINISH.get(resp.finish_reason),
         num_prompt_tokens=resp.usage.num_prompt_tokens,
         num_cached_tokens=resp.usage.num_cached_tokens,

@@ -24,6 +24,18 @@ class Sampling:
     logprobs: bool = False
     min_tokens: int = 0
     semantic_cache: bool = False  # opt-in: a greedy request may be answered from the semantic response cache
+    # Constrained decoding: (kind, text) with kind one of "json_schema", "json_object",
+    # "regex", "ebnf", "structural_tag" (``weft.v1.Grammar``); None: free text.
+    grammar: tuple[str, str] | None = None
+    top_logprobs: int = 0  # with logprobs: alternatives of each output token
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob + k alternatives
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    n: int = 1  # completions of the prompt; the router fans them out (one downstream request each)
+    resumed_output_tokens: int = 0  # trailing prompt tokens a previous attempt generated
 
 
 @dataclass(frozen=True)
@@ -117,6 +129,11 @@ class TokenChunk:
     degradation_rung: str = ""  # rung of the degradation ladder that served it (first chunk), "" = unknown
     num_migrations: int = 0  # times the stream moved to another executor (last chunk)
     notes: ServingNotes | None = None  # what the scheduler decided (class, fallback, pause)
+    # (token id, logprob) alternatives of each of token_ids, when sampling.top_logprobs > 0
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    # first chunk, with sampling.prompt_logprobs: each prompt token's logprob after the first
+    prompt_logprobs: tuple[float, ...] = ()
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclass(frozen=True)
