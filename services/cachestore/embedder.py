@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+MODEL_NAME = "all-MiniLM-L6-v2"  # the id Embed reports and /v1/embeddings accepts
 EMBEDDING_DIM = 384
 MAX_TOKENS = 256  # the model was trained on inputs of at most this many word pieces
 
@@ -43,8 +44,13 @@ class MiniLmEmbedder:
 
     def embed(self, texts: Sequence[str]) -> torch.Tensor:
         """[len(texts), 384] float32, each row L2-normalised. Empty input → [0, 384]."""
+        return self.embed_counted(texts)[0]
+
+    def embed_counted(self, texts: Sequence[str]) -> tuple[torch.Tensor, list[int]]:
+        """``embed`` plus the word pieces the model read of each text (special tokens
+        included, after truncation to ``MAX_TOKENS``): what a caller is billed for."""
         if not texts:
-            return torch.zeros((0, EMBEDDING_DIM))
+            return torch.zeros((0, EMBEDDING_DIM)), []
         with self._lock:
             if self._model is None:
                 self._load()
@@ -54,7 +60,8 @@ class MiniLmEmbedder:
                 hidden = self._model(**batch).last_hidden_state  # [n, tokens, 384]
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [n, tokens, 1]
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, dim=-1)
+        counts = batch["attention_mask"].sum(1).tolist()
+        return torch.nn.functional.normalize(pooled, dim=-1), counts
 
     def similarity(self, text_a: str, text_b: str) -> float:
         e = self.embed([text_a, text_b])

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.cachestore.embedder import EMBEDDING_DIM, MiniLmEmbedder
+from services.cachestore.embedder import EMBEDDING_DIM, MODEL_NAME, MiniLmEmbedder
 from services.cachestore.errors import InvalidQueryError
 from services.cachestore.semantic import DEFAULT_THRESHOLD, SemanticHit, SemanticIndex, SemanticKind
 
@@ -20,6 +20,7 @@ class SemanticService:
         self.embedder = embedder or MiniLmEmbedder()
         self.index = index or SemanticIndex(DEFAULT_THRESHOLD)
         self.dim = EMBEDDING_DIM
+        self.model_name = MODEL_NAME
 
     @staticmethod
     def _check(texts: Sequence[str]) -> None:
@@ -32,6 +33,11 @@ class SemanticService:
     async def embed(self, texts: Sequence[str]) -> torch.Tensor:
         self._check(texts)
         return await asyncio.to_thread(self.embedder.embed, list(texts))
+
+    async def embed_counted(self, texts: Sequence[str]) -> tuple[torch.Tensor, list[int]]:
+        """Vectors and the word pieces read of each text (``MiniLmEmbedder.embed_counted``)."""
+        self._check(texts)
+        return await asyncio.to_thread(self.embedder.embed_counted, list(texts))
 
     async def similarity(self, text_a: str, text_b: str) -> float:
         e = await self.embed([text_a, text_b])

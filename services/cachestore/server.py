@@ -188,9 +188,10 @@ class CacheStoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
 
     # -- semantic index ---------------------------------------------------------------
     async def Embed(self, request: cachestore_pb2.EmbedRequest, context) -> cachestore_pb2.EmbedResponse:
-        vectors = await self.semantic.embed(list(request.texts))
+        vectors, num_tokens = await self.semantic.embed_counted(list(request.texts))
         return cachestore_pb2.EmbedResponse(
-            embeddings=[cachestore_pb2.Embedding(values=v.tolist()) for v in vectors], dim=self.semantic.dim)
+            embeddings=[cachestore_pb2.Embedding(values=v.tolist()) for v in vectors], dim=self.semantic.dim,
+            num_tokens=num_tokens, model=self.semantic.model_name)
 
     async def Similarity(self, request: cachestore_pb2.SimilarityRequest, context) -> cachestore_pb2.SimilarityResponse:
         sim = await self.semantic.similarity(request.text_a, request.text_b)
