@@ -51,6 +51,10 @@ A scheduler that lost the session (restarted) or already closed the hop refuses 
 (INVALID_ARGUMENT on ``session.*``): the stream then ends UNAVAILABLE, telling the
 client to resend the hop with its full prompt; it never runs on a partial context.
 
+The continuation sets ``resumed_output_tokens`` to the number of relayed tokens: the
+executor treats that tail of its prompt as output already generated, so a grammar
+(structured output, forced tool calls) is advanced over it and continues where it was.
+
 Seeded sampling follows the shared rule: the continuation is seeded with
 ``continuation_seed(seed, num_sent)``, reproducible per failure point only.
 """
@@ -129,8 +133,12 @@ class _Progress:
         """The request resumed after the tokens sent (``resume_point``), under a fresh id."""
         r, s = self.request, self.request.sampling
         point = resume_point(r.prompt_token_ids, self.sent_token_ids, s.max_tokens or 0, s.min_tokens, s.seed)
+        # resumed_output_tokens: the sent tokens are output, not prompt, so a grammar replays
+        # them and continues (not restarts) and penalties still count them; prompt
+        # logprobs were sent with the first attempt's first chunk and are not asked again.
         sampling = replace(s, max_tokens=point.max_tokens if s.max_tokens else s.max_tokens,
-                           min_tokens=point.min_tokens, seed=point.seed)
+                           min_tokens=point.min_tokens, seed=point.seed, prompt_logprobs=None,
+                           resumed_output_tokens=s.resumed_output_tokens + len(self.sent_token_ids))
         return replace(r, request_id=f"{r.request_id}.c{self.num_continuations}",
                        prompt_token_ids=point.prompt_token_ids, sampling=sampling)
 

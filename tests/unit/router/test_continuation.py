@@ -176,6 +176,21 @@ def test_a_seeded_continuation_is_seeded_from_seed_and_tokens_sent():
     assert fake.requests[1].sampling.seed == continuation_seed(42, 5)
 
 
+def test_a_continuation_tells_the_executor_how_many_prompt_tokens_are_resumed_output():
+    """The grammar (structured output) must continue over the relayed tokens, not restart:
+    each continuation counts every token relayed so far, across continuations; prompt
+    logprobs went out with the first attempt and are not asked again."""
+    fake = ScriptedScheduler([("lose", 3), ("lose", 2)])
+    req = request(grammar=("json_object", ""), prompt_logprobs=1)
+    chunks = run(collect(ContinuingStreamer(fake, FAST, fake.probe), req))
+    assert tokens(chunks) == reference()
+    first, second, third = (r.sampling for r in fake.requests)
+    assert (first.resumed_output_tokens, second.resumed_output_tokens, third.resumed_output_tokens) == (0, 3, 5)
+    assert (first.prompt_logprobs, second.prompt_logprobs, third.prompt_logprobs) == (1, None, None)
+    assert third.grammar == ("json_object", "")
+    assert len(fake.requests[2].prompt_token_ids) - third.resumed_output_tokens == len(PROMPT)
+
+
 def test_detokenizer_and_stop_strings_continue_across_the_continuation(tmp_path):
     make_tiny_checkpoint(tmp_path / "m")
     tokenizer = Tokenizer.from_dir(tmp_path / "m")
