@@ -1,0 +1,174 @@
+"""Compiled grammars, cached: one compile per distinct (kind, text), bounded in count
+and bytes (LRU), shared by every request of the engine.
+
+Compiles run on a small worker pool with a deadline, so a hostile grammar (a huge or
+deeply nested schema, an exploding regex) costs the caller at most
+``compile_timeout_s`` and then a clear ``InvalidRequestError``; the engine thread never
+waits on it forever. A compile past its deadline keeps its worker until xgrammar returns
+(native code cannot be interrupted); while every worker is held so, new compiles are
+refused at once instead of queueing behind them. Texts over ``max_grammar_bytes`` and
+JSON nested deeper than ``MAX_JSON_DEPTH`` are refused before any compile. A failed
+compile is remembered too, so a repeated bad grammar is refused without recompiling.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import structlog
+import xgrammar as xgr
+
+from services.executor.engine.sampling_params import GrammarSpec
+from services.executor.errors import InvalidRequestError
+from services.mesh import metrics
+
+log = structlog.get_logger(__name__)
+
+MAX_JSON_DEPTH = 64  # nesting of a json_schema / structural_tag document (each schema level is ~2)
+COMPILE_SECONDS = metrics.histogram(
+    "weft_executor_grammar_compile_seconds", "Wall time of one grammar compile (cache misses).", ["kind"],
+    buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0))
+CACHE_LOOKUPS = metrics.counter("weft_executor_grammar_cache_lookups_total",
+                                "Compiled-grammar cache lookups by result.", ["result"])
+
+# xgrammar prefixes its messages with "[time] /path/file.cc:line: " and sometimes a check text.
+_NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    max_entries: int = 256
+    max_bytes: int = 512 * 1024 * 1024  # compiled grammars' own estimate of their memory
+    max_grammar_bytes: int = 64 * 1024  # of the grammar's source text
+    compile_timeout_s: float = 10.0
+    compile_threads: int = 2
+
+
+class GrammarCache:
+    """Thread-safe: the engine thread and an async layer warming the cache may share it."""
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, limits: GrammarLimits = GrammarLimits()) -> None:
+        self.tokenizer_info = tokenizer_info
+        self.limits = limits
+        # xgrammar's own cache is off: this one is bounded, counted and holds failures.
+        self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=limits.compile_threads, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(limits.compile_threads, thread_name_prefix="grammar-compile")
+        self._entries: OrderedDict[tuple[str, str], xgr.CompiledGrammar | InvalidRequestError] = OrderedDict()
+        self._bytes = 0
+        self._running = 0  # compiles holding a worker, past their deadline included
+        self._lock = threading.Lock()
+        self.num_compiles = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer_info.vocab_size
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``spec``; raises InvalidRequestError naming
+        ``grammar.<kind>`` when it is too big, malformed, or too slow to compile."""
+        key = (spec.kind, spec.text)
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+        if hit is not None:
+            CACHE_LOOKUPS.labels("hit").inc()
+            if isinstance(hit, InvalidRequestError):
+                raise hit
+            return hit
+        CACHE_LOOKUPS.labels("miss").inc()
+        try:
+            compiled = self._compile(spec)
+        except InvalidRequestError as e:
+            self._store(key, e, 0)
+            raise
+        self._store(key, compiled, compiled.memory_size_bytes)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        field = f"grammar.{spec.kind}"
+        _check_source(spec, self.limits.max_grammar_bytes)
+        with self._lock:
+            if self._running >= self.limits.compile_threads:
+                raise InvalidRequestError(field, "the grammar compilers are busy with grammars that timed out; "
+                                                 "retry later with a smaller grammar")
+            self._running += 1
+        future = self._pool.submit(self._compile_now, spec)
+        future.add_done_callback(self._release_worker)
+        try:
+            return future.result(timeout=self.limits.compile_timeout_s)
+        except FutureTimeout:
+            log.warning("grammar_compile_timeout", kind=spec.kind, chars=len(spec.text))
+            raise InvalidRequestError(
+                field, f"did not compile within {self.limits.compile_timeout_s:g}s; simplify it") from None
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse / conversion errors
+            raise InvalidRequestError(field, _NATIVE_PREFIX.sub("", str(e)).strip()) from None
+
+    def _release_worker(self, _: Future) -> None:
+        with self._lock:
+            self._running -= 1
+
+    def _compile_now(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        with COMPILE_SECONDS.labels(spec.kind).time():
+            self.num_compiles += 1
+            c = self._compiler
+            if spec.kind == "json_schema":
+                return c.compile_json_schema(spec.text)
+            if spec.kind == "json_object":
+                return c.compile_builtin_json_grammar()
+            if spec.kind == "regex":
+                return c.compile_regex(spec.text)
+            if spec.kind == "ebnf":
+                return c.compile_grammar(spec.text)
+            return c.compile_structural_tag(spec.text)
+
+    def _store(self, key: tuple[str, str], value, nbytes: int) -> None:
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = value
+            self._bytes += nbytes
+            while self._entries and (len(self._entries) > self.limits.max_entries
+                                     or self._bytes > self.limits.max_bytes):
+                _, old = self._entries.popitem(last=False)
+                if not isinstance(old, InvalidRequestError):
+                    self._bytes -= old.memory_size_bytes
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _check_source(spec: GrammarSpec, max_bytes: int) -> None:
+    """Refuse, before compiling, what is too big or (for JSON documents) too deep."""
+    field = f"grammar.{spec.kind}"
+    size = len(spec.text.encode())
+    if size > max_bytes:
+        raise InvalidRequestError(field, f"{size} bytes is over the limit of {max_bytes}")
+    if spec.kind not in ("json_schema", "structural_tag"):
+        return
+    try:
+        doc = json.loads(spec.text)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequestError(field, f"is not valid JSON: {e}") from None
+    if _depth(doc, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise InvalidRequestError(field, f"is nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _depth(doc: object, limit: int) -> int:
+    """Nesting depth of a JSON value, iteratively; stops counting past ``limit``."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, d + 1) for child in children)
+    return deepest
