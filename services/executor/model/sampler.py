@@ -1,4 +1,21 @@
-"""Picks the next token of each sampling row: greedy, temperature, top-k, top-p, seeds."""
+"""Picks the next token of each sampling row and reports its log-probabilities.
+
+Per row, in order (vLLM's / OpenAI's semantics): logit_bias -> repetition penalty ->
+presence / frequency penalties -> grammar mask (services/executor/grammar) -> greedy
+argmax of the processed logits, or temperature -> top-k -> top-p -> min-p -> a draw with
+the row's own generator (a seeded request is reproducible whatever shares its batch).
+Rows without a processor pay nothing: the greedy rows of a plain batch are one argmax.
+
+Log-probabilities (the chosen token's and the ``top_logprobs`` alternatives) are taken
+from the RAW model distribution, the log_softmax of the unprocessed logits, before bias,
+penalties, grammar, temperature or truncation: vLLM's default ("raw_logprobs"), so a
+number means the same whatever sampling settings produced the token.
+
+A row whose processed logits allow no token at all (a grammar that forbids everything,
+a bias of -100 on every candidate) is never sampled from (that would be NaN): it gets its
+fallback token (its first stop token, else the model's EOS) and is listed in
+``SampledTokens.stuck_rows`` so the scheduler can finish it.
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
@@ -7,6 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from services.executor.engine.sampling_params import SamplingParams
+from services.executor.model.logits_processors import TokenHistory, apply_penalties, truncate
+
+TopLogprobs = tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -17,51 +37,88 @@ class SampledTokens:
     entropies: list[float] | None = None
     # (token id, logprob) alternatives of each row, most likely first (rows whose params ask
     # for top_logprobs; other rows hold an empty tuple); None when no row asked.
-    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
-
-
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) everything outside the top-k and the top-p nucleus of one row."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the mass strictly before it already reaches top_p
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
-    return logits
+    top_logprobs: list[TopLogprobs] | None = None
+    # Rows whose processed logits allowed no token: they got their fallback token.
+    stuck_rows: tuple[int, ...] = ()
 
 
 def sample(
-    logits: torch.Tensor,  # [rows, vocab] fp32
+    logits: torch.Tensor,  # [rows, vocab] fp32, raw from the model
     params: Seq[SamplingParams],
     generators: Seq[torch.Generator | None],
     entropy_rows: Seq[bool] = (),
+    histories: Seq[TokenHistory | None] = (),  # rows whose penalties read their tokens
+    grammars: Seq[object | None] = (),  # each row's grammar state (services/executor/grammar)
+    fallback_ids: Seq[int] = (),  # per row: the token a stuck row gets (default 0)
 ) -> SampledTokens:
-    """One token per row. Greedy rows are batched; sampled rows use their own generator
-    (seeded requests are reproducible whatever else is in the batch)."""
-    greedy = logits.argmax(dim=-1).tolist()
-    token_ids = list(greedy)
+    """One token per row (see the module docstring for the order of the processors)."""
+    processed = _process(logits, params, histories, grammars)
+    token_ids = processed.argmax(dim=-1).tolist()
+    stuck = _stuck_rows(processed) if processed is not logits else ()
     for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
+        if p.greedy or row in stuck:
             continue
-        row_logits = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
-        probs = row_logits.softmax(-1)
-        token_ids[row] = int(torch.multinomial(probs, 1, generator=gen).item())
-    logprobs = None
-    if any(p.logprobs for p in params):
-        lp = logits.log_softmax(-1)
-        logprobs = lp.gather(1, torch.tensor(token_ids, device=logits.device)[:, None]).squeeze(1).tolist()
-    entropies = None
-    if any(entropy_rows):
-        # Only rows that asked (agent sessions): one log_softmax over those rows.
-        rows = [i for i, want in enumerate(entropy_rows) if want]
-        lp = logits[rows].log_softmax(-1)  # [len(rows), vocab]
-        ent = (-(lp.exp() * lp).sum(-1)).tolist()
-        entropies = [0.0] * len(token_ids)
-        for i, e in zip(rows, ent):
-            entropies[i] = e
-    return SampledTokens(token_ids, logprobs, entropies)
+        row_logits = truncate(processed[row] / p.temperature, p.top_k, p.top_p, p.min_p)
+        token_ids[row] = int(torch.multinomial(row_logits.softmax(-1), 1, generator=gen).item())
+    for row in stuck:
+        token_ids[row] = fallback_ids[row] if row < len(fallback_ids) else 0
+    logprobs, top = _logprobs(logits, params, token_ids)
+    return SampledTokens(token_ids, logprobs, _entropies(logits, entropy_rows, len(token_ids)), top, stuck)
+
+
+def _process(logits: torch.Tensor, params: Seq[SamplingParams], histories: Seq[TokenHistory | None],
+             grammars: Seq[object | None]) -> torch.Tensor:
+    """The logits after bias, penalties and the grammar mask: ``logits`` itself when no
+    row has any (the common case costs nothing), else a copy (the raw logits stay raw)."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias or p.repetition_penalty != 1.0
+            or p.presence_penalty or p.frequency_penalty]
+    has_grammar = any(g is not None for g in grammars)
+    if not rows and not has_grammar:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        out[i] = apply_penalties(logits[i], params[i], histories[i] if i < len(histories) else None)
+    if has_grammar:
+        # Imported here: a batch without a grammar never loads xgrammar.
+        from services.executor.grammar import mask_logits
+        mask_logits(out, list(grammars))  # in place: disallowed tokens -> -inf
+    return out
+
+
+def _stuck_rows(processed: torch.Tensor) -> tuple[int, ...]:
+    """Rows where every processed logit is -inf (or NaN): nothing may be sampled."""
+    allowed = processed > float("-inf")  # False for NaN too
+    return tuple(torch.nonzero(~allowed.any(dim=-1)).flatten().tolist())
+
+
+def _logprobs(logits: torch.Tensor, params: Seq[SamplingParams],
+              token_ids: list[int]) -> tuple[list[float] | None, list[TopLogprobs] | None]:
+    """The chosen tokens' raw logprobs (when any row asked) and each asking row's top-k
+    alternatives, most likely first."""
+    want_top = [i for i, p in enumerate(params) if p.top_logprobs]
+    if not want_top and not any(p.logprobs for p in params):
+        return None, None
+    lp = logits.log_softmax(-1)
+    chosen = lp.gather(1, torch.tensor(token_ids, device=logits.device)[:, None]).squeeze(1).tolist()
+    if not want_top:
+        return chosen, None
+    top: list[TopLogprobs] = [()] * len(token_ids)
+    k_max = max(params[i].top_logprobs for i in want_top)
+    values, ids = torch.topk(lp[want_top], min(k_max, lp.shape[-1]), dim=-1)
+    for j, i in enumerate(want_top):
+        k = params[i].top_logprobs
+        top[i] = tuple(zip(ids[j, :k].tolist(), values[j, :k].tolist()))
+    return chosen, top
+
+
+def _entropies(logits: torch.Tensor, entropy_rows: Seq[bool], num_rows: int) -> list[float] | None:
+    if not any(entropy_rows):
+        return None
+    # Only rows that asked (agent sessions): one log_softmax over those rows.
+    rows = [i for i, want in enumerate(entropy_rows) if want]
+    lp = logits[rows].log_softmax(-1)  # [len(rows), vocab]
+    ent = (-(lp.exp() * lp).sum(-1)).tolist()
+    entropies = [0.0] * num_rows
+    for i, e in zip(rows, ent):
+        entropies[i] = e
+    return entropies
