@@ -1,0 +1,110 @@
+"""Issue 15's "done means" for agent frameworks, against SmolLM2-135M-Instruct served by a real
+mesh (`weft up`, one executor): LangChain's ``ChatOpenAI.with_structured_output`` returns the
+pydantic object, and a LangGraph ReAct agent completes a two-tool task end to end.
+
+The frameworks talk to Weft exactly as to OpenAI: ``ChatOpenAI(base_url=..., api_key=...)``.
+"""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from langgraph.prebuilt import create_react_agent
+from pydantic import BaseModel, Field
+
+from tests.integration.smollm2_mesh import SmolMesh, schema_errors, smollm2_mesh
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory) -> SmolMesh:
+    with smollm2_mesh(tmp_path_factory.mktemp("agent-frameworks")) as served:
+        yield served
+
+
+def chat_model(mesh: SmolMesh, **kwargs) -> ChatOpenAI:
+    return ChatOpenAI(model=mesh.model, base_url=mesh.base_url, api_key=mesh.api_key, max_retries=0,
+                      timeout=120, **{"temperature": 0, "max_tokens": 128, **kwargs})
+
+
+# -- 3. with_structured_output -------------------------------------------------------------------
+class City(BaseModel):
+    """A city and facts about it."""
+    name: str = Field(description="The city's name", max_length=40)
+    country: str = Field(description="The country it is in", max_length=40)
+    population_millions: float = Field(description="Population in millions", ge=0, le=100)
+    climate: Literal["tropical", "dry", "temperate", "continental", "polar"]
+    landmarks: list[str] = Field(description="Up to three famous landmarks", max_length=3)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_with_structured_output_returns_the_pydantic_object(mesh, method):
+    structured = chat_model(mesh).with_structured_output(City, method=method)
+    prompt = "Describe Paris as JSON with the keys name, country, population_millions, climate, landmarks."
+    for model in (structured, chat_model(mesh, temperature=0.7, seed=5).with_structured_output(City, method=method)):
+        city = model.invoke(prompt)
+        assert isinstance(city, City), city
+
+
+# -- 4. a LangGraph ReAct agent ---------------------------------------------------------------------
+@tool
+def get_weather(city: str) -> str:
+    """The current weather in a city."""
+    return json.dumps({"city": city, "temperature_c": 18, "sky": "cloudy"})
+
+
+@tool
+def get_time(city: str) -> str:
+    """The current local time in a city."""
+    return json.dumps({"city": city, "local_time": "21:05"})
+
+
+AGENT_TOOLS = [get_weather, get_time]
+
+
+def per_hop_model(mesh: SmolMesh):
+    """The agent's model, chosen per hop from the conversation so far.
+
+    SmolLM2-135M rarely decides to call a tool under ``tool_choice="auto"``, so the agent
+    decides *whether* a tool is needed and the model decides *how*: while a tool of the task
+    has not been called yet, the model is bound to the tools still uncalled with
+    ``tool_choice="required"`` (Weft's grammar then guarantees a well-formed call, the model
+    picks the tool and writes its arguments); once every tool has answered, it is bound with
+    ``tool_choice="none"`` and writes the final answer as text from the tool results. This
+    is create_react_agent's documented dynamic-model hook (a callable ``(state, runtime) ->
+    model``), so the graph, the ToolNode and the message flow are LangGraph's own.
+    """
+    base = chat_model(mesh)
+
+    def select(state, runtime):
+        called = {m.name for m in state["messages"] if isinstance(m, ToolMessage)}
+        remaining = [t for t in AGENT_TOOLS if t.name not in called]
+        if remaining:
+            return base.bind_tools(remaining, tool_choice="required", parallel_tool_calls=False)
+        return base.bind_tools(AGENT_TOOLS, tool_choice="none")
+    return select
+
+
+def test_a_react_agent_completes_a_two_tool_task(mesh):
+    agent = create_react_agent(per_hop_model(mesh), AGENT_TOOLS)
+    task = "I'm in Tokyo. What's the weather here, and what time is it? Use the tools, then answer briefly."
+    result = agent.invoke({"messages": [HumanMessage(task)]}, {"recursion_limit": 12})
+    messages = result["messages"]
+
+    calls = [call for m in messages if isinstance(m, AIMessage) for call in m.tool_calls]
+    by_name = {t.name: t for t in AGENT_TOOLS}
+    assert {c["name"] for c in calls} == set(by_name), calls
+    for call in calls:
+        schema = by_name[call["name"]].tool_call_schema.model_json_schema()
+        assert schema_errors(call["args"], schema) == [], call
+    # Every call got its tool's answer back before the final turn.
+    results = [m for m in messages if isinstance(m, ToolMessage)]
+    assert sorted(r.tool_call_id for r in results) == sorted(c["id"] for c in calls)
+    assert all(r.status == "success" for r in results), [r.content for r in results]
+
+    final = messages[-1]
+    assert isinstance(final, AIMessage) and not final.tool_calls
+    assert isinstance(final.content, str) and final.content.strip()

@@ -1,0 +1,276 @@
+"""Issue 15's "done means", through the official ``openai`` client against SmolLM2-135M-Instruct
+served by a real mesh (`weft up`, one executor): structured output, forced tool calls,
+logprobs, echo and n > 1.
+
+Every constrained request is sampled three times at temperature 0.7 with distinct seeds and
+once greedily, and every sample must conform: the grammar, not luck, makes the output valid.
+Requests of one kind are sent together so the engine batches them (and the grammar bitmask
+is exercised across a batch). One mesh for the module; small max_tokens throughout.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from tests.integration.smollm2_mesh import SmolMesh, schema_errors, smollm2_mesh
+
+SAMPLINGS = [{"temperature": 0.7, "seed": seed} for seed in (1, 2, 3)] + [{"temperature": 0.0}]
+
+SCHEMAS: dict[str, dict] = {
+    "nested_person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "address": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 40},
+                               "country": {"type": "string", "maxLength": 40}},
+                "required": ["city", "country"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "age", "address"],
+        "additionalProperties": False,
+    },
+    "enums": {
+        "type": "object",
+        "properties": {
+            "sentiment": {"type": "string", "enum": ["positive", "negative", "neutral"]},
+            "priority": {"type": "integer", "enum": [1, 2, 3]},
+            "escalate": {"type": "boolean"},
+        },
+        "required": ["sentiment", "priority", "escalate"],
+        "additionalProperties": False,
+    },
+    "arrays": {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {"product": {"type": "string", "maxLength": 30},
+                                   "quantity": {"type": "integer", "minimum": 1, "maximum": 99}},
+                    "required": ["product", "quantity"],
+                    "additionalProperties": False,
+                },
+            },
+            "tags": {"type": "array", "items": {"type": "string", "enum": ["urgent", "gift", "bulk"]},
+                     "maxItems": 3},
+        },
+        "required": ["items", "tags"],
+        "additionalProperties": False,
+    },
+    # Optional fields beside required ones: only the required ones must appear.
+    "required_and_optional": {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 60},
+            "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
+            "genre": {"type": "string", "enum": ["drama", "comedy", "sci-fi"]},
+            "rating": {"type": "number", "minimum": 0, "maximum": 10},
+        },
+        "required": ["title", "year"],
+        "additionalProperties": False,
+    },
+}
+PROMPTS = {
+    "nested_person": "Invent a person: their name, age and the city and country they live in. Answer in JSON.",
+    "enums": "Classify this support ticket: 'My order arrived broken and nobody answers!' Answer in JSON.",
+    "arrays": "List a small grocery order with quantities, and tag it. Answer in JSON.",
+    "required_and_optional": "Describe a famous film: its title and year. Answer in JSON.",
+}
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather",
+    "description": "Current weather in a city.",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 40},
+                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time",
+    "description": "Current local time in an IANA time zone.",
+    "parameters": {"type": "object",
+                   "properties": {"timezone": {"type": "string", "maxLength": 40}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+TOOL_MESSAGES = [{"role": "user",
+                  "content": "I'm flying to Tokyo tonight. What's the weather there, and what time is it?"}]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory) -> SmolMesh:
+    with smollm2_mesh(tmp_path_factory.mktemp("agent-io")) as served:
+        yield served
+
+
+def together(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Run the calls concurrently (so the engine batches them); results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
+def test_the_test_validator_rejects_what_it_should():
+    # The validator below decides every structured-output test: it must be able to fail.
+    schema = SCHEMAS["arrays"]
+    assert schema_errors({"items": [{"product": "tea", "quantity": 2}], "tags": ["gift"]}, schema) == []
+    assert schema_errors({"items": [], "tags": []}, schema)  # minItems
+    assert schema_errors({"items": [{"product": "tea", "quantity": 0}], "tags": []}, schema)  # minimum
+    assert schema_errors({"items": [{"product": "tea", "quantity": 1}], "tags": ["x"]}, schema)  # enum
+    assert schema_errors({"items": [{"product": "tea", "quantity": 1}]}, schema)  # required
+    assert schema_errors({"items": [{"product": "tea", "quantity": 1, "x": 1}], "tags": []}, schema)  # additional
+    assert schema_errors({"sentiment": "positive", "priority": True, "escalate": False}, SCHEMAS["enums"])
+
+
+# -- 1. response_format ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_json_schema_output_conforms_on_every_sample(mesh, name):
+    client, schema = mesh.openai(), SCHEMAS[name]
+    response_format = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+    def ask(sampling):
+        return client.chat.completions.create(
+            model=mesh.model, messages=[{"role": "user", "content": PROMPTS[name]}],
+            response_format=response_format, max_tokens=160, **sampling)
+
+    for sampling, reply in zip(SAMPLINGS, together([lambda s=s: ask(s) for s in SAMPLINGS])):
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", (sampling, choice.message.content)
+        value = json.loads(choice.message.content)
+        assert schema_errors(value, schema) == [], (sampling, value)
+
+
+def test_json_object_output_is_a_json_object_on_every_sample(mesh):
+    client = mesh.openai()
+
+    def ask(sampling):
+        return client.chat.completions.create(
+            model=mesh.model, response_format={"type": "json_object"}, max_tokens=96, **sampling,
+            messages=[{"role": "user", "content": "Give the name and colour of three fruits as JSON."}])
+
+    for sampling, reply in zip(SAMPLINGS, together([lambda s=s: ask(s) for s in SAMPLINGS])):
+        assert reply.choices[0].finish_reason == "stop", (sampling, reply.choices[0].message.content)
+        assert isinstance(json.loads(reply.choices[0].message.content), dict), sampling
+
+
+# -- 2. forced tool calls ----------------------------------------------------------------------------
+def assert_valid_calls(message, names: set[str]) -> list[tuple[str, dict]]:
+    assert message.tool_calls, f"no tool call parsed; content was {message.content!r}"
+    calls = []
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id
+        assert call.function.name in names, call.function.name
+        arguments = json.loads(call.function.arguments)
+        assert schema_errors(arguments, TOOL_SCHEMAS[call.function.name]) == [], (call.function.name, arguments)
+        calls.append((call.function.name, arguments))
+    return calls
+
+
+@pytest.mark.parametrize("tool_choice, names", [
+    ("required", {"get_weather", "get_time"}),
+    ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+    ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
+], ids=["required", "named-get_time", "named-get_weather"])
+def test_forced_tool_choice_yields_a_valid_call_on_every_sample(mesh, tool_choice, names):
+    client = mesh.openai()
+
+    def ask(sampling):
+        return client.chat.completions.create(model=mesh.model, messages=TOOL_MESSAGES, tools=TOOLS,
+                                              tool_choice=tool_choice, max_tokens=96, **sampling)
+
+    for sampling, reply in zip(SAMPLINGS, together([lambda s=s: ask(s) for s in SAMPLINGS])):
+        assert reply.choices[0].finish_reason == "tool_calls", (sampling, reply.choices[0].message)
+        assert_valid_calls(reply.choices[0].message, names)
+
+
+def test_parallel_tool_calls_false_yields_exactly_one_call(mesh):
+    client = mesh.openai()
+    for sampling in SAMPLINGS[:1] + SAMPLINGS[-1:]:
+        reply = client.chat.completions.create(model=mesh.model, messages=TOOL_MESSAGES, tools=TOOLS,
+                                               tool_choice="required", parallel_tool_calls=False,
+                                               max_tokens=96, **sampling)
+        assert len(assert_valid_calls(reply.choices[0].message, set(TOOL_SCHEMAS))) == 1, sampling
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_streamed_forced_call_reassembles_to_the_unstreamed_one(mesh, tool_choice):
+    client = mesh.openai()
+    request = dict(model=mesh.model, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                   max_tokens=96, temperature=0)
+    whole = client.chat.completions.create(**request)
+    expected = assert_valid_calls(whole.choices[0].message, set(TOOL_SCHEMAS))
+
+    parts: dict[int, dict[str, str]] = {}
+    finish_reasons = []
+    for chunk in client.chat.completions.create(**request, stream=True):
+        for choice in chunk.choices:
+            finish_reasons += [choice.finish_reason] if choice.finish_reason else []
+            for delta in choice.delta.tool_calls or ():
+                part = parts.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                part["id"] = delta.id or part["id"]  # OpenAI sends the id and name once, first
+                if delta.function is not None:
+                    part["name"] += delta.function.name or ""
+                    part["arguments"] += delta.function.arguments or ""
+    assert finish_reasons == ["tool_calls"]
+    assert sorted(parts) == list(range(len(parts))) and all(p["id"] for p in parts.values())
+    streamed = [(parts[i]["name"], json.loads(parts[i]["arguments"])) for i in sorted(parts)]
+    assert streamed == expected
+
+
+# -- 5. logprobs, echo, n ------------------------------------------------------------------------------
+def test_chat_logprobs_and_top_logprobs(mesh):
+    reply = mesh.openai().chat.completions.create(
+        model=mesh.model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        tops = [alt.logprob for alt in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and sum(math.exp(t) for t in tops) <= 1 + 1e-4
+        # Greedy: the chosen token is the most likely one.
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+
+
+def test_completions_echo_with_logprobs_scores_the_prompt(mesh):
+    prompt = "The capital of France is"
+    reply = mesh.openai().completions.create(model=mesh.model, prompt=prompt, max_tokens=3, temperature=0,
+                                             echo=True, logprobs=2)
+    choice = reply.choices[0]
+    assert choice.text.startswith(prompt)
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.token_logprobs[0] is None  # nothing precedes the first prompt token
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert len(logprobs.text_offset) == len(logprobs.tokens) and logprobs.text_offset[0] == 0
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+
+
+def test_n_three_returns_three_choices(mesh):
+    client = mesh.openai()
+    messages = [{"role": "user", "content": "Write a one-line poem about the sea."}]
+    sampled = client.chat.completions.create(model=mesh.model, messages=messages, n=3, max_tokens=16,
+                                             temperature=1.0, seed=7)
+    assert sorted(c.index for c in sampled.choices) == [0, 1, 2]
+    assert all(isinstance(c.message.content, str) and c.message.content for c in sampled.choices)
+    assert len({c.message.content for c in sampled.choices}) > 1  # each choice samples on its own
+    greedy = client.chat.completions.create(model=mesh.model, messages=messages, n=3, max_tokens=8, temperature=0)
+    single = client.chat.completions.create(model=mesh.model, messages=messages, max_tokens=8, temperature=0)
+    assert [c.message.content for c in greedy.choices] == [single.choices[0].message.content] * 3
+    # The prompt is counted once; every choice's tokens are counted.
+    assert greedy.usage.prompt_tokens == single.usage.prompt_tokens
+    assert greedy.usage.completion_tokens == 3 * single.usage.completion_tokens
