@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: up test protos bench clean
+.PHONY: up test protos bench clean lint-protos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ up: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# buf over protos/ (protos/buf.yaml): lint, and no wire/JSON break since the last commit.
+lint-protos: $(STAMP)
+	$(VENV)/bin/buf lint protos
+	$(VENV)/bin/buf breaking protos --against '.git#ref=HEAD~1,subdir=protos'
 
 bench: $(STAMP)
 	$(PY) benchmarks/offline_throughput.py
