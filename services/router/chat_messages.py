@@ -10,14 +10,17 @@ instead of failing on the missing key, which the router answered with a 400."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from services.router.errors import InvalidRequestError
 from services.router.json_fields import json_object, json_type, optional_field
+from services.router.tool_parsers import ToolChoice
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICES = ("none", "auto", "required")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
 def text_content(value: Any, field: str, allow_null: bool) -> str | None:
@@ -96,33 +99,57 @@ def _assistant_tool_calls(value: Any, field: str) -> list[dict[str, Any]]:
 
 
 def parse_tools(value: Any) -> tuple[dict[str, Any], ...] | None:
+    """The request's ``tools`` as ``{"type": "function", "function": {...}}`` dicts: names
+    as OpenAI allows them (they are spelled into grammars and parsed back), distinct, and
+    ``parameters``, when given, a JSON object schema."""
     if value is None:
         return None
     if not isinstance(value, list):
         raise InvalidRequestError("tools", f"must be an array, got {json_type(value)}")
-    tools = []
+    tools, names = [], set()
     for i, tool in enumerate(value):
         tool = json_object(tool, f"tools[{i}]")
         if tool.get("type", "function") != "function":
             raise InvalidRequestError(f"tools[{i}].type", "only 'function' tools are supported")
         fn = json_object(tool.get("function"), f"tools[{i}].function")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise InvalidRequestError(f"tools[{i}].function.name", "must be a non-empty string")
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise InvalidRequestError(f"tools[{i}].function.name",
+                                      "must be 1 to 64 letters, digits, underscores or dashes")
+        if name in names:
+            raise InvalidRequestError(f"tools[{i}].function.name", f"{name!r} names two tools")
+        names.add(name)
         if fn.get("parameters") is not None:
-            json_object(fn["parameters"], f"tools[{i}].function.parameters")
+            params = json_object(fn["parameters"], f"tools[{i}].function.parameters")
+            if params.get("type", "object") != "object":
+                raise InvalidRequestError(f"tools[{i}].function.parameters",
+                                          f"must be an object schema (type 'object'), got type {params['type']!r}")
         tools.append({"type": "function", "function": dict(fn)})
     return tuple(tools)
 
 
 def parse_tool_choice(value: Any, tools: tuple[dict[str, Any], ...] | None) -> Any:
+    """Legacy shape ("none" | "auto" | "required" | the request's object), kept while the
+    doors compare it with strings; new code takes ``parse_tool_choice_spec``."""
+    spec = parse_tool_choice_spec(value, tools)
+    return dict(value) if spec.mode == "function" else spec.mode
+
+
+def parse_tool_choice_spec(value: Any, tools: tuple[dict[str, Any], ...] | None) -> ToolChoice:
+    """``tool_choice`` as a ``ToolChoice``: absent is "auto" with tools, "none" without;
+    "required" or a named function need tools (the function among them)."""
     if value is None:
-        return "auto" if tools else "none"
+        return ToolChoice("auto" if tools else "none")
     if isinstance(value, str):
         if value not in TOOL_CHOICES:
             raise InvalidRequestError("tool_choice", f"must be one of {list(TOOL_CHOICES)} or an object")
-        return value
+        if value == "required" and not tools:
+            raise InvalidRequestError("tool_choice", "'required' needs tools")
+        return ToolChoice(value)
     choice = json_object(value, "tool_choice")
+    if choice.get("type", "function") != "function":
+        raise InvalidRequestError("tool_choice.type", f"must be 'function', got {choice.get('type')!r}")
     name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), Mapping) else None
-    if not tools or name not in {t["function"]["name"] for t in tools}:
+    if not tools or not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
         raise InvalidRequestError("tool_choice", f"names function {name!r}, which is not in tools")
-    return dict(choice)
+    return ToolChoice("function", name)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from services.mesh.env_config import option
 from services.mesh.service_options import ServiceOptions, check_port
+from services.router.tool_parsers import FORMATS
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class RouterConfig(ServiceOptions):
         "labels (the public HTTP port does not serve /metrics)", default="127.0.0.1")
     drain_timeout_s: float | None = option(
         "on SIGTERM, how long in-flight streams (HTTP and gRPC) may finish; none = --grace-s", default=None)
+    tool_call_parser: str = option(
+        "how tool calls are written and parsed: 'auto' (recognised from the chat template) or one of "
+        "hermes, smollm2, llama3_json, mistral, pythonic (docs/tools.md)", default="auto")
     continuation_attempts: int = option(
         "times one stream is re-issued to the scheduler from prompt + tokens so far when the scheduler dies, "
         "restarts or stalls mid-stream (the client sees one stream); 0: such streams end UNAVAILABLE", default=3)
@@ -77,6 +81,9 @@ class RouterConfig(ServiceOptions):
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.keys_file and not Path(self.keys_file).is_file():
             raise ValueError(f"keys_file: {self.keys_file} does not exist")
+        if self.tool_call_parser != "auto" and self.tool_call_parser not in FORMATS:
+            raise ValueError(f"tool_call_parser must be 'auto' or one of {sorted(FORMATS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.continuation_attempts < 0:
             raise ValueError(f"continuation_attempts must be >= 0, got {self.continuation_attempts}")
         if self.continuation_wait_s < 0:
