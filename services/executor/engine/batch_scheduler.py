@@ -174,11 +174,18 @@ class BatchScheduler:
 
     def _check_stop(self, seq: Sequence) -> None:
         """STOP on an EOS / stop token once ``min_tokens`` are out; LENGTH at
-        ``max_tokens`` or the sequence's context cap."""
+        ``max_tokens`` or the sequence's context cap.
+
+        A grammar that has ended (it accepted a stop token) or failed (no token it allows
+        is left) stops the request whatever ``min_tokens`` and ``ignore_eos`` say: no token
+        could be added that the grammar allows. At ``max_tokens`` first, the output is a
+        truncated prefix of a valid one (LENGTH), as with OpenAI."""
         p = seq.params
         tok = seq.output_token_ids[-1]
         reason = None
-        if seq.num_output_tokens >= p.min_tokens and (
+        if seq.grammar is not None and seq.grammar.finished:
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= p.min_tokens and (
             (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
         ):
             reason = FinishReason.STOP

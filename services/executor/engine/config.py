@@ -62,12 +62,20 @@ class EngineConfig:
         "hitters stay) or oldest (StreamingLLM: sinks + a sliding window).", default="attention",
         choices=KV_COMPRESS_POLICIES)
 
+    grammar_cache_entries: int = option(
+        "Compiled grammars (constrained decoding) kept, least recently used dropped first.", default=256)
+    grammar_max_bytes: int = option("Longest grammar source (schema, regex, EBNF, structural tag) accepted, "
+                                    "in bytes.", default=64 * 1024)
+    grammar_compile_timeout_s: float = option(
+        "Longest a grammar may take to compile before the request is refused (INVALID_ARGUMENT).", default=10.0)
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "kv_cache_memory_bytes"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "kv_cache_memory_bytes",
+                     "grammar_cache_entries", "grammar_max_bytes", "grammar_compile_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

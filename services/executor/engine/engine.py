@@ -21,6 +21,7 @@ from services.shared.vocabulary import DEFAULT_PARTITION
 from services.executor.model.checkpoint import load_state_dict
 from services.executor.engine.config import EngineConfig
 from services.executor.errors import InvalidRequestError
+from services.executor.grammar import GrammarCache, GrammarLimits, GrammarState, load_tokenizer_info
 from services.executor.policy.kv_compress import CompressPolicy, choose_victims
 from services.executor.kv.manager import KVCacheManager
 from services.executor.model.llama import LlamaModel
@@ -106,6 +107,7 @@ class LLMEngine:
         self.num_preemptions = 0
         self.num_compressed_blocks = 0  # KV blocks dropped by compression (kv_compress.py)
         self.step_trace = step_trace
+        self._grammars: GrammarCache | None = None  # built on the first constrained request
         log.info(
             "engine_ready", model=str(self.model_dir), num_kv_blocks=self.num_blocks,
             block_size=config.block_size, attention=config.resolved_attention_backend,
@@ -151,6 +153,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 "prompt", f"{len(prompt_token_ids)} tokens need {need_blocks} KV blocks, more than the {limit} available"
             )
+        grammar = self._grammar_state(request_id, prompt_token_ids, params)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -162,8 +165,45 @@ class LLMEngine:
             max_num_tokens=min(self.max_model_len, session.kv_quota_blocks * self.config.block_size
                                or self.max_model_len),
         )
+        seq.grammar = grammar
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """The compiled-grammar cache, made on first use (reading the tokenizer costs
+        ~0.1 s, not worth paying for an engine that never sees a grammar)."""
+        if self._grammars is None:
+            c = self.config
+            try:
+                info = load_tokenizer_info(self.model_dir, self.model_config.vocab_size,
+                                           self.model_config.eos_token_ids)
+            except FileNotFoundError as e:
+                raise InvalidRequestError("grammar", f"this executor cannot constrain output: {e}") from None
+            self._grammars = GrammarCache(info, GrammarLimits(
+                max_entries=c.grammar_cache_entries, max_grammar_bytes=c.grammar_max_bytes,
+                compile_timeout_s=c.grammar_compile_timeout_s))
+        return self._grammars
+
+    def _grammar_state(self, request_id: str, prompt: list[int], params: SamplingParams) -> GrammarState | None:
+        """The request's matcher, already past the tokens an earlier attempt generated (the
+        prompt's last ``resumed_output_tokens``), so a migrated stream continues inside its
+        grammar. Compiles on a cache miss (bounded by grammar_compile_timeout_s)."""
+        resumed = params.resumed_output_tokens
+        if resumed > len(prompt):
+            raise InvalidRequestError("sampling.resumed_output_tokens",
+                                      f"{resumed} is more than the prompt's {len(prompt)} tokens")
+        if params.grammar is None:
+            return None
+        state = GrammarState(self.grammars.get(params.grammar), request_id)
+        rejected = state.replay(prompt[len(prompt) - resumed:]) if resumed else None
+        if rejected is not None:
+            raise InvalidRequestError(
+                "sampling.resumed_output_tokens",
+                f"resumed token {rejected} (id {prompt[len(prompt) - resumed + rejected]}) does not follow the grammar")
+        if state.terminated:
+            raise InvalidRequestError("sampling.resumed_output_tokens", "the resumed output already ends the grammar")
+        return state
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request and free its blocks now; False when it is unknown or done."""

@@ -35,6 +35,7 @@ COMPILE_SECONDS = metrics.histogram(
 CACHE_LOOKUPS = metrics.counter("weft_executor_grammar_cache_lookups_total",
                                 "Compiled-grammar cache lookups by result.", ["result"])
 
+_ANY_OBJECT = '{"type": "object"}'
 # xgrammar prefixes its messages with "[time] /path/file.cc:line: " and sometimes a check text.
 _NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -119,10 +120,12 @@ class GrammarCache:
         with COMPILE_SECONDS.labels(spec.kind).time():
             self.num_compiles += 1
             c = self._compiler
+            # Whitespace between JSON tokens is fixed (", " and ": "), not free: a small
+            # model greedily decoding under "any whitespace" can pad forever.
             if spec.kind == "json_schema":
-                return c.compile_json_schema(spec.text)
-            if spec.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+                return c.compile_json_schema(spec.text, any_whitespace=False)
+            if spec.kind == "json_object":  # OpenAI's json_object: any JSON object, not any value
+                return c.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
             if spec.kind == "regex":
                 return c.compile_regex(spec.text)
             if spec.kind == "ebnf":
