@@ -1,13 +1,26 @@
-"""Turns a step plan into tensors, runs the model, samples. Owns the KV cache tensors."""
-from __future__ import annotations
+"""Turns a step plan into tensors, runs the model, samples. Owns the KV cache tensors.
 
+It also owns prompt logprobs: a sequence whose params ask for them gets, as each of its
+prefill chunks runs, the logprob of every prompt token after the first (from the logits
+at the position before it) and its alternatives, appended to ``seq.prompt_logprobs`` /
+``seq.prompt_top_logprobs``. Positions already recorded are skipped, so a preempted and
+recomputed sequence does not append them twice; the KV manager keeps such a sequence off
+the prefix cache until they are all recorded (a cached position has no logits).
+"""
+from __future__ import annotations
 
 import torch
 
 from services.executor.attention.base import AttentionMetadata, QuantizedKVCache
 from services.executor.engine.step_plan import StepPlan, StepResult
 from services.executor.model.llama import LlamaModel
+from services.executor.engine.sequence import Sequence
+from services.executor.model.logits_processors import TokenHistory, needs_history
 from services.executor.model.sampler import SampledTokens, sample
+
+# Prompt positions turned into [rows, vocab] logits at a time (bounds the memory of a
+# long prompt's prompt logprobs: 256 x 49k fp32 = 50 MB).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def _block_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -45,15 +58,17 @@ class ModelRunner:
             return per_layer * model.num_layers
         return 2 * block_size * model.num_kv_heads * model.head_dim * model.num_layers * model.dtype.itemsize
 
-    def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
+        row_starts: list[int] = []  # each item's first row in input_ids
         for item in plan.decodes + plan.prefills:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
+            row_starts.append(len(input_ids))
             input_ids.extend(seq.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))  # absolute: RoPE sees the true position
             # Cache index = position - evicted (compression dropped whole blocks before it):
@@ -98,17 +113,57 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64, device=dev),
             meta,
             sample_rows,
+            row_starts,
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. Writes the new tokens' K/V into the cache; does not touch
         sequence state (the engine applies the result)."""
-        input_ids, positions, meta, sample_rows = self._prepare(plan)
+        input_ids, positions, meta, sample_rows, row_starts = self._prepare(plan)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-        sampled = [s for s in plan.decodes + plan.prefills if s.samples]
+        items = plan.decodes + plan.prefills
+        for item, row in zip(items, row_starts):
+            if item.seq.params.prompt_logprobs is not None:
+                self._record_prompt_logprobs(item.seq, item.num_new_tokens, hidden, row)
+        sampled = [s for s in items if s.samples]
         if not sampled:
             return StepResult([], SampledTokens([], None), meta.block_scores)
         logits = self.model.compute_logits(hidden[sample_rows])  # [rows, vocab]
-        tokens = sample(logits, [s.seq.params for s in sampled], [s.seq.generator for s in sampled],
-                        [s.seq.session.track_entropy for s in sampled])
+        seqs = [s.seq for s in sampled]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                        [s.session.track_entropy for s in seqs],
+                        histories=[_history(s) for s in seqs],
+                        grammars=[s.grammar for s in seqs],
+                        fallback_ids=[self._fallback_id(s) for s in seqs])
         return StepResult(sampled, tokens, meta.block_scores)
+
+    def _fallback_id(self, seq: Sequence) -> int:
+        """The token a row gets when its processed logits allow none: a stop token."""
+        eos = self.model.config.eos_token_ids
+        return seq.params.stop_token_ids[0] if seq.params.stop_token_ids else (eos[0] if eos else 0)
+
+    def _record_prompt_logprobs(self, seq: Sequence, n: int, hidden: torch.Tensor, row0: int) -> None:
+        """Append the prompt logprobs this chunk's positions give: position j's logits score
+        prompt token j + 1. Skips positions recorded by an earlier (preempted) attempt."""
+        start, done = seq.num_computed_tokens, len(seq.prompt_logprobs)
+        first, end = max(start, done), min(start + n, seq.num_prompt_tokens - 1)
+        if first > done or first >= end:  # a gap cannot be filled; nothing new to record
+            return
+        k = seq.params.prompt_logprobs
+        for lo in range(first, end, PROMPT_LOGPROBS_ROWS):
+            hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
+            lp = self.model.compute_logits(hidden[row0 + lo - start: row0 + hi - start]).log_softmax(-1)
+            targets = torch.tensor(seq.prompt_token_ids[lo + 1: hi + 1], device=lp.device)
+            seq.prompt_logprobs.extend(lp.gather(1, targets[:, None]).squeeze(1).tolist())
+            if k:  # k = 0: the tokens' own logprobs only, no alternatives (as the proto says)
+                values, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+                seq.prompt_top_logprobs.extend(
+                    tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist()))
+
+
+def _history(seq: Sequence) -> TokenHistory | None:
+    """The tokens a row's penalties read (None when it has none)."""
+    p = seq.params
+    if not needs_history(p):
+        return None
+    return TokenHistory.of(seq.all_token_ids, seq.num_prompt_tokens, p.resumed_output_tokens)

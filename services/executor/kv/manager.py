@@ -6,6 +6,10 @@ from services.executor.kv.block_pool import Block, BlockPool
 from services.executor.engine.sequence import Sequence
 
 
+def _owed_prompt_logprobs(seq: Sequence) -> bool:
+    return seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1
+
+
 class KVCacheManager:
     """Per-sequence view of the pool. Policy-free: callers decide who gets blocks."""
 
@@ -33,8 +37,11 @@ class KVCacheManager:
 
     def match_prefix(self, seq: Sequence) -> list[Block]:
         """Cached blocks covering a prefix of ``seq``; at least one token is left to
-        compute, since the step must produce logits. Does not take references."""
-        if not self.pool.enable_prefix_caching:
+        compute, since the step must produce logits. Does not take references.
+
+        Nothing for a sequence still owed prompt logprobs: a cached position has no logits
+        (vLLM skips the cache for them too); once recorded, a recompute may hit."""
+        if not self.pool.enable_prefix_caching or _owed_prompt_logprobs(seq):
             return []
         max_hit_tokens = seq.num_tokens - 1
         self._extend_hashes(seq, max_hit_tokens)
