@@ -173,3 +173,35 @@ def test_seeded_penalised_rows_are_reproducible_whatever_shares_the_batch():
     alone = run(False)
     assert run(True) == alone
     assert len(set(alone)) > 1
+
+
+def test_the_real_grammar_mask_runs_after_the_bias_and_before_truncation(tmp_path):
+    """With xgrammar: a bias toward a token the grammar forbids cannot force it, and sampled
+    rows (temperature, top-k, min-p) draw only what the grammar allows; the unconstrained
+    row in the same batch keeps its bias."""
+    from services.executor.engine.sampling_params import GrammarSpec
+    from services.executor.grammar import GrammarCache, GrammarState, load_tokenizer_info
+    from services.executor.model.config import ModelConfig
+    from weft.testing.tiny_model import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "tiny", preset="tiny", arch="llama")
+    config = ModelConfig.from_dir(path)
+    info = load_tokenizer_info(path, config.vocab_size, config.eos_token_ids)
+    cache = GrammarCache(info)
+    try:
+        digits = cache.get(GrammarSpec("regex", "[0-9]+"))
+        non_digit = next(t for t, b in enumerate(info.decoded_vocab) if b and not b.isdigit())
+        logits = torch.randn(3, config.vocab_size, generator=_gen(8))
+        params = [SamplingParams(temperature=0.0, logit_bias={non_digit: 100.0}),
+                  SamplingParams(temperature=1.5, top_k=50, min_p=0.01, seed=1, logit_bias={non_digit: 100.0}),
+                  SamplingParams(temperature=0.0, logit_bias={non_digit: 100.0})]
+        drawn = set()
+        for i in range(30):
+            states = [GrammarState(digits), GrammarState(digits), None]
+            out = sample(logits, params, [None, _gen(i), None], grammars=states)
+            assert out.stuck_rows == ()
+            assert out.token_ids[2] == non_digit
+            drawn.update(out.token_ids[:2])
+        assert all(info.decoded_vocab[t].isdigit() for t in drawn) and len(drawn) > 2
+    finally:
+        cache.close()
