@@ -1,0 +1,145 @@
+"""The grammars the tool-call formats hand the engine, compiled for real with xgrammar over
+SmolLM2's tokenizer and walked token by token: a correct call is accepted (then EOS), a
+call of the wrong function, with a wrong-typed argument, or text where only a call may
+stand is rejected. What a grammar accepts must parse back into the same calls."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+from services.router.tool_parsers import FORMATS, ToolChoice
+from weft.models.sources import resolve_model
+
+TOOLS = (
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now"}},  # no parameters: any object
+)
+AUTO, REQUIRED, NOW = ToolChoice("auto"), ToolChoice("required"), ToolChoice("function", "now")
+
+
+@pytest.fixture(scope="module")
+def walk():
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m-instruct")))
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer))
+
+    def accepts(grammar: str, output: str) -> bool:
+        """Whether the engine could write ``output`` and then stop under ``grammar``."""
+        matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(grammar))
+        for token in tokenizer.encode(output, add_special_tokens=False):
+            if not matcher.accept_token(token):
+                return False
+        return matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+    return accepts
+
+
+# Per format: (a call of get_weather(city="Paris", days=3), of now(), get_weather's
+# days as a string, a call of an unknown function). Each writes one call.
+CALLS = {
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+               '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": "3"}}\n</tool_call>',
+               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
+    "smollm2": ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]</tool_call>',
+                '<tool_call>[{"name": "now", "arguments": {}}]</tool_call>',
+                '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris", "days": "3"}}]</tool_call>',
+                '<tool_call>[{"name": "get_time", "arguments": {}}]</tool_call>'),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+                    '{"name": "now", "parameters": {}}',
+                    '{"name": "get_weather", "parameters": {"city": "Paris", "days": "3"}}',
+                    '{"name": "get_time", "parameters": {}}'),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
+                '[TOOL_CALLS][{"name": "now", "arguments": {}}]',
+                '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": "3"}}]',
+                '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]'),
+}
+# Two calls in the format's parallel form.
+TWO_CALLS = {
+    "hermes": CALLS["hermes"][0] + "\n" + CALLS["hermes"][1],
+    "smollm2": '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+               '{"name": "now", "arguments": {}}]</tool_call>',
+    "llama3_json": CALLS["llama3_json"][0] + "; " + CALLS["llama3_json"][1],
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+               '{"name": "now", "arguments": {}}]',
+    "pythonic": '[get_weather(city="Paris"), now()]',
+}
+
+
+def _names(fmt: str, text: str) -> list[str]:
+    return [c.name for c in FORMATS[fmt].parse(text)[1]]
+
+
+@pytest.mark.parametrize("fmt", sorted(CALLS))
+def test_required_accepts_only_a_valid_call_of_a_tool(walk, fmt):
+    good, now, wrong_type, unknown = CALLS[fmt]
+    grammar = FORMATS[fmt].grammar(TOOLS, REQUIRED, parallel=False)
+    assert walk(grammar, good) and walk(grammar, now)
+    assert _names(fmt, good) == ["get_weather"] and json.loads(FORMATS[fmt].parse(good)[1][0].arguments) == {
+        "city": "Paris", "days": 3}
+    assert not walk(grammar, wrong_type)
+    assert not walk(grammar, unknown)
+    assert not walk(grammar, "The weather is fine.")  # the output is only the call
+    assert not walk(grammar, good + "\nDone.")
+    assert not walk(grammar, TWO_CALLS[fmt])  # parallel_tool_calls: false means exactly one
+    missing_city = good.replace('"city": "Paris", ', "")
+    assert not walk(grammar, missing_city)  # a required parameter
+
+
+@pytest.mark.parametrize("fmt", sorted(TWO_CALLS))
+def test_required_with_parallel_calls_accepts_several(walk, fmt):
+    grammar = FORMATS[fmt].grammar(TOOLS, REQUIRED, parallel=True)
+    assert walk(grammar, TWO_CALLS[fmt])
+    assert _names(fmt, TWO_CALLS[fmt]) == ["get_weather", "now"]
+
+
+@pytest.mark.parametrize("fmt", sorted(CALLS))
+def test_a_named_function_accepts_only_that_function(walk, fmt):
+    good, now, _, _ = CALLS[fmt]
+    grammar = FORMATS[fmt].grammar(TOOLS, NOW, parallel=True)
+    assert walk(grammar, now)
+    assert not walk(grammar, good)
+    assert not walk(grammar, TWO_CALLS[fmt])
+
+
+@pytest.mark.parametrize("fmt", sorted(CALLS))
+def test_auto_lets_text_through_but_constrains_a_call_once_opened(walk, fmt):
+    good, _, wrong_type, unknown = CALLS[fmt]
+    grammar = FORMATS[fmt].grammar(TOOLS, AUTO, parallel=True)
+    assert walk(grammar, "It is sunny in Paris today.")
+    assert walk(grammar, good)
+    assert not walk(grammar, wrong_type)
+    assert not walk(grammar, unknown)
+
+
+def test_tagged_formats_let_text_stand_before_a_call_under_auto(walk):
+    for fmt in ("hermes", "smollm2"):
+        text = "Let me check. " + CALLS[fmt][0]
+        assert walk(FORMATS[fmt].grammar(TOOLS, AUTO, parallel=True), text)
+        assert FORMATS[fmt].parse(text)[0] == "Let me check. "
+
+
+def test_pythonic_required_is_best_effort_names_and_parameter_names(walk):
+    grammar = FORMATS["pythonic"].grammar(TOOLS, REQUIRED, parallel=False)
+    assert walk(grammar, '[get_weather(city="Paris", days=3)]')
+    assert walk(grammar, "[now()]")
+    assert not walk(grammar, '[get_time(city="Paris")]')  # unknown function
+    assert not walk(grammar, '[get_weather(town="Paris")]')  # not one of its parameters
+    assert not walk(grammar, "Sunny.")
+    assert not walk(grammar, TWO_CALLS["pythonic"])
+    assert walk(FORMATS["pythonic"].grammar(TOOLS, REQUIRED, parallel=True), TWO_CALLS["pythonic"])
+    assert not walk(FORMATS["pythonic"].grammar(TOOLS, NOW, parallel=True), '[get_weather(city="Paris")]')
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_none_and_no_tools_mean_no_constraint(fmt):
+    assert FORMATS[fmt].grammar(TOOLS, ToolChoice("none"), parallel=True) is None
+    assert FORMATS[fmt].grammar((), AUTO, parallel=True) is None
+
+
+def test_pythonic_auto_is_not_constrained():
+    """Its only trigger would be "[", which ordinary text writes (docs/tools.md)."""
+    assert FORMATS["pythonic"].grammar(TOOLS, AUTO, parallel=True) is None
