@@ -168,3 +168,20 @@ def test_tool_choice_checks_its_own_shape():
         ToolChoice("function")
     with pytest.raises(ValueError):
         ToolChoice("sometimes")
+
+
+def test_the_tool_call_parser_flag_and_env_take_a_format_name_or_auto(tmp_path):
+    from services.mesh.env_config import load_config
+    from services.router.config import RouterConfig
+    from weft.testing.tiny_model import make_tiny_checkpoint
+
+    model_dir = str(make_tiny_checkpoint(tmp_path / "tiny"))
+
+    def load(*argv: str, env: dict | None = None) -> RouterConfig:
+        return load_config(RouterConfig, "router", "x", ["--model-dir", model_dir, *argv], env or {})
+
+    assert load().tool_call_parser == "auto"
+    assert load("--tool-call-parser", "mistral").tool_call_parser == "mistral"
+    assert load(env={"WEFT_ROUTER_TOOL_CALL_PARSER": "pythonic"}).tool_call_parser == "pythonic"
+    with pytest.raises(SystemExit):
+        load("--tool-call-parser", "llama4")
