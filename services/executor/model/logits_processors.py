@@ -17,6 +17,7 @@ OpenAI / vLLM:
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -87,6 +88,6 @@ def truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> to
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     if min_p > 0.0:
         # p < min_p * p_max  <=>  logit < max_logit + log(min_p): no softmax needed
-        floor = logits.max() + torch.log(torch.tensor(min_p, dtype=logits.dtype))
+        floor = logits.max() + math.log(min_p)
         logits = logits.masked_fill(logits < floor, NEG_INF)
     return logits
