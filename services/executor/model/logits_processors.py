@@ -63,8 +63,9 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, history: TokenHisto
         produced = torch.tensor(history.token_ids[history.output_start:], dtype=torch.int64, device=out.device)
         produced = produced[produced < vocab]
         if produced.numel():
-            counts = torch.bincount(produced, minlength=vocab).to(out.dtype)
-            out -= p.presence_penalty * (counts > 0).to(out.dtype) + p.frequency_penalty * counts
+            # sparse: only the produced ids, not a vocabulary-wide count vector
+            ids, counts = produced.unique(return_counts=True)
+            out[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(out.dtype)
     return out
 
 

@@ -205,3 +205,13 @@ def test_the_real_grammar_mask_runs_after_the_bias_and_before_truncation(tmp_pat
         assert all(info.decoded_vocab[t].isdigit() for t in drawn) and len(drawn) > 2
     finally:
         cache.close()
+
+
+def test_a_batch_without_processors_is_not_copied():
+    from services.executor.model.sampler import _process
+
+    logits = torch.randn(4, 10)
+    plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=3, min_p=0.1)] * 2
+    assert _process(logits, plain, (), [None] * 4) is logits
+    biased = plain[:3] + [SamplingParams(logit_bias={1: 1.0})]
+    assert _process(logits, biased, (), [None] * 4) is not logits
