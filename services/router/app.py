@@ -19,6 +19,7 @@ from services.router.generation import Generator, model_limits
 from services.router.http_api import HttpApi
 from services.router.scheduler_client import SchedulerClient
 from services.router.server import ROUTER_ERROR_RULES, RouterServicer, add_router_to_server
+from services.router.tool_parsers import select_format
 from services.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -37,15 +38,22 @@ class RouterApp:
             min_stall_s=config.continuation_min_stall_s, probe_timeout_s=config.continuation_probe_timeout_s,
             probe_attempts=config.continuation_probe_attempts, probe_backoff=config.continuation_probe_backoff,
         ), probe=self.scheduler.probe, unreachable=self.scheduler.unreachable)
+        embeddings = None
         if config.cachestore_address:  # opt-in semantic response cache in front of the scheduler
             from services.router.cachestore_client import CacheStoreClient
+            from services.router.embeddings import EmbeddingsApi
             from services.router.semantic_cache import SemanticCachingStreamer
 
-            downstream = SemanticCachingStreamer(downstream, CacheStoreClient(config.cachestore_address), tokenizer)
+            cachestore = CacheStoreClient(config.cachestore_address)
+            downstream = SemanticCachingStreamer(downstream, cachestore, tokenizer)
+            embeddings = EmbeddingsApi(cachestore, tokenizer)  # /v1/embeddings: the cachestore's model
         self.generator = Generator(tokenizer, limits, downstream, config.request_timeout_s)
         keys = KeyStore.from_file(config.keys_file)
+        # The tool-call format: the one the chat template teaches, or --tool-call-parser's.
+        tool_format = select_format(tokenizer.chat_template, config.tool_call_parser)
         self.http = HttpApi(self.generator, keys, config.model_name, self.scheduler.list_executors,
-                            body_read_timeout_s=config.body_read_timeout_s)
+                            body_read_timeout_s=config.body_read_timeout_s, tool_format=tool_format,
+                            embeddings=embeddings)
         # One request cap for both public doors: the gRPC message limit is the HTTP body cap.
         self.grpc = GrpcServer("weft.v1.Router", config.host, config.grpc_port, rules=ROUTER_ERROR_RULES,
                                max_message_bytes=config.max_body_bytes, grace_s=config.drain_s,

@@ -1,6 +1,7 @@
 """Combinators over ``Delta`` streams used by the HTTP API: metrics on the way through,
-and interleaving several prompts' streams of one ``/v1/completions`` request. Closing
-a combinator closes what it wraps (so cancellation still reaches the scheduler)."""
+interleaving the streams of one request's choices (several prompts, ``n`` completions
+each), and naming a grammar's refusal after the body field it came from. Closing a
+combinator closes what it wraps (so cancellation still reaches the scheduler)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,10 @@ import time
 from collections.abc import AsyncIterator
 
 from services.router import metrics as m
+from services.router.errors import InvalidRequestError
 from services.router.schema import Delta
+
+GRAMMAR_FIELD = "grammar"  # the executor names a grammar it cannot compile "grammar.<kind>"
 
 
 async def timed(deltas: AsyncIterator[Delta], api: str) -> AsyncIterator[Delta]:
@@ -32,8 +36,28 @@ async def timed(deltas: AsyncIterator[Delta], api: str) -> AsyncIterator[Delta]:
         await deltas.aclose()
 
 
-async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """Interleave several streams as (index, delta); one stream passes straight through."""
+async def name_grammar_errors(deltas: AsyncIterator[Delta], field: str) -> AsyncIterator[Delta]:
+    """Pass deltas through; a refusal of the grammar (``grammar.json_schema: ...`` from the
+    executor's compiler) is re-raised naming ``field``, the body field the client set."""
+    try:
+        async for delta in deltas:
+            yield delta
+    except InvalidRequestError as exc:
+        if not field or not exc.field.startswith(GRAMMAR_FIELD):
+            raise
+        raise InvalidRequestError(field, f"cannot be enforced: {exc.message} ({exc.field})") from None
+    finally:
+        await deltas.aclose()
+
+
+async def merge(streams: list[AsyncIterator[Delta]],
+                follows: list[int | None] | None = None) -> AsyncIterator[tuple[int, Delta]]:
+    """Interleave several streams as (index, delta); one stream passes straight through.
+
+    ``follows[i] = j``: stream i starts only once stream j yielded its first delta (or
+    ended). The ``n`` completions of one prompt follow the first: by then the prompt's KV
+    is on the executor, so the others reuse its full blocks through the prefix cache
+    instead of all prefilling the same prompt at once."""
     if len(streams) == 1:
         try:
             async for delta in streams[0]:
@@ -42,14 +66,20 @@ async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int,
             await streams[0].aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
+    follows = follows or [None] * len(streams)
+    started = [asyncio.Event() for _ in streams]
 
     async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
         try:
+            if follows[i] is not None:
+                await started[follows[i]].wait()
             async for delta in stream:
+                started[i].set()
                 await queue.put((i, delta, None))
         except Exception as exc:
             await queue.put((i, None, exc))
         finally:
+            started[i].set()  # ended without a delta: its followers must not wait forever
             await stream.aclose()
             await queue.put((i, None, None))
 

@@ -1,8 +1,8 @@
 """Request fields Weft does not honour yet, and the refusal that names them.
 
 NOTE: no field that would change the output is parsed and dropped. A field listed here
-(or any ``guided_*``) is accepted only when absent, ``null`` or the value that means
-today's behaviour (``parallel_tool_calls: true``, ``min_p: 0``, ``logit_bias: {}``);
+is accepted only when absent, ``null`` or the value that means today's behaviour
+(``typical_p: 1``, ``bad_words: []``);
 anything else is a 400 naming it, so a client asking for JSON output or a forced tool call
 learns it did not get one instead of parsing prose. ``docs/openai.md`` tables every field;
 a test keeps that table and these in step.
@@ -26,35 +26,24 @@ class FieldGap(NamedTuple):
     why: str
 
 
-CONSTRAINED = "needs constrained decoding, coming with structured output in issue 15"
 _TEMPLATE = "the model's own chat template renders every conversation"
 _BEAM = "decoding samples one sequence per prompt, no beam search"
 _SHARED_GAPS = {
-    "response_format": FieldGap({"type": "text"}, f"JSON / schema output {CONSTRAINED}"),
-    "structured_outputs": FieldGap(None, CONSTRAINED),
-    "json_schema": FieldGap(None, CONSTRAINED),  # SGLang's extras
-    "regex": FieldGap(None, CONSTRAINED),
-    "ebnf": FieldGap(None, CONSTRAINED),
-    "allowed_token_ids": FieldGap(None, CONSTRAINED),
-    "logit_bias": FieldGap({}, "the sampler applies no logit bias yet"),
-    "min_p": FieldGap(0, "the sampler has no min-p filter yet"),
+    "allowed_token_ids": FieldGap(None, "use logit_bias or a regex (structured output)"),
     "typical_p": FieldGap(1, "the sampler has no typical-p filter"),
-    "repetition_penalty": FieldGap(1, "the sampler applies no repetition penalty yet"),
     "bad_words": FieldGap([], "the sampler cannot ban words yet"),
     "logits_processors": FieldGap(None, "no custom logits processors are loaded"),
-    "best_of": FieldGap(1, _BEAM),
     "use_beam_search": FieldGap(False, _BEAM),
     "length_penalty": FieldGap(1, _BEAM),
     "include_stop_str_in_output": FieldGap(False, "a matched stop string is cut from the text"),
     "skip_special_tokens": FieldGap(True, "special tokens are left out of the text"),
     "spaces_between_special_tokens": FieldGap(True, "special tokens are left out of the text"),
     "truncate_prompt_tokens": FieldGap(None, "a prompt that does not fit is refused, never truncated"),
-    "prompt_logprobs": FieldGap(None, "log-probabilities are not returned over HTTP yet"),
+    "prompt_logprobs": FieldGap(None, "use echo with logprobs on /v1/completions"),
     "return_tokens_as_token_ids": FieldGap(False, "use return_token_ids"),
 }
 CHAT_FIELD_GAPS = {
     **_SHARED_GAPS,
-    "parallel_tool_calls": FieldGap(True, f"every call the model writes is returned; at most one {CONSTRAINED}"),
     "functions": FieldGap(None, "the deprecated functions API is not served; use tools"),
     "function_call": FieldGap(None, "the deprecated functions API is not served; use tool_choice"),
     "audio": FieldGap(None, "output is text only"),
@@ -74,29 +63,14 @@ COMPLETION_FIELD_GAPS = {
     **_SHARED_GAPS,
     "add_special_tokens": FieldGap(True, "a text prompt is encoded with the tokenizer's special tokens (BOS)"),
 }
-GUIDED_PREFIX = "guided_"  # vLLM's guided decoding: guided_json, guided_regex, guided_choice, ...
-
-
 def refuse_field_gaps(body: Mapping[str, Any], gaps: Mapping[str, FieldGap]) -> None:
-    """Refuse the first field of ``gaps`` (or ``guided_*``) whose value asks for what Weft
-    does not do yet, naming it; does not modify ``body``."""
+    """Refuse the first field of ``gaps`` whose value asks for what Weft does not do yet,
+    naming it; does not modify ``body``. (``guided_*`` are ``structured_output.py``'s.)"""
     for name, gap in gaps.items():
         value = body.get(name)
         if not _means_default(value, gap.default):
             hint = "omit it" if gap.default is None else f"omit it or send {json.dumps(gap.default)}"
             raise InvalidRequestError(name, f"is not supported yet ({gap.why}); {hint}")
-    for name, value in body.items():
-        if isinstance(name, str) and name.startswith(GUIDED_PREFIX) and value is not None:
-            raise InvalidRequestError(name, f"is not supported yet (guided decoding {CONSTRAINED}); omit it")
-
-
-def refuse_strict_tools(tools: tuple[dict[str, Any], ...] | None) -> None:
-    """``strict: true`` on a tool promises arguments valid against its schema: Weft does not
-    check them yet, so the promise is refused rather than broken."""
-    for i, tool in enumerate(tools or ()):
-        if not _means_default(tool["function"].get("strict"), False):
-            raise InvalidRequestError(f"tools[{i}].function.strict", f"is not supported yet (arguments valid "
-                                      f"against the schema {CONSTRAINED}); omit it or send false")
 
 
 def _means_default(value: Any, default: Any) -> bool:

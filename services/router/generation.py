@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -32,6 +33,19 @@ class TokenStreamer(Protocol):
     """The downstream: the scheduler client (or an in-process fake in tests)."""
 
     def generate(self, request: TokenRequest, timeout_s: float) -> AsyncIterator[TokenChunk]: ...
+
+
+def fan_out(request: TokenRequest, n: int) -> list[TokenRequest]:
+    """The ``n`` downstream requests of one prompt's ``n`` completions: the first keeps the
+    request id, the others get ``<id>.n<i>``; a seeded request seeds completion i with
+    seed + i (vLLM's rule), so each completion is reproducible and they differ."""
+    out = []
+    for i in range(n):
+        s = request.sampling
+        seed = None if s.seed is None else (s.seed + i) % 2**64
+        out.append(replace(request, request_id=request.request_id if i == 0 else f"{request.request_id}.n{i}",
+                           sampling=replace(s, n=1, seed=seed)))
+    return out
 
 
 def model_limits(model_dir: str | Path, tokenizer: Tokenizer, served_models: Sequence[str],
@@ -84,7 +98,8 @@ class Generator:
                 reason = "stop" if matcher.stopped else chunk.finish_reason
                 usage = Usage(chunk.num_prompt_tokens, chunk.num_output_tokens, chunk.num_cached_tokens)
                 yield Delta(out, chunk.token_ids, chunk.logprobs, reason, usage, chunk.executor,
-                            chunk.degradation_rung, chunk.num_migrations, chunk.notes)
+                            chunk.degradation_rung, chunk.num_migrations, chunk.notes, chunk.top_logprobs,
+                            chunk.prompt_logprobs, chunk.prompt_top_logprobs)
                 if reason is not None:
                     return
             raise UpstreamError("the scheduler's stream ended without a finish reason")

@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   chat, SSE streaming or not; tools and tool messages
     POST /v1/completions        text or token-id prompts; ``return_token_ids`` extension
+    POST /v1/embeddings         the cachestore's embedding model (``embeddings.py``); 404 without one
     GET  /v1/models             the served model
     GET  /v1/models/{id}        one served model's card (404 naming the id otherwise)
     GET  /health                liveness: 200 while serving, 503 while draining
@@ -42,17 +43,21 @@ from services.mesh.timeline import STORE, timeline_json
 from services.router import metrics as m
 from services.router.attribution import ATTRIBUTION
 from services.router.auth import KeyStore, bearer_token
+from services.router.embeddings import EmbeddingsApi
 from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, RouterError,
                                     UpstreamError, UpstreamUnavailable)
-from services.router.delta_streams import merge, timed
-from services.router.generation import Generator
+from services.router.choice_streams import ChatChoice, CompletionChoice
+from services.router.delta_streams import merge, name_grammar_errors, timed
+from services.router.generation import Generator, fan_out
 from services.router.json_body import parse_json_body
 from services.router.readiness import Readiness
 from services.router.request_ids import client_request_id, http_request_id, mesh_request_id
-from services.router.openai_format import ChatFormatter, CompletionFormatter, error_body, sse, sum_usage
+from services.router.logprobs_format import CompletionLogprobs, TokenText
+from services.router.openai_format import ChatFormatter, CompletionFormatter, choices_usage, error_body, sse
 from services.router.prepare import ChatPrompt, completion_prompt
-from services.router.schema import Delta, ServingNotes
-from services.router.tool_calls import ContentDelta, ToolCall, ToolCallParser, parse_tool_calls
+from services.router.schema import ServingNotes, TokenRequest
+from services.router.tool_grammar import with_tool_grammar
+from services.router.tool_parsers import ToolCallFormat, select_format
 from services.router.validation import parse_chat_request, parse_completion_request
 
 log = structlog.get_logger(__name__)
@@ -106,8 +111,13 @@ def notes_headers(first: ServingNotes | None, last: ServingNotes | None) -> dict
 class HttpApi:
     def __init__(self, generator: Generator, keys: KeyStore, model_name: str,
                  list_executors: Callable[[], Awaitable[list[dict]]] | None = None,
-                 body_read_timeout_s: float = 30.0) -> None:
+                 body_read_timeout_s: float = 30.0, tool_format: ToolCallFormat | None = None,
+                 embeddings: EmbeddingsApi | None = None) -> None:
         self.generator = generator
+        # How the served model writes tool calls: by default the format its chat template teaches.
+        self.tool_format = tool_format or select_format(getattr(generator.tokenizer, "chat_template", None))
+        self.embeddings = embeddings  # None: no cachestore, no embedding model
+        self.token_text = TokenText(generator.tokenizer) if generator.tokenizer is not None else None
         self.body_read_timeout_s = body_read_timeout_s
         self.keys = keys
         self.model_name = model_name
@@ -119,6 +129,7 @@ class HttpApi:
         app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embed)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model)  # ".+": ids may hold a "/" (org/name)
         app.router.add_get("/health", self.health)
@@ -217,8 +228,20 @@ class HttpApi:
         return web.json_response(timeline_json(client_request_id(rid), spans))
 
     def _model_cards(self) -> list[dict]:
-        return [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "weft",
-                 "max_model_len": self.generator.limits.max_model_len}]
+        cards = [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "weft",
+                  "max_model_len": self.generator.limits.max_model_len}]
+        if self.embeddings is not None:
+            cards.append(self.embeddings.model_card())
+        return cards
+
+    async def embed(self, request: web.Request) -> web.Response:
+        """``POST /v1/embeddings``: 404 naming the reason where no embedding model is served
+        (the router runs without a cachestore)."""
+        tenant = self._tenant(request)
+        if self.embeddings is None:
+            message = "no embedding model is served here (the router has no --cachestore-address)"
+            return web.json_response(error_body(404, message, "model", "model_not_found"), status=404)
+        return await self.embeddings.handle(await self._json(request), tenant)
 
     async def models(self, request: web.Request) -> web.Response:
         self._tenant(request)
@@ -235,73 +258,60 @@ class HttpApi:
             return web.json_response(error_body(404, message, "model", "model_not_found"), status=404)
         return web.json_response(card)
 
+    def _streams(self, token_reqs: list[TokenRequest], n: int, stop, grammar_field: str):
+        """The merged (choice index, delta) stream of every prompt's ``n`` completions; each
+        prompt's later completions start once its first has a token (``merge``)."""
+        choices = [c for t in token_reqs for c in fan_out(t, n)]
+        streams = [name_grammar_errors(timed(self.generator.stream(c, stop), "http"), grammar_field)
+                   for c in choices]
+        return merge(streams, follows=[None if i % n == 0 else i - i % n for i in range(len(choices))]), choices
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
         req = parse_chat_request(await self._json(request), self.generator.limits)
         rid = self._request_id(request, "chatcmpl")
         with request_context(rid, tenant=tenant):
+            req = with_tool_grammar(req, self.tool_format)
             token_req = await self.generator.prepare(ChatPrompt(req.messages, req.tools), req.sampling, tenant,
                                                      req.session, rid)
             fmt = ChatFormatter(rid, req.model, req.include_usage)
-            deltas = timed(self.generator.stream(token_req, req.stop), "http")
+            merged, _ = self._streams([token_req], req.sampling.n, req.stop, req.grammar_field)
+            tools = self.tool_format if req.parse_tool_calls else None
+            text = self.token_text if req.sampling.logprobs else None
+            choices = [ChatChoice(i, tools, text, req.return_token_ids) for i in range(req.sampling.n)]
             try:
                 if req.stream:
-                    return await self._stream_chat(request, req, fmt, deltas, rid)
-                return await self._collect_chat(req, fmt, deltas, rid)
+                    return await self._stream_chat(request, req, fmt, merged, choices, rid)
+                return await self._collect_chat(fmt, merged, choices, rid)
             finally:
-                await deltas.aclose()
+                await merged.aclose()
 
-    async def _collect_chat(self, req, fmt: ChatFormatter, deltas: AsyncIterator[Delta], rid: str) -> web.Response:
-        text, ids, last, first_notes = [], [], None, None
-        async for last in deltas:
-            text.append(last.text)
-            ids.extend(last.token_ids)
-            first_notes = first_notes or last.notes
-        content, calls = "".join(text), []
-        if req.parse_tool_calls:
-            content, calls = parse_tool_calls(content)
-        reason = "tool_calls" if calls else last.finish_reason
-        body = fmt.response(content, calls, reason, last.usage, ids if req.return_token_ids else None)
-        return web.json_response(body, headers={EXECUTOR_HEADER: last.executor, "x-request-id": rid,
-                                                **notes_headers(first_notes, last.notes)})
+    async def _collect_chat(self, fmt: ChatFormatter, merged, choices: list[ChatChoice], rid: str) -> web.Response:
+        first_notes = None
+        async for i, delta in merged:
+            choices[i].add(delta)
+            first_notes = first_notes or (delta.notes if i == 0 else None)
+        usage = choices_usage([c.last.usage for c in choices], len(choices))
+        body = fmt.response([c.body(fmt) for c in choices], usage)
+        return web.json_response(body, headers={EXECUTOR_HEADER: _executors(choices), "x-request-id": rid,
+                                                **notes_headers(first_notes, choices[0].last.notes)})
 
-    async def _stream_chat(self, request: web.Request, req, fmt: ChatFormatter, deltas: AsyncIterator[Delta],
-                           rid: str) -> web.StreamResponse:
-        first = await anext(deltas)  # errors before the first token stay plain HTTP errors
-        resp = web.StreamResponse(headers={**_SSE_HEADERS, EXECUTOR_HEADER: first.executor, "x-request-id": rid,
-                                           **notes_headers(first.notes, None)})
+    async def _stream_chat(self, request: web.Request, req, fmt: ChatFormatter, merged,
+                           choices: list[ChatChoice], rid: str) -> web.StreamResponse:
+        i, delta = await anext(merged)  # errors before the first token stay plain HTTP errors
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, EXECUTOR_HEADER: delta.executor, "x-request-id": rid,
+                                           **notes_headers(delta.notes, None)})
         await resp.prepare(request)
-        parser = ToolCallParser() if req.parse_tool_calls else None
-        num_calls = 0
         try:
-            await resp.write(sse(fmt.chunk({"role": "assistant", "content": ""})))
-            delta = first
             while True:
-                done = delta.finish_reason is not None
-                events = [ContentDelta(delta.text)] if parser is None else parser.push(delta.text)
-                if done and parser is not None:
-                    events += parser.flush()
-                ids = list(delta.token_ids) if req.return_token_ids else None
-                for ev in events:
-                    if isinstance(ev, ToolCall):
-                        body = {"tool_calls": [{"index": num_calls, "id": ev.id, "type": "function",
-                                                "function": {"name": ev.name, "arguments": ev.arguments}}]}
-                        num_calls += 1
-                    elif ev.text:
-                        body = {"content": ev.text}
-                    else:
-                        continue
-                    await resp.write(sse(fmt.chunk(body, token_ids=ids)))
-                    ids = [] if ids is not None else None
-                if ids:  # token ids whose text is still held back
-                    await resp.write(sse(fmt.chunk({}, token_ids=ids)))
-                if done:
-                    reason = "tool_calls" if num_calls else delta.finish_reason
-                    await resp.write(sse(fmt.chunk({}, finish_reason=reason)))
-                    if req.include_usage:
-                        await resp.write(sse(fmt.usage_chunk(delta.usage)))
+                for chunk in choices[i].chunks(fmt, delta):
+                    await resp.write(sse(chunk))
+                nxt = await anext(merged, None)
+                if nxt is None:
                     break
-                delta = await anext(deltas)
+                i, delta = nxt
+            if req.include_usage:
+                await resp.write(sse(fmt.usage_chunk(choices_usage([c.last.usage for c in choices], len(choices)))))
             await resp.write(sse("[DONE]"))
         except RouterError as exc:
             await resp.write(sse(json.loads(error_response(exc).text)))
@@ -325,49 +335,51 @@ class HttpApi:
                 for i, p in enumerate(req.prompts)
             ]
             fmt = CompletionFormatter(rid, req.model, req.include_usage)
-            streams = [timed(self.generator.stream(t, req.stop), "http") for t in token_reqs]
-            merged = merge(streams)
+            merged, sent = self._streams(token_reqs, req.sampling.n, req.stop, req.grammar_field)
+            choices = [self._completion_choice(req, i, c) for i, c in enumerate(sent)]
             try:
                 if req.stream:
-                    return await self._stream_completions(request, req, fmt, merged, rid)
-                return await self._collect_completions(req, fmt, merged, len(streams), rid)
+                    return await self._stream_completions(request, req, fmt, merged, choices, rid)
+                return await self._collect_completions(fmt, merged, choices, req.sampling.n, rid)
             finally:
                 await merged.aclose()
 
-    async def _collect_completions(self, req, fmt, merged, n: int, rid: str) -> web.Response:
-        texts, ids, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+    def _completion_choice(self, req, index: int, sent: TokenRequest) -> CompletionChoice:
+        echo = None
+        if req.echo:  # the prompt as the client wrote it; token ids decoded
+            prompt = req.prompts[index // req.sampling.n]
+            echo = prompt if isinstance(prompt, str) else self.generator.tokenizer.decode(prompt)
+        logprobs = CompletionLogprobs(self.token_text) if req.sampling.logprobs else None
+        return CompletionChoice(index, echo, sent.prompt_token_ids, logprobs, req.score_only, req.return_token_ids)
+
+    async def _collect_completions(self, fmt, merged, choices: list[CompletionChoice], n: int,
+                                   rid: str) -> web.Response:
         first_notes = None
         async for i, delta in merged:
-            texts[i].append(delta.text)
-            ids[i].extend(delta.token_ids)
-            last[i] = delta
+            choices[i].add(delta)
             first_notes = first_notes or (delta.notes if i == 0 else None)
-        choices = [fmt.choice(i, "".join(texts[i]), last[i].finish_reason, ids[i] if req.return_token_ids else None)
-                   for i in range(n)]
-        executors = ",".join(dict.fromkeys(d.executor for d in last))
-        return web.json_response(fmt.response(choices, sum_usage([d.usage for d in last])),
-                                 headers={EXECUTOR_HEADER: executors, "x-request-id": rid,
-                                          **notes_headers(first_notes, last[0].notes)})
+        usage = choices_usage([c.usage() for c in choices], n)
+        return web.json_response(fmt.response([c.body() for c in choices], usage),
+                                 headers={EXECUTOR_HEADER: _executors(choices), "x-request-id": rid,
+                                          **notes_headers(first_notes, choices[0].last.notes)})
 
-    async def _stream_completions(self, request, req, fmt, merged, rid: str) -> web.StreamResponse:
+    async def _stream_completions(self, request, req, fmt, merged, choices: list[CompletionChoice],
+                                  rid: str) -> web.StreamResponse:
         i, delta = await anext(merged)
         resp = web.StreamResponse(headers={**_SSE_HEADERS, EXECUTOR_HEADER: delta.executor, "x-request-id": rid,
                                            **notes_headers(delta.notes, None)})
         await resp.prepare(request)
-        usages = {}
         try:
             while True:
-                if delta.text or delta.finish_reason or (req.return_token_ids and delta.token_ids):
-                    ids = list(delta.token_ids) if req.return_token_ids else None
-                    await resp.write(sse(fmt.chunk(fmt.choice(i, delta.text, delta.finish_reason, ids))))
-                if delta.finish_reason:
-                    usages[i] = delta.usage
+                choice = choices[i].chunk_choice(delta)
+                if choice is not None:
+                    await resp.write(sse(fmt.chunk(choice)))
                 nxt = await anext(merged, None)
                 if nxt is None:
                     break
                 i, delta = nxt
             if req.include_usage:
-                await resp.write(sse(fmt.usage_chunk(sum_usage(list(usages.values())))))
+                await resp.write(sse(fmt.usage_chunk(choices_usage([c.usage() for c in choices], req.sampling.n))))
             await resp.write(sse("[DONE]"))
         except RouterError as exc:
             await resp.write(sse(json.loads(error_response(exc).text)))
@@ -377,3 +389,8 @@ class HttpApi:
             self._client_closed(request, rid)
             raise
         return resp
+
+
+def _executors(choices) -> str:
+    """Every executor that served a choice, in order, once each."""
+    return ",".join(dict.fromkeys(c.last.executor for c in choices))

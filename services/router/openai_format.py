@@ -2,7 +2,8 @@
 
 Shapes follow OpenAI's Chat Completions and (legacy) Completions APIs. Extensions are
 additive: ``token_ids`` on a choice (with ``return_token_ids: true``) and
-``prompt_tokens_details.cached_tokens`` (prefix-cache hits) in usage.
+``prompt_tokens_details.cached_tokens`` (prefix-cache hits) in usage. Several choices
+(``n``, several prompts) each carry their ``index``; their usage is ``choices_usage``.
 """
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ def sum_usage(usages: list[Usage]) -> Usage:
                  sum(u.cached_tokens for u in usages))
 
 
+def choices_usage(usages: list[Usage], n: int) -> Usage:
+    """Usage of choices grouped ``n`` per prompt: each prompt counted once (its first
+    completion's prompt and cached tokens: the others reuse its KV), every completion's
+    output tokens."""
+    firsts = usages[::n]
+    return Usage(sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in usages),
+                 sum(u.cached_tokens for u in firsts))
+
+
 def tool_call_body(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"id": call.id, "type": "function",
                             "function": {"name": call.name, "arguments": call.arguments}}
@@ -52,20 +62,27 @@ class ChatFormatter:
         self.created = int(time.time())
         self.include_usage = include_usage
 
-    def response(self, content: str | None, tool_calls: list[ToolCall], finish_reason: str, usage: Usage,
-                 token_ids: list[int] | None) -> dict[str, Any]:
+    @staticmethod
+    def choice(index: int, content: str | None, tool_calls: list[ToolCall], finish_reason: str,
+               token_ids: list[int] | None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = [tool_call_body(c) for c in tool_calls]
-        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish_reason,
+                                  "logprobs": None if logprobs is None else {"content": logprobs}}
         if token_ids is not None:
             choice["token_ids"] = token_ids
+        return choice
+
+    def response(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [choice], "usage": usage_body(usage)}
+                "choices": choices, "usage": usage_body(usage)}
 
     def chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
-              token_ids: list[int] | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+              token_ids: list[int] | None = None, index: int = 0,
+              logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason,
+                                  "logprobs": None if logprobs is None else {"content": logprobs}}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -89,8 +106,9 @@ class CompletionFormatter:
         self.include_usage = include_usage
 
     @staticmethod
-    def choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    def choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None,
+               logprobs: dict[str, list] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         if token_ids is not None:
             body["token_ids"] = token_ids
         return body

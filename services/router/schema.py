@@ -73,17 +73,19 @@ class ChatRequest:
     model: str
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] | None
-    tool_choice: Any
+    tool_choice: Any  # tool_parsers.ToolChoice
     sampling: Sampling
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
     session: Session
     return_token_ids: bool = False
+    grammar_field: str = ""  # the body field sampling.grammar came from (named by its refusals)
+    parallel_tool_calls: bool = True
 
     @property
     def parse_tool_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+        return bool(self.tools) and self.tool_choice.mode != "none"
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class CompletionRequest:
     session: Session
     return_token_ids: bool = False
     echo: bool = False
+    score_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) only
+    grammar_field: str = ""
 
 
 @dataclass(frozen=True)
@@ -174,3 +178,6 @@ class Delta:
     degradation_rung: str = ""  # see TokenChunk
     num_migrations: int = 0  # see TokenChunk
     notes: ServingNotes | None = None  # see TokenChunk
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # see TokenChunk
+    prompt_logprobs: tuple[float, ...] = ()  # see TokenChunk (first delta)
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()

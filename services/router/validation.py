@@ -11,20 +11,21 @@ clients send optional extras.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from services.router.chat_messages import parse_message, parse_tool_choice, parse_tools
+from services.router.chat_messages import parse_message, parse_tool_choice_spec, parse_tools
 from services.router.errors import InvalidRequestError, ModelNotFoundError
-from services.router.field_gaps import (
-    CHAT_FIELD_GAPS, COMPLETION_FIELD_GAPS, CONSTRAINED, refuse_field_gaps, refuse_strict_tools,
-)
+from services.router.field_gaps import CHAT_FIELD_GAPS, COMPLETION_FIELD_GAPS, refuse_field_gaps
 from services.router.json_fields import json_object, json_type, optional_field
+from services.router.sampling_fields import MAX_N, parse_logit_bias, parse_n, parse_penalties
 from services.router.schema import ChatRequest, CompletionRequest, ContractSpec, Sampling, Session
+from services.router.structured_output import parse_structured_output
 from services.shared.vocabulary import REQUEST_CLASS_LABELS, RUNG_LABELS
 
 _FALLBACKS = ("", "degrade", "reroute", "fail_fast")
 MAX_SESSION_KEY_CHARS = 128
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap on chat's top_logprobs; completions' logprobs takes the same
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class Limits:
     max_messages: int = 2048
     max_message_items: int = 2048  # content parts + tool calls, over all messages
     max_tools: int = 128
+    max_n: int = MAX_N  # completions per prompt (each one downstream request)
+    max_choices: int = 256  # prompts x n on one /v1/completions request
 
 
 def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
@@ -60,30 +63,34 @@ def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
     if isinstance(tools, list) and len(tools) > limits.max_tools:
         raise InvalidRequestError("tools", f"at most {limits.max_tools} tools, got {len(tools)}")
     tools = parse_tools(tools)
-    refuse_strict_tools(tools)
-    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
-    if tool_choice not in ("auto", "none"):  # "required" or {"type": "function", ...}
-        what = repr(tool_choice) if isinstance(tool_choice, str) else "a named function"
-        raise InvalidRequestError("tool_choice", f"{what} is not supported yet (forcing a tool call "
-                                  f"{CONSTRAINED}); use 'auto' or 'none'")
-    if optional_field(body, "logprobs", bool, False):
-        raise InvalidRequestError("logprobs", "log-probabilities are not supported on /v1/chat/completions")
-    if optional_field(body, "top_logprobs", int, 0):
-        raise InvalidRequestError("top_logprobs", "log-probabilities are not supported on /v1/chat/completions")
+    # enforced by the served format's grammar (tool_grammar.py, which refuses what it cannot keep)
+    tool_choice = parse_tool_choice_spec(body.get("tool_choice"), tools)
+    logprobs = optional_field(body, "logprobs", bool, False)
+    top_logprobs = optional_field(body, "top_logprobs", int, 0)
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    if top_logprobs and not logprobs:
+        raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+    structured = parse_structured_output(body)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     stream, include_usage = _stream(body)
+    sampling = parse_sampling(body, limits, max_tokens, field, default_max_tokens=None)
+    sampling = replace(sampling, logprobs=logprobs, top_logprobs=top_logprobs,
+                       grammar=structured.grammar if structured else None)
     return ChatRequest(
         model=model,
         messages=parsed,
         tools=tools,
         tool_choice=tool_choice,
-        sampling=parse_sampling(body, limits, max_tokens, field, default_max_tokens=None),
+        sampling=sampling,
         stop=parse_stop(body.get("stop"), limits),
         stream=stream,
         include_usage=include_usage,
         session=_session(body),
         return_token_ids=optional_field(body, "return_token_ids", bool, False),
+        grammar_field=structured.field if structured else "",
+        parallel_tool_calls=optional_field(body, "parallel_tool_calls", bool, True),
     )
 
 
@@ -93,22 +100,39 @@ def parse_completion_request(body: Any, limits: Limits) -> CompletionRequest:
     if "prompt" not in body:
         raise InvalidRequestError("prompt", "is required")
     refuse_field_gaps(body, COMPLETION_FIELD_GAPS)
-    if optional_field(body, "echo", bool, False):
-        raise InvalidRequestError("echo", "echo is not supported")
-    if body.get("logprobs") not in (None, 0):
-        raise InvalidRequestError("logprobs", "log-probabilities are not supported on /v1/completions")
+    echo = optional_field(body, "echo", bool, False)
+    logprobs = optional_field(body, "logprobs", int, None)  # None: none; k: each token's + k alternatives
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
     if body.get("suffix") not in (None, ""):
         raise InvalidRequestError("suffix", "suffix is not supported")
+    structured = parse_structured_output(body)
     stream, include_usage = _stream(body)
+    # echo with max_tokens 0 scores the prompt (log-likelihood evals): the executor always
+    # generates, so one token is asked for and dropped (http_api), the prompt is answered.
+    max_tokens, score_only = body.get("max_tokens"), False
+    if echo and max_tokens == 0 and not isinstance(max_tokens, bool):
+        max_tokens, score_only = 1, True
+    sampling = parse_sampling(body, limits, max_tokens, "max_tokens", default_max_tokens=16)
+    sampling = replace(sampling, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
+                       prompt_logprobs=logprobs if echo and logprobs is not None else None,
+                       grammar=structured.grammar if structured else None)
+    prompts = _prompts(body["prompt"], limits)
+    if len(prompts) * sampling.n > limits.max_choices:
+        raise InvalidRequestError("n", f"{len(prompts)} prompts x n={sampling.n} exceeds {limits.max_choices} "
+                                  "choices per request")
     return CompletionRequest(
         model=model,
-        prompts=_prompts(body["prompt"], limits),
-        sampling=parse_sampling(body, limits, body.get("max_tokens"), "max_tokens", default_max_tokens=16),
+        prompts=prompts,
+        sampling=sampling,
         stop=parse_stop(body.get("stop"), limits),
         stream=stream,
         include_usage=include_usage,
         session=_session(body),
         return_token_ids=optional_field(body, "return_token_ids", bool, False),
+        echo=echo,
+        score_only=score_only,
+        grammar_field=structured.field if structured else "",
     )
 
 
@@ -176,13 +200,9 @@ def parse_sampling(body: Mapping[str, Any], limits: Limits, max_tokens: Any, fie
     top_k = optional_field(body, "top_k", int, 0)
     if not -1 <= top_k < 2**31:  # int32 downstream; any k >= the vocabulary keeps every token
         raise InvalidRequestError("top_k", f"must be in [0, 2^31) (or -1 to disable), got {top_k}")
-    n = optional_field(body, "n", int, 1)
-    if n != 1:
-        raise InvalidRequestError("n", f"only n=1 is supported, got {n}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = optional_field(body, name, float, 0.0)
-        if value != 0.0:
-            raise InvalidRequestError(name, "penalties are not supported (must be 0)")
+    n = parse_n(body, limits.max_n)
+    penalties = parse_penalties(body)
+    logit_bias = parse_logit_bias(body, limits.vocab_size)
     seed = optional_field(body, "seed", int, None)
     if seed is not None and not 0 <= seed < 2**64:
         raise InvalidRequestError("seed", f"must be in [0, 2^64), got {seed}")
@@ -198,6 +218,7 @@ def parse_sampling(body: Mapping[str, Any], limits: Limits, max_tokens: Any, fie
         max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0),
         seed=seed, stop_token_ids=tuple(stop_ids), ignore_eos=optional_field(body, "ignore_eos", bool, False),
         min_tokens=min_tokens, semantic_cache=optional_field(body, "weft_semantic_cache", bool, False),
+        n=n, logit_bias=logit_bias, **penalties,
     )
 
 

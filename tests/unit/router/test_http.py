@@ -124,11 +124,18 @@ def test_tool_call_output_becomes_openai_tool_calls(model_dir):
                 resp = await client.post("/v1/chat/completions", json={
                     "model": MODEL, "messages": messages, "tools": tools, "stream": stream})
                 assert resp.status == 200, await resp.text()
-                if stream:
+                if stream:  # OpenAI's shape: index, id, type, name, arguments "" first; then fragments
                     chunks = _sse(await resp.text())
-                    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+                    deltas = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
                     reason = chunks[-1]["choices"][0]["finish_reason"]
                     assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
+                    head, *fragments = deltas
+                    assert head["index"] == 0 and head["type"] == "function" and head["id"].startswith("call_")
+                    assert head["function"]["arguments"] == ""
+                    assert all(set(f) == {"index", "function"} and set(f["function"]) == {"arguments"}
+                               for f in fragments)
+                    calls = [{"function": {"name": head["function"]["name"], "arguments": "".join(
+                        f["function"]["arguments"] for f in fragments)}}]
                 else:
                     choice = (await resp.json())["choices"][0]
                     calls, reason = choice["message"]["tool_calls"], choice["finish_reason"]

@@ -26,10 +26,9 @@ COMPLETION = ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 # A value each refused field is sent with: what a client asking for that behaviour sends.
 ACTIVE = {
-    "response_format": {"type": "json_object"}, "structured_outputs": {"json": {"type": "object"}},
-    "json_schema": {"type": "object"}, "regex": "[a-z]+", "ebnf": 'root ::= "a"', "allowed_token_ids": [1, 2],
-    "logit_bias": {"17": -100}, "min_p": 0.05, "typical_p": 0.9, "repetition_penalty": 1.1, "bad_words": ["no"],
-    "logits_processors": ["my.module:Proc"], "best_of": 2, "use_beam_search": True, "length_penalty": 0.8,
+    "allowed_token_ids": [1, 2],
+    "typical_p": 0.9, "bad_words": ["no"],
+    "logits_processors": ["my.module:Proc"], "use_beam_search": True, "length_penalty": 0.8,
     "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
     "truncate_prompt_tokens": 8, "prompt_logprobs": 1, "return_tokens_as_token_ids": True,
     "parallel_tool_calls": False, "functions": [{"name": "f", "parameters": {"type": "object"}}],
@@ -44,17 +43,17 @@ REFUSED = (
      for name in CHAT_FIELD_GAPS]
     + [(COMPLETION, name, ACTIVE_ADD_SPECIAL_TOKENS[COMPLETION[0]] if name == "add_special_tokens" else ACTIVE[name])
        for name in COMPLETION_FIELD_GAPS]
-    + [(CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": True}}),
-       (CHAT, "repetition_penalty", True),  # true is not 1
-       (CHAT, "guided_json", {"type": "object"}), (CHAT, "guided_regex", "a+"), (CHAT, "guided_choice", ["a", "b"]),
-       (COMPLETION, "guided_grammar", 'root ::= "a"'), (COMPLETION, "guided_decoding_backend", "xgrammar"),
-       (CHAT, "top_logprobs", 2)]
+    + [(CHAT, "best_of", 2), (COMPLETION, "best_of", 3),  # only best_of == n: completions are not ranked
+       (CHAT, "guided_whitespace_pattern", " *"), (COMPLETION, "guided_decoding_backend", "outlines")]
 )
 # Values meaning today's behaviour: accepted, and the request goes downstream unchanged.
 DEFAULTS = ([(CHAT, name, gap.default) for name, gap in CHAT_FIELD_GAPS.items() if gap.default is not None]
             + [(COMPLETION, name, gap.default) for name, gap in COMPLETION_FIELD_GAPS.items()
                if gap.default is not None]
-            + [(CHAT, "repetition_penalty", 1.0), (CHAT, "best_of", 1.0), (CHAT, "guided_json", None)])
+            + [(CHAT, "repetition_penalty", 1.0), (CHAT, "best_of", 1.0), (CHAT, "guided_json", None),
+               (CHAT, "response_format", {"type": "text"}), (COMPLETION, "logit_bias", {}), (CHAT, "min_p", 0),
+               (CHAT, "presence_penalty", 0), (COMPLETION, "n", 1), (CHAT, "logprobs", False),
+               (COMPLETION, "echo", False), (CHAT, "guided_decoding_backend", "xgrammar")])
 NO_EFFECT = {"user": "u-1", "metadata": {"k": "v"}, "store": True, "service_tier": "auto", "prompt_cache_key": "k",
              "safety_identifier": "s", "prediction": {"type": "content", "content": "Hello"},
              "stream_options": {"include_usage": False, "include_obfuscation": False}}
@@ -102,18 +101,28 @@ def test_a_field_that_would_change_the_output_is_400_naming_it_and_nothing_goes_
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_forcing_a_tool_call_is_400_naming_tool_choice_until_it_can_be_enforced(model_dir, tool_choice):  # noqa: F811
+def test_a_forced_tool_call_goes_downstream_as_the_formats_structural_tag(model_dir, tool_choice):  # noqa: F811
     path, base = CHAT
     [(status, body)], fake = _post_all(model_dir, [(path, {**base, "tools": TOOLS, "tool_choice": tool_choice})])
-    assert status == 400, body
-    assert body["error"]["param"] == "tool_choice" and "not supported" in body["error"]["message"]
+    assert status == 200, body
+    kind, text = fake.requests[0].sampling.grammar
+    assert kind == "structural_tag" and "get_time" in text
+
+
+def test_a_forced_tool_call_beside_response_format_is_400_naming_tool_choice(model_dir):  # noqa: F811
+    path, base = CHAT
+    [(status, body)], fake = _post_all(model_dir, [(path, {**base, "tools": TOOLS, "tool_choice": "required",
+                                                           "response_format": {"type": "json_object"}})])
+    assert status == 400 and body["error"]["param"] == "tool_choice", body
     assert fake.requests == []
 
 
-def test_a_strict_tool_is_400_naming_its_strict_flag(model_dir):  # noqa: F811
+def test_a_strict_tool_is_400_naming_its_strict_flag_where_no_grammar_enforces_it(model_dir):  # noqa: F811
     path, base = CHAT
     tools = [TOOLS[0], {"type": "function", "function": {"name": "f", "strict": True, "parameters": {}}}]
-    [(status, body)], _ = _post_all(model_dir, [(path, {**base, "tools": tools})])
+    # response_format wins over tool_choice "auto": nothing enforces the tool's schema then
+    [(status, body)], _ = _post_all(model_dir, [(path, {**base, "tools": tools,
+                                                        "response_format": {"type": "json_object"}})])
     assert status == 400, body
     assert body["error"]["param"] == "tools[1].function.strict"
 
