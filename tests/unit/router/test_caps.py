@@ -47,7 +47,7 @@ def test_caps_name_the_field(model_dir):  # noqa: F811
         try:
             base = {"model": MODEL, "prompt": "hi"}
             cases = [
-                ({**base, "n": 2}, "n"),
+                ({**base, "n": 10**6}, "n"),
                 ({**base, "max_tokens": 10_000}, "max_tokens"),
                 ({**base, "prompt": "word " * 200}, "prompt"),
                 ({**base, "stop": ["a"] * 17}, "stop"),
