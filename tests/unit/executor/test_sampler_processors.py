@@ -143,7 +143,7 @@ def test_a_row_that_allows_no_token_gets_its_fallback_not_nan(monkeypatch):
     assert all(torch.isfinite(torch.tensor(out.logprobs)))
 
 
-def test_bias_that_bans_every_token_is_stuck_not_nan():
+def test_a_bias_of_minus_100_on_every_token_still_leaves_a_distribution():
     logits = torch.zeros(1, 3)
     p = SamplingParams(temperature=1.0, logit_bias={0: -100.0, 1: -100.0, 2: -100.0})
     out = sample(logits, [p], [_gen(0)])  # -100 is a finite logit: still a distribution
