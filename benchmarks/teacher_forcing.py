@@ -16,6 +16,7 @@ engine is unchanged); requests without ``extra["forced"]`` sample as usual.
 from __future__ import annotations
 
 import math
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -32,12 +33,11 @@ class ForcedTargets:
 def forcing():
     """While inside, ``model_runner.sample`` emits each forced request's next target."""
     import services.executor.engine.model_runner as model_runner
-    from services.executor.model.sampler import SampledTokens
 
     original = model_runner.sample
 
-    def forced_sample(logits, params, generators, entropy_rows=()):
-        out = original(logits, params, generators, entropy_rows)
+    def forced_sample(logits, params, generators, entropy_rows=(), **processors):
+        out = original(logits, params, generators, entropy_rows, **processors)
         forced = [p.extra.get("forced") for p in params]
         if not any(forced):
             return out
@@ -49,7 +49,7 @@ def forcing():
                 target = f.targets[len(f.logprobs)]
                 f.logprobs.append(float(logprobs[row, target]))
                 token_ids[row] = target
-        return SampledTokens(token_ids, out.logprobs, out.entropies)
+        return dataclasses.replace(out, token_ids=token_ids)
 
     model_runner.sample = forced_sample
     try:
