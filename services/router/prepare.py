@@ -94,6 +94,15 @@ def completion_prompt(prompt: str | Sequence[int], field: str) -> TextPrompt | T
     return TokenIdsPrompt(tuple(prompt), field)
 
 
+def reshapes_output(s: Sampling) -> bool:
+    """The request changes what greedy decoding of its prompt writes (a grammar, a bias, a
+    penalty, a min-p floor) or asks for what a cached answer does not hold (prompt
+    logprobs): the semantic response cache, keyed by prompt and length limits only, must
+    neither answer it nor store its output. (The opt-in is a permission, so it is dropped.)"""
+    return (s.grammar is not None or bool(s.logit_bias) or s.min_p > 0 or s.repetition_penalty != 1.0
+            or s.presence_penalty != 0 or s.frequency_penalty != 0 or s.prompt_logprobs is not None)
+
+
 class RequestPreparer:
     """Prompt form + sampling + tenant + session + client id -> ``TokenRequest``."""
 
@@ -140,7 +149,8 @@ class RequestPreparer:
             model="",  # one model per deployment: any executor serves it
             prompt_token_ids=tuple(prompt_ids),
             sampling=replace(sampling, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens),
-                             stop_token_ids=tuple(sampling.stop_token_ids)),
+                             stop_token_ids=tuple(sampling.stop_token_ids),
+                             semantic_cache=sampling.semantic_cache and not reshapes_output(sampling)),
             tenant=tenant,
             session=prescreen(session, has_tools, len(prompt_ids), max_tokens),
             deadline_unix_ms=int((time.time() + self.request_timeout_s) * 1000),

@@ -141,3 +141,15 @@ def test_the_http_and_grpc_doors_prepare_the_same_request_for_the_same_conversat
     same = lambda r: dataclasses.replace(r, request_id="", deadline_unix_ms=0)  # noqa: E731
     assert via_http.request_id.startswith("acme/") and via_grpc.request_id.startswith("acme/")
     assert same(via_http) == same(via_grpc)
+
+
+@pytest.mark.parametrize("shaping", [{"grammar": ("json_object", "")}, {"logit_bias": ((5, -100.0),)},
+                                     {"min_p": 0.1}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5},
+                                     {"frequency_penalty": 0.5}, {"prompt_logprobs": 0}])
+def test_a_request_that_reshapes_greedy_output_is_never_answered_from_the_semantic_cache(shaping):
+    """The semantic cache keys on prompt and length limits: a grammar, bias or penalty would
+    get (or leave) an answer written without it."""
+    preparer = RequestPreparer(None, Limits(served_models=(MODEL,), max_model_len=64, vocab_size=100))
+    prepare = lambda s: preparer.token_request([1, 2, 3], s, "t", Session(), "prompt", "r")  # noqa: E731
+    assert prepare(Sampling(max_tokens=4, temperature=0.0, semantic_cache=True)).sampling.semantic_cache
+    assert not prepare(Sampling(max_tokens=4, temperature=0.0, semantic_cache=True, **shaping)).sampling.semantic_cache
