@@ -1,6 +1,13 @@
-"""The public gRPC ``weft.v1.Router`` servicer: the only router module that converts
-between ``router_pb2`` messages and domain types (``scheduler_client.py`` is its
-outbound twin). Everything past the conversion is the HTTP API's code too.
+"""The public gRPC ``weft.v1.Router`` servicer: with ``grpc_tools.py`` (tools in, tool
+calls out), the only router code that converts between ``router_pb2`` messages and domain
+types (``scheduler_client.py`` is its outbound twin). Everything past the conversion is
+the HTTP API's code too.
+
+Issue 15's fields (docs/grpc.md "Agent I/O"): ``sampling.grammar`` (any kind),
+``top_logprobs``, ``prompt_logprobs``, ``logit_bias``, ``min_p``, the penalties and ``n``
+map onto ``Sampling`` with HTTP's validators and defaults, refusals naming
+``sampling.<field>``; ``n`` completions stream interleaved, each chunk tagged ``index``;
+``echo`` repeats a text prompt; tools enforce and parse as HTTP's chat does.
 
 Validation is shared with the HTTP API, so both doors reject the same inputs naming the
 same fields: sampling (``validation.parse_sampling``), session and contract
@@ -20,6 +27,7 @@ scheduler stream and frees the request's KV downstream.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 
 import grpc
@@ -34,10 +42,14 @@ from services.router.auth import KeyStore, bearer_token
 from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, UpstreamError,
                                     UpstreamUnavailable)
 from services.router.chat_messages import parse_message
-from services.router.generation import Generator
+from services.router.delta_streams import merge
+from services.router.generation import Generator, fan_out
+from services.router.grpc_tools import (ToolCallRelay, assistant_tool_calls, to_proto, tool_choice_from_proto,
+                                        tools_from_proto, with_tool_grammar)
 from services.router.prepare import ChatPrompt, Prompt, TextPrompt, TokenIdsPrompt
 from services.router.request_ids import grpc_request_id
 from services.router.schema import Delta, Sampling
+from services.router.tool_parsers import ToolCallFormat, select_format
 from services.router.validation import Limits, parse_sampling, parse_session, parse_stop
 from weft.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -84,35 +96,93 @@ def _api_key(context: grpc.aio.ServicerContext) -> str | None:
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap, as HTTP's (validation.py)
+MAX_GRAMMAR_CHARS = 65_536  # as HTTP's structured output (structured_output.py)
+_TEXT_GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
 def sampling_from_proto(request: router_pb2.GenerateRequest, limits: Limits) -> Sampling:
     """``request.sampling`` with HTTP's defaults for what the caller did not set, so one
-    request means the same at both doors: temperature 1.0, top_p 1.0, and max_tokens as the
-    HTTP endpoint of the prompt's form (a chat prompt: the room the context leaves, as
-    ``/v1/chat/completions``; text or token ids: 16, as ``/v1/completions``). Validation is
-    HTTP's (``parse_sampling``), so a set value is checked, never replaced: max_tokens or
-    top_p set to 0 is refused naming the field (the fields are proto3 ``optional``, so
-    "unset" is told from 0)."""
+    request means the same at both doors: temperature 1.0, top_p 1.0, n 1, no penalties or
+    bias, and max_tokens as the HTTP endpoint of the prompt's form (a chat prompt: the room
+    the context leaves, as ``/v1/chat/completions``; text or token ids: 16, as
+    ``/v1/completions``). Validation is HTTP's (``parse_sampling``), so a set value is
+    checked, never replaced: max_tokens or top_p set to 0 is refused naming the field (the
+    fields are proto3 ``optional``, so "unset" is told from 0). Refusals name
+    ``sampling.<field>``."""
     s = request.sampling  # an absent message reads as one with nothing set
     body: dict = {"top_k": s.top_k, "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
-                  "min_tokens": s.min_tokens}
-    for name in ("temperature", "top_p", "seed"):  # absent: parse_sampling's (HTTP's) default
+                  "min_tokens": s.min_tokens, "min_p": s.min_p, "presence_penalty": s.presence_penalty,
+                  "frequency_penalty": s.frequency_penalty}
+    for name in ("temperature", "top_p", "seed", "repetition_penalty"):  # absent: HTTP's default
         if s.HasField(name):
             body[name] = getattr(s, name)
+    if s.n:  # 0 is proto3's unset: one completion
+        body["n"] = s.n
+    if s.logit_bias:  # HTTP's shape: decimal token-id keys
+        body["logit_bias"] = {str(token): bias for token, bias in sorted(s.logit_bias.items())}
     if s.HasField("max_tokens"):
         max_tokens, default = s.max_tokens, None
     else:
         max_tokens = None
         default = None if request.WhichOneof("prompt") == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS
-    sampling = parse_sampling(body, limits, max_tokens, "sampling.max_tokens", default_max_tokens=default)
-    return replace(sampling, logprobs=s.logprobs or request.return_logprobs)
+    try:
+        sampling = parse_sampling(body, limits, max_tokens, "sampling.max_tokens", default_max_tokens=default)
+    except InvalidRequestError as exc:  # HTTP names the body's top-level field
+        raise _in_sampling(exc) from None
+    logprobs = s.logprobs or request.return_logprobs
+    if s.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequestError("sampling.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}")
+    if s.top_logprobs and not logprobs:
+        raise InvalidRequestError("sampling.top_logprobs", "needs sampling.logprobs (or return_logprobs)")
+    prompt_logprobs = s.prompt_logprobs if s.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and prompt_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequestError("sampling.prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {prompt_logprobs}")
+    return replace(sampling, logprobs=logprobs, top_logprobs=s.top_logprobs, prompt_logprobs=prompt_logprobs,
+                   grammar=grammar_from_proto(s))
+
+
+def _in_sampling(exc: InvalidRequestError) -> InvalidRequestError:
+    field = exc.field if exc.field.startswith("sampling.") else f"sampling.{exc.field}"
+    return InvalidRequestError(field, exc.message)
+
+
+def grammar_from_proto(s: common_pb2.SamplingParams) -> tuple[str, str] | None:
+    """``sampling.grammar`` as ``Sampling.grammar``; shapes and sizes are checked here,
+    compiling is the executor's (its refusal comes back naming ``sampling.grammar.<kind>``)."""
+    if not s.HasField("grammar"):
+        return None
+    kind = s.grammar.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("sampling.grammar", "set one of json_schema, json_object, regex, ebnf or "
+                                  "structural_tag (leave grammar unset for free text)")
+    field = f"sampling.grammar.{kind}"
+    if kind == "json_object":
+        if not s.grammar.json_object:
+            raise InvalidRequestError(field, "must be true when set (leave grammar unset for free text)")
+        return "json_object", ""
+    text = getattr(s.grammar, kind)
+    if not text.strip():
+        raise InvalidRequestError(field, "must not be empty")
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequestError(field, f"longer than {MAX_GRAMMAR_CHARS} characters ({len(text)})")
+    if kind in ("json_schema", "structural_tag"):
+        try:
+            json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise InvalidRequestError(field, f"must be JSON text: {exc}") from None
+    return kind, text
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, generator: Generator, keys: KeyStore, model_name: str, list_executors=None) -> None:
+    def __init__(self, generator: Generator, keys: KeyStore, model_name: str, list_executors=None,
+                 tool_format: ToolCallFormat | None = None) -> None:
         self.generator = generator
         self.keys = keys
         self.model_name = model_name
         self.list_executors = list_executors
+        # How the served model writes tool calls (RouterConfig's --tool-call-parser, else its template's).
+        self.tool_format = tool_format or select_format(generator.tokenizer.chat_template)
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         """Counts every call in ``weft_router_requests_total`` under its gRPC status name
@@ -139,16 +209,42 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             sampling = replace(sampling, semantic_cache=request.semantic_cache)
             stop = parse_stop(list(request.stop) or None, self.generator.limits)
             session = _session(request.session)
-            prompt = prompt_from_proto(request, self.generator.limits)
+            tools = tools_from_proto(request)
+            choice = tool_choice_from_proto(request, tools)
+            parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+            sampling, grammar_field = with_tool_grammar(sampling, self.tool_format, tools, choice, parallel)
+            prompt = prompt_from_proto(request, self.generator.limits, tools)
+            echo = self._echo(request)
             token_req = await self.generator.prepare(prompt, sampling, tenant, session, rid)
+            relays = [ToolCallRelay(self.tool_format) if tools and choice.mode != "none" else None
+                      for _ in range(sampling.n)]
             m.IN_FLIGHT.labels("grpc").inc()
-            deltas = self.generator.stream(token_req, stop)
+            # The n completions follow the first: its prompt KV is then shared through the prefix cache.
+            merged = merge([self.generator.stream(r, stop) for r in fan_out(token_req, sampling.n)],
+                           follows=[None] + [0] * (sampling.n - 1))
+            started = [False] * sampling.n
             try:
-                async for delta in deltas:
-                    yield _response(rid, delta, sampling.logprobs)
+                async for i, delta in merged:
+                    yield _response(rid, i, delta, sampling, relays[i], "" if started[i] else echo)
+                    started[i] = True
+            except InvalidRequestError as exc:  # the executor's compiler names "grammar.<kind>"
+                if not exc.field.startswith("grammar"):
+                    raise
+                raise InvalidRequestError(grammar_field, f"cannot be enforced: {exc.message}") from None
             finally:
                 m.IN_FLIGHT.labels("grpc").dec()
-                await deltas.aclose()
+                await merged.aclose()
+
+    def _echo(self, request: router_pb2.GenerateRequest) -> str:
+        """The prompt text each completion's first chunk repeats (``echo``), or ""."""
+        if not request.echo:
+            return ""
+        form = request.WhichOneof("prompt")
+        if form == "text":
+            return request.text
+        if form == "token_ids":  # as /v1/completions: the ids decoded
+            return self.generator.tokenizer.decode(request.token_ids.ids)
+        raise InvalidRequestError("echo", "needs a text or token_ids prompt")
 
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):
         self.keys.authenticate(_api_key(context))
@@ -170,7 +266,8 @@ def add_router_to_server(servicer: RouterServicer, server: grpc.aio.Server) -> N
     reflection.enable_server_reflection(REFLECTED_SERVICES, server)
 
 
-def prompt_from_proto(request: router_pb2.GenerateRequest, limits: Limits) -> Prompt:
+def prompt_from_proto(request: router_pb2.GenerateRequest, limits: Limits,
+                      tools: tuple[dict, ...] | None = None) -> Prompt:
     """The request's prompt form; its field names are the proto's (``text``, ``token_ids``,
     ``chat.messages``), as every refusal of the prompt names them."""
     form = request.WhichOneof("prompt")
@@ -186,7 +283,7 @@ def prompt_from_proto(request: router_pb2.GenerateRequest, limits: Limits) -> Pr
                                       f"messages, got {len(request.chat.messages)}")
         messages = tuple(parse_message(_message(msg), f"chat.messages[{i}]")
                          for i, msg in enumerate(request.chat.messages))
-        return ChatPrompt(messages, None, request.chat.add_generation_prompt, "chat.messages")
+        return ChatPrompt(messages, tools, request.chat.add_generation_prompt, "chat.messages")
     raise InvalidRequestError("prompt", "one of text, chat or token_ids is required")
 
 
@@ -198,6 +295,8 @@ def _message(msg: router_pb2.ChatMessage) -> dict:
         out["name"] = msg.name
     if msg.tool_call_id:
         out["tool_call_id"] = msg.tool_call_id
+    if msg.tool_calls:  # rendered by the chat template; refused on a role other than assistant
+        out["tool_calls"] = assistant_tool_calls(msg)
     return out
 
 
@@ -231,14 +330,32 @@ def _enum_name(enum, value: int, prefix: str) -> str:
     return enum.Name(value).removeprefix(prefix).lower()
 
 
-def _response(rid: str, delta: Delta, logprobs: bool) -> router_pb2.GenerateResponse:
+def _response(rid: str, index: int, delta: Delta, sampling: Sampling, relay: ToolCallRelay | None,
+              echo: str) -> router_pb2.GenerateResponse:
+    """One chunk of completion ``index``: with tools, the text without call markup and the
+    calls completed by this delta; logprobs as asked; ``echo`` before the first text."""
+    text, calls = delta.text, []
+    if relay is not None:
+        text, calls = relay.feed(delta.text)
+        if delta.finish_reason is not None:
+            rest, more = relay.flush()
+            text, calls = text + rest, calls + more
     usage = common_pb2.Usage(num_prompt_tokens=delta.usage.prompt_tokens, num_cached_tokens=delta.usage.cached_tokens,
                              num_output_tokens=delta.usage.completion_tokens)
     return router_pb2.GenerateResponse(
-        request_id=rid, text_delta=delta.text, token_ids_delta=list(delta.token_ids),
-        logprobs_delta=list(delta.logprobs) if logprobs else [], finish_reason=_FINISH.get(delta.finish_reason, 0),
+        request_id=rid, index=index, text_delta=echo + text, token_ids_delta=list(delta.token_ids),
+        logprobs_delta=list(delta.logprobs) if sampling.logprobs else [],
+        top_logprobs_delta=_alternatives(delta.top_logprobs) if sampling.top_logprobs else [],
+        prompt_logprobs=list(delta.prompt_logprobs) if sampling.prompt_logprobs is not None else [],
+        prompt_top_logprobs=_alternatives(delta.prompt_top_logprobs) if sampling.prompt_logprobs else [],
+        tool_calls=to_proto(calls), finish_reason=_FINISH.get(delta.finish_reason, 0),
         usage=usage, executor=delta.executor,
         degradation_rung=common_pb2.DegradationRung.Value(f"DEGRADATION_RUNG_{delta.degradation_rung.upper()}")
         if delta.degradation_rung else 0,
         num_migrations=delta.num_migrations,
     )
+
+
+def _alternatives(positions) -> list[common_pb2.TokenLogprobs]:
+    return [common_pb2.TokenLogprobs(token_ids=[t for t, _ in alts], logprobs=[lp for _, lp in alts])
+            for alts in positions]

@@ -70,7 +70,7 @@ def test_generate_streams_text_ids_usage_and_executor_for_every_prompt_form(mode
     ({"model": "other", "text": "x"}, KEY, grpc.StatusCode.INVALID_ARGUMENT, "model"),
     ({"token_ids": router_pb2.TokenIds(ids=[1, 99999])}, KEY, grpc.StatusCode.INVALID_ARGUMENT, "token_ids[1]"),
     ({"text": "x", "sampling": common_pb2.SamplingParams(temperature=5)}, KEY, grpc.StatusCode.INVALID_ARGUMENT,
-     "temperature"),
+     "sampling.temperature"),
     ({"text": "x", "sampling": common_pb2.SamplingParams(max_tokens=100000)}, KEY, grpc.StatusCode.INVALID_ARGUMENT,
      "sampling.max_tokens"),
 ])

@@ -140,7 +140,7 @@ def test_the_public_grpc_port_serves_reflection_of_the_router_api(model_dir, tmp
 
 @pytest.mark.parametrize("sampling, field", [
     (common_pb2.SamplingParams(max_tokens=0), "sampling.max_tokens"),
-    (common_pb2.SamplingParams(top_p=0), "top_p"),
+    (common_pb2.SamplingParams(top_p=0), "sampling.top_p"),
 ])
 def test_a_sampling_field_set_to_zero_is_refused_naming_it_not_read_as_unset(model_dir, sampling, field):
     """As over HTTP (max_tokens 0, top_p 0 are 400): 0 read as "unset" hid a client's bug."""
