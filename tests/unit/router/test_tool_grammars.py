@@ -143,3 +143,42 @@ def test_none_and_no_tools_mean_no_constraint(fmt):
 def test_pythonic_auto_is_not_constrained():
     """Its only trigger would be "[", which ordinary text writes (docs/tools.md)."""
     assert FORMATS["pythonic"].grammar(TOOLS, AUTO, parallel=True) is None
+
+
+def test_the_real_smollm2_writes_a_valid_call_when_the_grammar_requires_one():
+    """SmolLM2-135M answers this in prose when free (docs/tools.md); under the smollm2
+    format's "required" grammar, greedy decoding with xgrammar's mask gives a call that
+    parses back and fits the schema."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from weft.models.chat_templates import SMOLLM2_TOOLS_TEMPLATE
+
+    path = str(resolve_model("smollm2-135m-instruct"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size)
+    grammar = FORMATS["smollm2"].grammar(TOOLS, REQUIRED, parallel=False)
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_structural_tag(grammar))
+    bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What's the weather in Paris?"}],
+                                           tools=list(TOOLS), chat_template=SMOLLM2_TOOLS_TEMPLATE,
+                                           add_generation_prompt=True, tokenize=False)
+    ids, cache, out = tokenizer(prompt, return_tensors="pt").input_ids, None, []
+    with torch.no_grad():
+        for _ in range(48):
+            result = model(ids, past_key_values=cache, use_cache=True)
+            cache, logits = result.past_key_values, result.logits[:, -1, :]
+            matcher.fill_next_token_bitmask(bitmask)
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            token = int(logits.argmax(-1))
+            assert matcher.accept_token(token)
+            if matcher.is_terminated():
+                break
+            out.append(token)
+            ids = torch.tensor([[token]])
+    assert matcher.is_terminated()  # the call closed and only EOS could follow
+    content, calls = FORMATS["smollm2"].parse(tokenizer.decode(out))
+    assert content is None and [c.name for c in calls] in (["get_weather"], ["now"])
+    args = json.loads(calls[0].arguments)
+    assert calls[0].name == "now" or isinstance(args["city"], str)
