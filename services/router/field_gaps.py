@@ -2,10 +2,11 @@
 
 NOTE: no field that would change the output is parsed and dropped. A field listed here
 is accepted only when absent, ``null`` or the value that means today's behaviour
-(``typical_p: 1``, ``bad_words: []``);
-anything else is a 400 naming it, so a client asking for JSON output or a forced tool call
-learns it did not get one instead of parsing prose. ``docs/openai.md`` tables every field;
-a test keeps that table and these in step.
+(``typical_p: 1``, ``bad_words: []``); anything else is a 400 naming it, so a client
+learns it did not get what it asked for instead of getting output that ignores it.
+Structured output, tool_choice, logprobs, echo, n and the sampler's penalties are
+honoured (``structured_output.py``, ``tool_grammar.py``, ``sampling_fields.py``).
+``docs/openai.md`` tables every field; a test keeps that table and these in step.
 """
 from __future__ import annotations
 
