@@ -9,7 +9,8 @@ carry. Anything else is content, as the model wrote it.
 Grammar: a JSON Schema does not describe Python syntax, so "required" and a named function
 get a best-effort EBNF grammar: the list form, the tools' names, each tool's own parameter
 names, and Python literals as values; value types and required parameters are not
-enforced. "auto" is not constrained (None): the only trigger, ``[``, is ordinary text.
+enforced; tool names must then be Python identifiers (400 naming the tool's name). "auto"
+is not constrained (None): the only trigger, ``[``, is ordinary text.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import services.router.tool_parsers.structural as st
+from services.router.errors import InvalidRequestError
 from services.router.tool_parsers.base import (
     ToolCall, ToolCallFormat, ToolChoice, ToolStreamParser, openai_call_id,
 )
@@ -85,6 +87,10 @@ class PythonicFormat(ToolCallFormat):
     def grammar(self, tools: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str | None:
         if choice.mode in ("none", "auto") or not tools:
             return None
+        for i, tool in enumerate(tools):
+            if not tool["function"]["name"].isidentifier():  # "get-time(...)" would not parse back
+                raise InvalidRequestError(f"tools[{i}].function.name", "the served model writes calls as Python: "
+                                          "with tool_choice 'required' or a function, names must be identifiers")
         chosen = st.chosen_tools(tools, choice)
         ebnf = pythonic_ebnf(chosen, parallel and choice.mode != "function")
         return st.structural_tag({"type": "grammar", "grammar": ebnf})

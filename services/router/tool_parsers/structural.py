@@ -12,6 +12,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from services.router.errors import InvalidRequestError
 from services.router.tool_parsers.base import ToolChoice
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -19,9 +20,12 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 def chosen_tools(tools: Sequence[dict[str, Any]], choice: ToolChoice) -> list[dict[str, Any]]:
     """The tools a call may name: all of them, or the one ``tool_choice`` names."""
-    if choice.mode == "function":
-        return [t for t in tools if t["function"]["name"] == choice.name]
-    return list(tools)
+    if choice.mode != "function":
+        return list(tools)
+    chosen = [t for t in tools if t["function"]["name"] == choice.name]
+    if not chosen:  # parse_tool_choice_spec refuses this first; a grammar of no call is no answer
+        raise InvalidRequestError("tool_choice", f"names function {choice.name!r}, which is not in tools")
+    return chosen
 
 
 def parameters_schema(tool: dict[str, Any]) -> dict[str, Any]:

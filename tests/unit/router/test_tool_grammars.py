@@ -10,6 +10,7 @@ import pytest
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
+from services.router.errors import InvalidRequestError
 from services.router.tool_parsers import FORMATS, ToolChoice
 from weft.models.sources import resolve_model
 
@@ -182,3 +183,14 @@ def test_the_real_smollm2_writes_a_valid_call_when_the_grammar_requires_one():
     assert content is None and [c.name for c in calls] in (["get_weather"], ["now"])
     args = json.loads(calls[0].arguments)
     assert calls[0].name == "now" or isinstance(args["city"], str)
+
+
+def test_grammars_refuse_what_they_cannot_express_naming_the_field():
+    with pytest.raises(InvalidRequestError) as err:
+        FORMATS["hermes"].grammar(TOOLS, ToolChoice("function", "get_time"), parallel=True)
+    assert err.value.field == "tool_choice"
+    dashed = TOOLS + ({"type": "function", "function": {"name": "get-time"}},)
+    with pytest.raises(InvalidRequestError) as err:
+        FORMATS["pythonic"].grammar(dashed, REQUIRED, parallel=True)
+    assert err.value.field == "tools[2].function.name"
+    assert FORMATS["hermes"].grammar(dashed, REQUIRED, parallel=True)  # JSON formats spell any name
