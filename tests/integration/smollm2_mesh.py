@@ -29,6 +29,7 @@ API_KEY = "sk-agent-io"
 @dataclass(frozen=True)
 class SmolMesh:
     http_url: str
+    model_dir: Path
     api_key: str = API_KEY
     model: str = MODEL
 
@@ -48,7 +49,7 @@ def smollm2_mesh(state_dir: Path) -> Iterator[SmolMesh]:
     keys.write_text(f"{API_KEY} acme\n")
     env = {"WEFT_EXECUTOR_NUM_THREADS": "2"}
     with launched_mesh(state_dir, model_dir, 1, env, ["--keys-file", str(keys)], timeout_s=180) as (_, state):
-        yield SmolMesh(state.http_url)
+        yield SmolMesh(state.http_url, model_dir)
 
 
 # -- a small JSON Schema validator ----------------------------------------------------------

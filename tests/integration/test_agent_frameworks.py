@@ -15,6 +15,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.prebuilt import create_react_agent
 from pydantic import BaseModel, Field
+from tokenizers import Tokenizer
 
 from tests.integration.smollm2_mesh import SmolMesh, schema_errors, smollm2_mesh
 
@@ -65,26 +66,38 @@ def get_time(city: str) -> str:
 AGENT_TOOLS = [get_weather, get_time]
 
 
+def call_marker_token_ids(mesh: SmolMesh) -> list[int]:
+    """The tokens SmolLM2's tool-call markup opens with ("<", " <", "</" in its vocabulary)."""
+    tokenizer = Tokenizer.from_file(str(mesh.model_dir / "tokenizer.json"))
+    return sorted({tokenizer.encode(text, add_special_tokens=False).ids[0]
+                   for text in ("<tool_call>", " <tool_call>", "</tool_call>")})
+
+
 def per_hop_model(mesh: SmolMesh):
     """The agent's model, chosen per hop from the conversation so far.
 
     SmolLM2-135M rarely decides to call a tool under ``tool_choice="auto"``, so the agent
     decides *whether* a tool is needed and the model decides *how*: while a tool of the task
     has not been called yet, the model is bound to the tools still uncalled with
-    ``tool_choice="required"`` (Weft's grammar then guarantees a well-formed call, the model
-    picks the tool and writes its arguments); once every tool has answered, it is bound with
-    ``tool_choice="none"`` and writes the final answer as text from the tool results. This
-    is create_react_agent's documented dynamic-model hook (a callable ``(state, runtime) ->
+    ``tool_choice="required"`` and ``parallel_tool_calls=False`` (Weft's grammar then
+    guarantees one well-formed call; the model picks the tool and writes its arguments).
+    Once every tool has answered, the model is bound to no tools and writes the answer from
+    the tool results in the conversation. At that hop SmolLM2 tends to copy the previous
+    ``<tool_call>[...]</tool_call>`` markup as text (with the tools still in the prompt under
+    ``tool_choice="none"`` it does so too, or talks about the tools' JSON instead), so the
+    final hop also sends ``logit_bias`` -100 on the tokens that markup opens with. This is
+    create_react_agent's documented dynamic-model hook (a callable ``(state, runtime) ->
     model``), so the graph, the ToolNode and the message flow are LangGraph's own.
     """
     base = chat_model(mesh)
+    answer = chat_model(mesh, max_tokens=48, logit_bias={token: -100 for token in call_marker_token_ids(mesh)})
 
     def select(state, runtime):
         called = {m.name for m in state["messages"] if isinstance(m, ToolMessage)}
         remaining = [t for t in AGENT_TOOLS if t.name not in called]
         if remaining:
             return base.bind_tools(remaining, tool_choice="required", parallel_tool_calls=False)
-        return base.bind_tools(AGENT_TOOLS, tool_choice="none")
+        return answer
     return select
 
 
@@ -105,6 +118,10 @@ def test_a_react_agent_completes_a_two_tool_task(mesh):
     assert sorted(r.tool_call_id for r in results) == sorted(c["id"] for c in calls)
     assert all(r.status == "success" for r in results), [r.content for r in results]
 
+    # One call per hop, each tool once: Human, (AI call, Tool result) x 2, AI answer.
+    assert [type(m) for m in messages] == [HumanMessage] + [AIMessage, ToolMessage] * 2 + [AIMessage]
     final = messages[-1]
     assert isinstance(final, AIMessage) and not final.tool_calls
-    assert isinstance(final.content, str) and final.content.strip()
+    assert isinstance(final.content, str) and final.content.strip() and "tool_call" not in final.content
+    # The answer is drawn from what the tools returned.
+    assert any(fact in final.content for fact in ("18", "cloudy", "21:05")), final.content

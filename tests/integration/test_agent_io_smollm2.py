@@ -195,10 +195,14 @@ def test_forced_tool_choice_yields_a_valid_call_on_every_sample(mesh, tool_choic
 
 def test_parallel_tool_calls_false_yields_exactly_one_call(mesh):
     client = mesh.openai()
-    for sampling in SAMPLINGS[:1] + SAMPLINGS[-1:]:
-        reply = client.chat.completions.create(model=mesh.model, messages=TOOL_MESSAGES, tools=TOOLS,
-                                               tool_choice="required", parallel_tool_calls=False,
-                                               max_tokens=96, **sampling)
+
+    def ask(sampling):
+        return client.chat.completions.create(model=mesh.model, messages=TOOL_MESSAGES, tools=TOOLS,
+                                              tool_choice="required", parallel_tool_calls=False,
+                                              max_tokens=96, **sampling)
+
+    for sampling, reply in zip(SAMPLINGS, together([lambda s=s: ask(s) for s in SAMPLINGS])):
+        assert reply.choices[0].finish_reason == "tool_calls", sampling
         assert len(assert_valid_calls(reply.choices[0].message, set(TOOL_SCHEMAS))) == 1, sampling
 
 
@@ -257,7 +261,11 @@ def test_completions_echo_with_logprobs_scores_the_prompt(mesh):
     assert logprobs.token_logprobs[0] is None  # nothing precedes the first prompt token
     assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
     assert len(logprobs.text_offset) == len(logprobs.tokens) and logprobs.text_offset[0] == 0
-    assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    assert logprobs.top_logprobs[0] is None
+    for token, logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        # The two most likely alternatives, plus the token actually there when it is not among them.
+        assert 2 <= len(top) <= 3 and top[token] == pytest.approx(logprob)
+        assert len(top) == 2 or logprob < min(v for t, v in top.items() if t != token)
 
 
 def test_n_three_returns_three_choices(mesh):
