@@ -1,16 +1,25 @@
-"""The router's client of ``weft.v1.CacheStore`` (semantic response cache only): like
+"""The router's client of ``weft.v1.CacheStore`` (semantic cache, /v1/embeddings): like
 ``scheduler_client.py``, an outbound wire boundary, the only other router module that
 touches generated protobuf types. Lookups are bounded by a short deadline; any failure
 is reported as a miss by the caller, never as a failed request."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-import grpc
 
 from services.mesh.mesh_auth import mesh_channel
 
 from weft.v1 import cachestore_pb2, cachestore_pb2_grpc
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """What ``CacheStore.Embed`` answered: one L2-normalised vector per text, in order."""
+
+    vectors: list[list[float]]
+    num_tokens: list[int]  # word pieces the model read of each text
+    model: str
 
 
 class CacheStoreClient:
@@ -50,6 +59,11 @@ class CacheStoreClient:
         reply = await self._stub.PrefetchBlocks(cachestore_pb2.PrefetchBlocksRequest(
             tenant=tenant, token_ids=list(token_ids)), timeout=self.timeout_s)
         return reply.num_found_blocks
+
+    async def embed(self, texts: Sequence[str], timeout_s: float) -> Embeddings:
+        """Embeddings of ``texts`` (the cachestore's model). Raises grpc errors."""
+        reply = await self._stub.Embed(cachestore_pb2.EmbedRequest(texts=list(texts)), timeout=timeout_s)
+        return Embeddings([list(e.values) for e in reply.embeddings], list(reply.num_tokens), reply.model)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -43,7 +43,6 @@ from services.router.errors import InvalidRequestError
 from services.router.json_body import OversizeInt
 from services.router.openai_format import error_body
 from services.shared.tokenizer import Tokenizer
-from weft.v1 import cachestore_pb2, cachestore_pb2_grpc
 
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"  # services/cachestore/embedder.py MODEL_NAME
 EMBEDDING_DIM = 384
@@ -58,8 +57,7 @@ class EmbeddingsApi:
 
     def __init__(self, cachestore: CacheStoreClient, tokenizer: Tokenizer | None = None,
                  model_name: str = EMBEDDING_MODEL, dim: int = EMBEDDING_DIM, timeout_s: float = 30.0) -> None:
-        # The client has no Embed method; its channel is reused rather than a second connection.
-        self._stub = cachestore_pb2_grpc.CacheStoreStub(cachestore._channel)
+        self.cachestore = cachestore
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.dim = dim
@@ -74,11 +72,11 @@ class EmbeddingsApi:
         del tenant  # embeddings are stateless: nothing is cached or shared across tenants
         texts, encoding = self.parse(body)
         try:
-            reply = await self._stub.Embed(cachestore_pb2.EmbedRequest(texts=texts), timeout=self.timeout_s)
+            reply = await self.cachestore.embed(texts, self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             return _upstream_error(exc)
-        data = [{"object": "embedding", "index": i, "embedding": _encode(e.values, encoding)}
-                for i, e in enumerate(reply.embeddings)]
+        data = [{"object": "embedding", "index": i, "embedding": _encode(vector, encoding)}
+                for i, vector in enumerate(reply.vectors)]
         used = sum(reply.num_tokens)
         return web.json_response({"object": "list", "data": data, "model": reply.model or self.model_name,
                                   "usage": {"prompt_tokens": used, "total_tokens": used}})
