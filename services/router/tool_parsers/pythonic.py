@@ -82,7 +82,7 @@ class PythonicFormat(ToolCallFormat):
     name = "pythonic"
 
     def stream_parser(self) -> ToolStreamParser:
-        return TrailingCallParser((PYTHON_START, "["), parse_pythonic, leading=True)
+        return TrailingCallParser(parse_pythonic, leading=(PYTHON_START, "["))
 
     def grammar(self, tools: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str | None:
         if choice.mode in ("none", "auto") or not tools:

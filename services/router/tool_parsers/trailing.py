@@ -1,12 +1,13 @@
 """Formats whose calls run from a marker to the end of the output:
 
-- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after any text;
-  call ids are 9 alphanumerics, which Mistral's templates insist on;
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after any text
+  (or the bare array at the start of the output, for text decoded without the marker's
+  control token); call ids are 9 alphanumerics, which Mistral's templates insist on;
 - ``llama3_json`` (Llama 3.1 / 3.2 JSON tool calling): the whole reply is
   ``{"name": ..., "parameters": {...}}``, possibly after ``<|python_tag|>``, several calls
   separated by ``;``.
 
-``TrailingCallParser`` streams content until the marker (a tail that may be its start is
+``TrailingCallParser`` streams content until a marker (a tail that may be one's start is
 held back), then holds everything to the end: the calls are only certain once the output
 is complete. What does not parse comes back as content, marker included.
 """
@@ -29,15 +30,16 @@ LLAMA_TRIGGER = '{"name": '
 
 
 class TrailingCallParser(ToolStreamParser):
-    """``markers`` open the calls; with ``leading`` only at the start of the output (after
-    whitespace), else anywhere. ``parse`` gets the text from the marker on."""
+    """Calls open with one of ``leading`` at the start of the output (after whitespace) or
+    one of ``anywhere`` at any point, and run to the end. ``parse`` gets the text from the
+    marker on."""
 
-    def __init__(self, markers: tuple[str, ...], parse: Callable[[str], list[ToolCall] | None],
-                 leading: bool) -> None:
+    def __init__(self, parse: Callable[[str], list[ToolCall] | None], leading: tuple[str, ...] = (),
+                 anywhere: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self._markers, self._parse, self._leading = markers, parse, leading
+        self._parse, self._leading, self._anywhere = parse, leading, anywhere
         self._buf = ""
-        self._state = "scan"  # "scan" -> "calls" (held to the end) or, when leading, "text"
+        self._state = "start"  # -> "calls" (held to the end), "scan" (for an anywhere marker) or "text"
 
     def feed(self, text: str) -> list[StreamEvent]:
         events: list[StreamEvent] = []
@@ -45,44 +47,50 @@ class TrailingCallParser(ToolStreamParser):
             self._content(text, events)
             return events
         self._buf += text
-        if self._state == "calls":
-            return events
-        if self._leading:
-            self._scan_leading(events)
-        else:
-            self._scan_anywhere(events)
+        if self._state == "start":
+            self._start(events)
+        if self._state == "scan":
+            self._scan(events)
         return events
 
-    def _scan_leading(self, events: list[StreamEvent]) -> None:
-        head = self._buf.lstrip()
+    def _start(self, events: list[StreamEvent]) -> None:
+        head, markers = self._buf.lstrip(), self._leading + self._anywhere
         if not head:
             return
-        if any(head.startswith(m) for m in self._markers):
+        if any(head.startswith(m) for m in markers):
             self._state = "calls"
-        elif not any(m.startswith(head) for m in self._markers):
-            self._state = "text"
-            self._content(self._buf, events)
-            self._buf = ""
+        elif not any(m.startswith(head) for m in markers):  # not a marker, nor the start of one
+            self._state = "scan" if self._anywhere else "text"
+            if self._state == "text":
+                self._content(self._buf, events)
+                self._buf = ""
 
-    def _scan_anywhere(self, events: list[StreamEvent]) -> None:
-        found = [i for i in (self._buf.find(m) for m in self._markers) if i >= 0]
+    def _scan(self, events: list[StreamEvent]) -> None:
+        found = [i for i in (self._buf.find(m) for m in self._anywhere) if i >= 0]
         if found:
             self._content(self._buf[:min(found)], events)
             self._buf = self._buf[min(found):]
             self._state = "calls"
             return
-        cut = len(self._buf) - partial_marker_suffix(self._buf, self._markers)
+        cut = len(self._buf) - partial_marker_suffix(self._buf, self._anywhere)
         self._content(self._buf[:cut], events)
         self._buf = self._buf[cut:]
 
     def flush(self) -> list[StreamEvent]:
         events: list[StreamEvent] = []
         calls = self._parse(self._buf.strip()) if self._state == "calls" else None
+        cut = 0
+        if calls is None and self._state == "calls":  # a leading "[" that was text: a marker later?
+            for cut in (i for i in (self._buf.find(m, 1) for m in self._anywhere) if i > 0):
+                calls = self._parse(self._buf[cut:].strip())
+                if calls is not None:
+                    break
         if calls is None:
             self._content(self._buf, events)
         else:
+            self._content(self._buf[:cut], events)
             self._calls(calls, events)
-        self._buf, self._state = "", "scan"
+        self._buf, self._state = "", "start"
         return events
 
 
@@ -103,7 +111,7 @@ def json_values(text: str) -> list[Any] | None:
 
 
 def _parse_mistral(text: str) -> list[ToolCall] | None:
-    values = json_values(text[len(MISTRAL_MARKER):])
+    values = json_values(text.removeprefix(MISTRAL_MARKER))
     if not values or len(values) != 1 or not isinstance(values[0], list):
         return None
     calls = [call_from_json(v, mistral_call_id) for v in values[0]]
@@ -122,7 +130,9 @@ class MistralFormat(ToolCallFormat):
     name = "mistral"
 
     def stream_parser(self) -> ToolStreamParser:
-        return TrailingCallParser((MISTRAL_MARKER,), _parse_mistral, leading=False)
+        # "[" at the start too: the marker is a control token, which text decoded without
+        # special tokens loses; the array of calls that follows it is still recognised.
+        return TrailingCallParser(_parse_mistral, leading=("[",), anywhere=(MISTRAL_MARKER,))
 
     def grammar(self, tools: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str | None:
         if choice.mode == "none" or not tools:
@@ -138,7 +148,7 @@ class Llama3JsonFormat(ToolCallFormat):
     name = "llama3_json"
 
     def stream_parser(self) -> ToolStreamParser:
-        return TrailingCallParser((PYTHON_TAG, "{"), _parse_llama, leading=True)
+        return TrailingCallParser(_parse_llama, leading=(PYTHON_TAG, "{"))
 
     def grammar(self, tools: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str | None:
         if choice.mode == "none" or not tools:

@@ -97,6 +97,15 @@ def test_plain_text_streams_through_without_waiting_for_the_end():
     assert parser.feed("x") == [ContentDelta("[TOOL_x")]
 
 
+@pytest.mark.parametrize("text, content", [
+    ('[{"name": "f", "arguments": {"a": 1}}]', None),  # the [TOOL_CALLS] control token decoded away
+    ('[1] says so. [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', "[1] says so. "),
+])
+def test_mistral_calls_are_found_without_the_marker_at_the_start_and_after_bracketed_text(text, content):
+    for got in (FORMATS["mistral"].parse(text), collect(_stream("mistral", list(text)))):
+        assert got[0] == content and _calls(got[1]) == [("f", {"a": 1})]
+
+
 def test_mistral_call_ids_are_nine_alphanumerics():
     _, calls = FORMATS["mistral"].parse(REPLIES["mistral"][0])
     assert all(len(c.id) == 9 and c.id.isalnum() for c in calls) and calls[0].id != calls[1].id
