@@ -16,6 +16,7 @@ from services.router.errors import InvalidRequestError
 from services.router.tool_parsers.base import ToolChoice
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+MAX_JSON_WHITESPACE = 32  # consecutive whitespace characters between a call's JSON tokens
 
 
 def chosen_tools(tools: Sequence[dict[str, Any]], choice: ToolChoice) -> list[dict[str, Any]]:
@@ -49,7 +50,9 @@ def calls_array_schema(tools: Sequence[dict[str, Any]], parallel: bool, args_key
 
 
 def json_format(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": schema}
+    # Bounded whitespace: pretty-printing still fits, but a small model cannot spend its
+    # whole budget on newlines inside a call (a known failure of unbounded JSON grammars).
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
 def tag(begin: str, content: dict[str, Any], end: str) -> dict[str, Any]:

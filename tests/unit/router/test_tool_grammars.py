@@ -194,3 +194,11 @@ def test_grammars_refuse_what_they_cannot_express_naming_the_field():
         FORMATS["pythonic"].grammar(dashed, REQUIRED, parallel=True)
     assert err.value.field == "tools[2].function.name"
     assert FORMATS["hermes"].grammar(dashed, REQUIRED, parallel=True)  # JSON formats spell any name
+
+
+def test_whitespace_inside_a_call_is_bounded(walk):
+    """Pretty-printed calls fit; a run of whitespace a looping model would write does not."""
+    grammar = FORMATS["hermes"].grammar(TOOLS, REQUIRED, parallel=False)
+    pretty = '<tool_call>\n{\n  "name": "now",\n  "arguments": {}\n}\n</tool_call>'
+    assert walk(grammar, pretty)
+    assert not walk(grammar, '<tool_call>\n{"name": "now",' + "\n" * 200 + '"arguments": {}}\n</tool_call>')
