@@ -9,7 +9,9 @@ with this convention:
 - the tools are listed as a JSON array inside ``<tools></tools>`` in the system turn;
 - the model answers with a JSON *array* of calls inside one tag,
   ``<tool_call>[{"name": "f", "arguments": {...}}, ...]</tool_call>``
-  (the router's parser accepts that form beside Hermes' one-object-per-tag form);
+  (the router's ``smollm2`` tool-call format, recognised from this template's
+  ``<tool_call>[``, parses that form and makes the engine write it under
+  ``tool_choice`` "required" or a named function: services/router/tool_parsers/);
 - a tool's result comes back as a ChatML ``tool`` turn.
 
 ``SMOLLM2_TOOLS_TEMPLATE`` renders all three. Without tools it renders exactly what the

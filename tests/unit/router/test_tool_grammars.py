@@ -135,6 +135,14 @@ def test_pythonic_required_is_best_effort_names_and_parameter_names(walk):
     assert not walk(FORMATS["pythonic"].grammar(TOOLS, NOW, parallel=True), '[get_weather(city="Paris")]')
 
 
+def test_the_served_smollm2_checkpoint_gets_the_smollm2_format():
+    from services.router.tool_parsers import select_format
+    from services.shared.tokenizer import Tokenizer
+
+    template = Tokenizer.from_dir(resolve_model("smollm2-135m-instruct")).chat_template
+    assert select_format(template).name == "smollm2"
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_none_and_no_tools_mean_no_constraint(fmt):
     assert FORMATS[fmt].grammar(TOOLS, ToolChoice("none"), parallel=True) is None
