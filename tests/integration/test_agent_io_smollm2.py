@@ -13,9 +13,11 @@ import json
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
+import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from tests.integration.smollm2_mesh import SmolMesh, schema_errors, smollm2_mesh
 
@@ -163,6 +165,34 @@ def test_json_object_output_is_a_json_object_on_every_sample(mesh):
         assert isinstance(json.loads(reply.choices[0].message.content), dict), sampling
 
 
+class Ticket(BaseModel):
+    summary: str = Field(max_length=60)
+    category: Literal["billing", "delivery", "product", "other"]
+    urgent: bool
+    order_ids: list[int] = Field(max_length=3)
+
+
+def test_the_openai_clients_parse_helper_returns_the_pydantic_object(mesh):
+    # chat.completions.parse turns the model into a strict json_schema and parses the reply.
+    client = mesh.openai()
+    prompt = "Ticket: 'Order 1234 arrived broken, I want a refund today!' File it."
+
+    def ask(sampling):
+        return client.chat.completions.parse(model=mesh.model, messages=[{"role": "user", "content": prompt}],
+                                            response_format=Ticket, max_tokens=96, **sampling)
+
+    for sampling, reply in zip(SAMPLINGS, together([lambda s=s: ask(s) for s in SAMPLINGS])):
+        assert isinstance(reply.choices[0].message.parsed, Ticket), (sampling, reply.choices[0].message.content)
+
+
+def test_a_json_schema_that_is_not_a_schema_is_a_400_naming_the_field(mesh):
+    with pytest.raises(openai.BadRequestError) as caught:
+        mesh.openai().chat.completions.create(
+            model=mesh.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
+    assert "response_format" in (caught.value.body or {}).get("param", ""), caught.value.body
+
+
 # -- 2. forced tool calls ----------------------------------------------------------------------------
 def assert_valid_calls(message, names: set[str]) -> list[tuple[str, dict]]:
     assert message.tool_calls, f"no tool call parsed; content was {message.content!r}"
@@ -266,6 +296,21 @@ def test_completions_echo_with_logprobs_scores_the_prompt(mesh):
         # The two most likely alternatives, plus the token actually there when it is not among them.
         assert 2 <= len(top) <= 3 and top[token] == pytest.approx(logprob)
         assert len(top) == 2 or logprob < min(v for t, v in top.items() if t != token)
+
+
+def test_streamed_n_two_interleaves_choices_by_index(mesh):
+    request = dict(model=mesh.model, messages=[{"role": "user", "content": "Name a colour."}], n=2, max_tokens=8,
+                   temperature=0)
+    client = mesh.openai()
+    whole = client.chat.completions.create(**request)
+    texts, finishes = {0: "", 1: ""}, {}
+    for chunk in client.chat.completions.create(**request, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
 
 
 def test_n_three_returns_three_choices(mesh):
