@@ -59,7 +59,8 @@ class RouterApp:
                                max_message_bytes=config.max_body_bytes, grace_s=config.drain_s,
                                peer_auth=False)
         self.metrics_server = MetricsServer(config.metrics_host, config.metrics_port)
-        servicer = RouterServicer(self.generator, keys, config.model_name, self.scheduler.list_executors)
+        servicer = RouterServicer(self.generator, keys, config.model_name, self.scheduler.list_executors,
+                                  tool_format=tool_format)
         add_router_to_server(servicer, self.grpc.server)  # with server reflection
         self._runner: web.AppRunner | None = None
         self.http_port: int | None = None
