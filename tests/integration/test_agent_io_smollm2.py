@@ -1,6 +1,6 @@
 """Issue 15's "done means", through the official ``openai`` client against SmolLM2-135M-Instruct
 served by a real mesh (`weft up`, one executor): structured output, forced tool calls,
-logprobs, echo and n > 1.
+logprobs, echo (and max_tokens 0 scoring), n > 1, and /v1/embeddings.
 
 Every constrained request is sampled three times at temperature 0.7 with distinct seeds and
 once greedily, and every sample must conform: the grammar, not luck, makes the output valid.
@@ -262,7 +262,7 @@ def test_a_streamed_forced_call_reassembles_to_the_unstreamed_one(mesh, tool_cho
     assert streamed == expected
 
 
-# -- 5. logprobs, echo, n ------------------------------------------------------------------------------
+# -- 5. logprobs, echo, n, embeddings-----------------------------------------------------------------------------
 def test_chat_logprobs_and_top_logprobs(mesh):
     reply = mesh.openai().chat.completions.create(
         model=mesh.model, messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -296,6 +296,34 @@ def test_completions_echo_with_logprobs_scores_the_prompt(mesh):
         # The two most likely alternatives, plus the token actually there when it is not among them.
         assert 2 <= len(top) <= 3 and top[token] == pytest.approx(logprob)
         assert len(top) == 2 or logprob < min(v for t, v in top.items() if t != token)
+
+
+def test_echo_with_max_tokens_zero_scores_continuations_like_a_log_likelihood_eval(mesh):
+    client = mesh.openai()
+
+    def continuation_logprob(prompt: str, continuation: str) -> float:
+        reply = client.completions.create(model=mesh.model, prompt=prompt + continuation, max_tokens=0,
+                                          echo=True, logprobs=0, temperature=0)
+        logprobs = reply.choices[0].logprobs
+        assert reply.usage.completion_tokens == 0 and reply.choices[0].text == prompt + continuation
+        assert len(logprobs.tokens) == reply.usage.prompt_tokens
+        start = logprobs.text_offset.index(len(prompt))  # the continuation's first token
+        return sum(logprobs.token_logprobs[start:])
+
+    prompt = "The capital of France is"
+    assert continuation_logprob(prompt, " Paris") > continuation_logprob(prompt, " London")
+    assert continuation_logprob("Two plus two equals", " four") > continuation_logprob("Two plus two equals", " nine")
+
+
+def test_embeddings_through_the_openai_client(mesh):
+    texts = ["The cat sat on the mat.", "A cat was sitting on the rug.", "Stock prices fell sharply today."]
+    reply = mesh.openai().embeddings.create(model="all-MiniLM-L6-v2", input=texts)
+    vectors = [item.embedding for item in sorted(reply.data, key=lambda item: item.index)]
+    assert [len(v) for v in vectors] == [384] * 3 and reply.usage.prompt_tokens > 0
+
+    def cosine(a, b):
+        return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+    assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2])
 
 
 def test_streamed_n_two_interleaves_choices_by_index(mesh):
