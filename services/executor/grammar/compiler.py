@@ -45,7 +45,7 @@ class GrammarLimits:
     max_entries: int = 256
     max_bytes: int = 512 * 1024 * 1024  # compiled grammars' own estimate of their memory
     max_grammar_bytes: int = 64 * 1024  # of the grammar's source text
-    compile_timeout_s: float = 10.0
+    compile_timeout_s: float = 5.0
     compile_threads: int = 2
 
 
