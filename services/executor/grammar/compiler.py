@@ -1,12 +1,13 @@
 """Compiled grammars, cached: one compile per distinct (kind, text), bounded in count
 and bytes (LRU), shared by every request of the engine.
 
-Compiles run on a small worker pool with a deadline, so a hostile grammar (a huge or
-deeply nested schema, an exploding regex) costs the caller at most
-``compile_timeout_s`` and then a clear ``InvalidRequestError``; the engine thread never
-waits on it forever. A compile past its deadline keeps its worker until xgrammar returns
-(native code cannot be interrupted); while every worker is held so, new compiles are
-refused at once instead of queueing behind them. Texts over ``max_grammar_bytes`` and
+Each compile runs on a daemon worker thread with a deadline (xgrammar releases the GIL
+while compiling), so a hostile grammar (a huge or deeply nested schema, an exploding
+regex) costs the caller at most ``compile_timeout_s`` and then a clear
+``InvalidRequestError``; the engine thread never waits on it forever. A compile past its
+deadline keeps its worker until xgrammar returns (native code cannot be interrupted; a
+daemon thread at least never holds up process exit); while ``compile_threads`` workers
+are held so, new compiles are refused at once (CapacityError) instead of piling up. Texts over ``max_grammar_bytes`` and
 JSON nested deeper than ``MAX_JSON_DEPTH`` are refused before any compile. A failed
 compile is remembered too, so a repeated bad grammar is refused without recompiling.
 """
@@ -16,14 +17,14 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import structlog
 import xgrammar as xgr
 
 from services.executor.engine.sampling_params import GrammarSpec
-from services.executor.errors import InvalidRequestError
+from services.executor.errors import CapacityError, InvalidRequestError
 from services.mesh import metrics
 
 log = structlog.get_logger(__name__)
@@ -57,10 +58,9 @@ class GrammarCache:
         self.limits = limits
         # xgrammar's own cache is off: this one is bounded, counted and holds failures.
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=limits.compile_threads, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(limits.compile_threads, thread_name_prefix="grammar-compile")
+        self.workers: set[threading.Thread] = set()  # compiles in flight, past their deadline included
         self._entries: OrderedDict[tuple[str, str], xgr.CompiledGrammar | InvalidRequestError] = OrderedDict()
         self._bytes = 0
-        self._running = 0  # compiles holding a worker, past their deadline included
         self._lock = threading.Lock()
         self.num_compiles = 0
 
@@ -96,13 +96,14 @@ class GrammarCache:
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         field = f"grammar.{spec.kind}"
         _check_source(spec, self.limits.max_grammar_bytes)
+        future: Future = Future()
+        worker = threading.Thread(target=self._work, args=(spec, future), name="grammar-compile", daemon=True)
         with self._lock:
-            if self._running >= self.limits.compile_threads:
-                raise InvalidRequestError(field, "the grammar compilers are busy with grammars that timed out; "
-                                                 "retry later with a smaller grammar")
-            self._running += 1
-        future = self._pool.submit(self._compile_now, spec)
-        future.add_done_callback(self._release_worker)
+            if len(self.workers) >= self.limits.compile_threads:
+                # transient (not cached): RESOURCE_EXHAUSTED, retry later
+                raise CapacityError(f"{field}: the grammar compilers are busy with grammars that timed out")
+            self.workers.add(worker)
+        worker.start()
         try:
             return future.result(timeout=self.limits.compile_timeout_s)
         except FutureTimeout:
@@ -112,9 +113,14 @@ class GrammarCache:
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse / conversion errors
             raise InvalidRequestError(field, _NATIVE_PREFIX.sub("", str(e)).strip()) from None
 
-    def _release_worker(self, _: Future) -> None:
-        with self._lock:
-            self._running -= 1
+    def _work(self, spec: GrammarSpec, future: Future) -> None:
+        try:
+            future.set_result(self._compile_now(spec))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(e)
+        finally:
+            with self._lock:
+                self.workers.discard(threading.current_thread())
 
     def _compile_now(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         with COMPILE_SECONDS.labels(spec.kind).time():
@@ -145,7 +151,10 @@ class GrammarCache:
                     self._bytes -= old.memory_size_bytes
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Forget every entry (workers still compiling finish on their own)."""
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
 
 
 def _check_source(spec: GrammarSpec, max_bytes: int) -> None:

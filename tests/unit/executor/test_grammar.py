@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.executor.engine.sampling_params import GrammarSpec
-from services.executor.errors import InvalidRequestError
+from services.executor.errors import CapacityError, InvalidRequestError
 from services.executor.grammar import GrammarCache, GrammarLimits, GrammarState, load_tokenizer_info, mask_logits
 from services.executor.model.config import ModelConfig
 from weft.testing.tiny_model import make_tiny_checkpoint
@@ -154,11 +154,16 @@ def test_a_compile_past_its_deadline_is_refused_and_the_busy_compilers_refuse_ne
     monkeypatch.setattr(cache, "_compile_now", hung)
     with pytest.raises(InvalidRequestError, match=r"^grammar.regex: did not compile within 0.05s"):
         cache.get(GrammarSpec("regex", "a+"))
-    with pytest.raises(InvalidRequestError, match=r"^grammar.regex: the grammar compilers are busy"):
+    with pytest.raises(CapacityError, match=r"^grammar.regex: the grammar compilers are busy"):
         cache.get(GrammarSpec("regex", "b+"))
+    (worker,) = cache.workers
+    assert worker.daemon  # a compile that never returns cannot hold up the process's exit
     release.set()
-    cache._pool.shutdown(wait=True)  # the hung compile returns and frees its worker
-    assert cache._running == 0
+    worker.join()  # the hung compile returns and frees its worker
+    assert not cache.workers
+    assert cache.get(GrammarSpec("regex", "b+")) is not None  # "busy" was not remembered as a failure
+    with pytest.raises(InvalidRequestError, match="did not compile"):  # the timeout was
+        cache.get(GrammarSpec("regex", "a+"))
     cache.close()
 
 
