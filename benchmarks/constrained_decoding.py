@@ -116,11 +116,10 @@ def measure(args) -> tuple[dict, float, str]:
                     results.setdefault((mode, batch), []).append(one_round(engine, prompt, batch, params,
                                                                            f"{mode}-{batch}-{r}"))
                     bar.update(1)
-    sample = engine  # keep one constrained output for the report
-    sample.add_request("sample", prompt, modes["json_schema"])
+    engine.add_request("sample", prompt, modes["json_schema"])  # one constrained output for the report
     out: list[int] = []
-    while sample.has_unfinished_requests:
-        for o in sample.step():
+    while engine.has_unfinished_requests:
+        for o in engine.step():
             out.extend(o.new_token_ids)
     return results, compile_ms, tokenizer.decode(out)
 

@@ -12,6 +12,7 @@ import torch
 from services.executor.engine.sampling_params import GrammarSpec
 from services.executor.errors import CapacityError, InvalidRequestError
 from services.executor.grammar import GrammarCache, GrammarLimits, GrammarState, load_tokenizer_info, mask_logits
+from services.executor.grammar.mask import MASK_SECONDS
 from services.executor.model.config import ModelConfig
 from weft.testing.tiny_model import make_tiny_checkpoint
 
@@ -192,10 +193,15 @@ def test_without_a_constrained_row_the_mask_is_a_no_op(cache):
     assert torch.equal(logits, before)
 
 
+def _mask_steps() -> float:
+    return next(s.value for m in MASK_SECONDS.collect() for s in m.samples if s.name.endswith("_count"))
+
+
 def test_only_constrained_rows_are_masked_and_they_allow_only_the_grammar(cache, info):
     logits = torch.randn(3, cache.vocab_size, generator=torch.Generator().manual_seed(0))
-    before = logits.clone()
+    before, steps = logits.clone(), _mask_steps()
     mask_logits(logits, [None, GrammarState(cache.get(DIGITS)), None])
+    assert _mask_steps() == steps + 1  # the step's cost is in the histogram
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = torch.nonzero(logits[1] > float("-inf")).flatten().tolist()
     assert allowed and all(_decode(info, t).isdigit() for t in allowed)
