@@ -43,11 +43,16 @@ class City(BaseModel):
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_with_structured_output_returns_the_pydantic_object(mesh, method):
-    structured = chat_model(mesh).with_structured_output(City, method=method)
+    # json_schema sends response_format (a strict schema); function_calling forces a call of a
+    # "City" tool (tool_choice naming it, parallel_tool_calls false). Both must parse.
     prompt = "Describe Paris as JSON with the keys name, country, population_millions, climate, landmarks."
-    for model in (structured, chat_model(mesh, temperature=0.7, seed=5).with_structured_output(City, method=method)):
-        city = model.invoke(prompt)
-        assert isinstance(city, City), city
+    for sampling in ({}, {"temperature": 0.7, "seed": 5}, {"temperature": 0.7, "seed": 6}):
+        model = chat_model(mesh, **sampling).with_structured_output(City, method=method, include_raw=True)
+        result = model.invoke(prompt)
+        assert result["parsing_error"] is None, (sampling, result["raw"])
+        assert isinstance(result["parsed"], City), (sampling, result["raw"])
+        if method == "function_calling":
+            assert [call["name"] for call in result["raw"].tool_calls] == ["City"]
 
 
 # -- 4. a LangGraph ReAct agent ---------------------------------------------------------------------

@@ -262,7 +262,7 @@ def test_a_streamed_forced_call_reassembles_to_the_unstreamed_one(mesh, tool_cho
     assert streamed == expected
 
 
-# -- 5. logprobs, echo, n, embeddings-----------------------------------------------------------------------------
+# -- 5. logprobs, echo, n, embeddings ----------------------------------------------------------------
 def test_chat_logprobs_and_top_logprobs(mesh):
     reply = mesh.openai().chat.completions.create(
         model=mesh.model, messages=[{"role": "user", "content": "What is the capital of France?"}],
