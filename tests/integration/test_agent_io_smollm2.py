@@ -221,6 +221,7 @@ def test_forced_tool_choice_yields_a_valid_call_on_every_sample(mesh, tool_choic
     for sampling, reply in zip(SAMPLINGS, together([lambda s=s: ask(s) for s in SAMPLINGS])):
         assert reply.choices[0].finish_reason == "tool_calls", (sampling, reply.choices[0].message)
         assert_valid_calls(reply.choices[0].message, names)
+        assert not reply.choices[0].message.content, sampling  # only calls: the grammar allows no text
 
 
 def test_parallel_tool_calls_false_yields_exactly_one_call(mesh):
@@ -245,18 +246,21 @@ def test_a_streamed_forced_call_reassembles_to_the_unstreamed_one(mesh, tool_cho
     whole = client.chat.completions.create(**request)
     expected = assert_valid_calls(whole.choices[0].message, set(TOOL_SCHEMAS))
 
+    assert not whole.choices[0].message.content  # a forced call leaves no text
+
     parts: dict[int, dict[str, str]] = {}
-    finish_reasons = []
+    finish_reasons, content = [], ""
     for chunk in client.chat.completions.create(**request, stream=True):
         for choice in chunk.choices:
             finish_reasons += [choice.finish_reason] if choice.finish_reason else []
+            content += choice.delta.content or ""
             for delta in choice.delta.tool_calls or ():
                 part = parts.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
                 part["id"] = delta.id or part["id"]  # OpenAI sends the id and name once, first
                 if delta.function is not None:
                     part["name"] += delta.function.name or ""
                     part["arguments"] += delta.function.arguments or ""
-    assert finish_reasons == ["tool_calls"]
+    assert finish_reasons == ["tool_calls"] and content == ""
     assert sorted(parts) == list(range(len(parts))) and all(p["id"] for p in parts.values())
     streamed = [(parts[i]["name"], json.loads(parts[i]["arguments"])) for i in sorted(parts)]
     assert streamed == expected
