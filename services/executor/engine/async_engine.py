@@ -124,6 +124,11 @@ class AsyncEngine:
         if self._closed.is_set():
             raise EngineDeadError("engine thread is not running")
         loop = asyncio.get_running_loop()
+        if params.grammar is not None:
+            # Compile here, off the engine thread (a cache miss would pause every stream for
+            # up to grammar_compile_timeout_s); the engine's add then hits the cache. A
+            # refusal is raised before anything was added, as the engine's own would be.
+            await loop.run_in_executor(None, self.engine.grammars.get, params.grammar)
         outq: asyncio.Queue = asyncio.Queue()
 
         def sink(item: StepOutput | BaseException) -> bool:
