@@ -126,7 +126,7 @@ def together(calls: list[Callable[[], Any]]) -> list[Any]:
 
 
 def test_the_test_validator_rejects_what_it_should():
-    # The validator below decides every structured-output test: it must be able to fail.
+    # schema_errors (smollm2_mesh.py) decides every structured-output test: it must be able to fail.
     schema = SCHEMAS["arrays"]
     assert schema_errors({"items": [{"product": "tea", "quantity": 2}], "tags": ["gift"]}, schema) == []
     assert schema_errors({"items": [], "tags": []}, schema)  # minItems
