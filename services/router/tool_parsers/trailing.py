@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from services.router.text_holdback import partial_marker_suffix
+import services.router.tool_parsers.json_scan as js
 import services.router.tool_parsers.structural as st
 from services.router.tool_parsers.base import (
     StreamEvent, ToolCall, ToolCallFormat, ToolChoice, ToolStreamParser, call_from_json, mistral_call_id,
@@ -35,9 +36,10 @@ class TrailingCallParser(ToolStreamParser):
     marker on."""
 
     def __init__(self, parse: Callable[[str], list[ToolCall] | None], leading: tuple[str, ...] = (),
-                 anywhere: tuple[str, ...] = ()) -> None:
+                 anywhere: tuple[str, ...] = (), salvage: Callable[[str], list[ToolCall] | None] | None = None) -> None:
         super().__init__()
         self._parse, self._leading, self._anywhere = parse, leading, anywhere
+        self._salvage = salvage  # the complete calls of a text cut short (max_tokens), or None
         self._buf = ""
         self._state = "start"  # -> "calls" (held to the end), "scan" (for an anywhere marker) or "text"
 
@@ -85,6 +87,8 @@ class TrailingCallParser(ToolStreamParser):
                 calls = self._parse(self._buf[cut:].strip())
                 if calls is not None:
                     break
+        if calls is None and self._state == "calls" and self._salvage is not None:
+            cut, calls = 0, self._salvage(self._buf.strip())  # its incomplete last call is dropped
         if calls is None:
             self._content(self._buf, events)
         else:
@@ -110,6 +114,27 @@ def json_values(text: str) -> list[Any] | None:
         return None
 
 
+def _salvage_mistral(text: str) -> list[ToolCall] | None:
+    """The complete calls of an array cut short; None when there are none."""
+    text = text.removeprefix(MISTRAL_MARKER).lstrip()
+    if not text.startswith("["):
+        return None
+    calls, _, state = js.complete_elements(text, 0, lambda v: call_from_json(v, mistral_call_id))
+    return calls if calls and state == "more" else None
+
+
+def _salvage_llama(text: str) -> list[ToolCall] | None:
+    """The complete calls before one cut short; None when there are none."""
+    text = text.removeprefix(PYTHON_TAG)
+    cut = text.rfind(";")
+    tail = js.skip_space(text, cut + 1)
+    if cut < 0 or not text.startswith("{", tail) or js.value_end(text, tail) is not None:
+        return None  # no complete call before it, or the last one is not cut short
+    values = json_values(text[:cut])
+    calls = [call_from_json(v, openai_call_id, args_keys=("parameters", "arguments")) for v in values or ()]
+    return calls if calls and None not in calls else None  # type: ignore[return-value]
+
+
 def _parse_mistral(text: str) -> list[ToolCall] | None:
     values = json_values(text.removeprefix(MISTRAL_MARKER))
     if not values or len(values) != 1 or not isinstance(values[0], list):
@@ -132,7 +157,7 @@ class MistralFormat(ToolCallFormat):
     def stream_parser(self) -> ToolStreamParser:
         # "[" at the start too: the marker is a control token, which text decoded without
         # special tokens loses; the array of calls that follows it is still recognised.
-        return TrailingCallParser(_parse_mistral, leading=("[",), anywhere=(MISTRAL_MARKER,))
+        return TrailingCallParser(_parse_mistral, leading=("[",), anywhere=(MISTRAL_MARKER,), salvage=_salvage_mistral)
 
     def grammar(self, tools: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str | None:
         if choice.mode == "none" or not tools:
@@ -148,7 +173,7 @@ class Llama3JsonFormat(ToolCallFormat):
     name = "llama3_json"
 
     def stream_parser(self) -> ToolStreamParser:
-        return TrailingCallParser(_parse_llama, leading=(PYTHON_TAG, "{"))
+        return TrailingCallParser(_parse_llama, leading=(PYTHON_TAG, "{"), salvage=_salvage_llama)
 
     def grammar(self, tools: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str | None:
         if choice.mode == "none" or not tools:
