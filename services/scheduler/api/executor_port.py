@@ -10,6 +10,7 @@ status passes through as the executor's own error, so the client gets it unchang
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -54,8 +55,11 @@ class _GrpcStream:
 
 class ChannelPool:
     def __init__(self, max_message_bytes: int) -> None:
-        self._options = channel_options(max_message_bytes)
+        # Each channel its own subchannels: gRPC shares them process-wide by default, so a
+        # fresh channel to a restarted executor would inherit the dead one's reconnect backoff.
+        self._options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
         self._stubs: dict[str, tuple[grpc.aio.Channel, executor_pb2_grpc.ExecutorStub]] = {}
+        self._closing: set[asyncio.Task] = set()  # replaced channels being closed
 
     async def serving(self, rec: ExecutorRecord) -> bool:
         """Whether ``rec`` answers grpc.health.v1 SERVING at its (verified) address, over
@@ -71,6 +75,15 @@ class ChannelPool:
 
     def stub(self, address: str) -> executor_pb2_grpc.ExecutorStub:
         entry = self._stubs.get(address)
+        if entry is not None and entry[0].get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            # The executor was unreachable (killed, restarting) and gRPC is backing off its
+            # reconnects, up to minutes: a call now fails at once even though the restarted
+            # executor serves again. A fresh channel connects now; the old one has no live
+            # streams left (its connection is gone), so closing it cancels nothing.
+            closing = asyncio.get_running_loop().create_task(entry[0].close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+            entry = None
         if entry is None:
             channel = mesh_channel(address, options=self._options)
             entry = (channel, executor_pb2_grpc.ExecutorStub(channel))
