@@ -30,14 +30,14 @@ CLOSE_TAG = "</tool_call>"
 class TaggedParser(ToolStreamParser):
     """Outside a block: content, holding back a tail that may start ``<tool_call>``. Inside:
     the body is read as JSON as it arrives, so a ``</tool_call>`` inside a string is text;
-    the block closes at the first close tag after the complete value. An array's calls are
-    sent one by one, each as soon as its element is complete."""
+    the block closes at the first close tag after the complete value. A block's calls are
+    sent when it closes (any element that is not a call keeps the whole block as content),
+    or, for an array cut short by the end of the output, its complete calls at the end."""
 
     def __init__(self) -> None:
         super().__init__()
         self._buf = ""  # outside: unsent text; inside: the block's body, from after the open tag
         self._inside = False
-        self._sent = 0  # inside an array: how many of its calls were sent
 
     def feed(self, text: str) -> list[StreamEvent]:
         self._buf += text
@@ -66,7 +66,7 @@ class TaggedParser(ToolStreamParser):
             self._buf = self._buf[cut:]
             return False
         self._content(self._buf[:start], events)
-        self._buf, self._inside, self._sent = self._buf[start + len(OPEN_TAG):], True, 0
+        self._buf, self._inside = self._buf[start + len(OPEN_TAG):], True
         return True
 
     def _body(self, events: list[StreamEvent], final: bool) -> bool:
@@ -74,31 +74,23 @@ class TaggedParser(ToolStreamParser):
         body = self._buf
         pos = js.skip_space(body, 0)
         if pos < len(body) and body[pos] == "[":
-            return self._array(body, pos, events, final)
+            calls, end, state = js.complete_elements(body, pos, call_from_json)
+            if state == "more" and final and calls:  # cut short (max_tokens): the complete calls stand
+                self._buf, self._inside = "", False
+                self._calls(calls, events)
+                return True
+            if state == "more" and not final:
+                return False
+            return self._close(body, end if state == "done" else None, events, final)
         end = js.value_end(body, pos) if pos < len(body) and body[pos] == "{" else None
         if end is None and not final and (pos == len(body) or body[pos] == "{"):
             return False  # the value is still arriving
         return self._close(body, end, events, final)
 
-    def _array(self, body: str, pos: int, events: list[StreamEvent], final: bool) -> bool:
-        calls, stop, state = js.complete_elements(body, pos, call_from_json)
-        self._calls(calls[self._sent:], events)
-        self._sent = len(calls)
-        if state == "done":
-            return self._close(body, stop, events, final)
-        if state == "more" and not final:
-            return False
-        if not calls:  # not an array of calls after all: the block is content
-            return self._close(body, None, events, final)
-        if state == "more":  # cut short (max_tokens): the complete calls stand, the partial one is dropped
-            self._buf, self._inside = "", False
-            return True
-        return self._close(body, None, events, final, rest_from=stop)
-
-    def _close(self, body: str, end: int | None, events: list[StreamEvent], final: bool, rest_from: int = 0) -> bool:
+    def _close(self, body: str, end: int | None, events: list[StreamEvent], final: bool) -> bool:
         """Ends the block at the close tag right after ``end`` (the complete value's end) or,
-        failing that, at the next close tag; without one, waits for more text unless ``final``."""
-        after = js.skip_space(body, end) if end is not None else rest_from
+        failing that, at the first close tag; without one, waits for more text unless ``final``."""
+        after = js.skip_space(body, end) if end is not None else 0
         if end is not None and not final and CLOSE_TAG.startswith(body[after:]):
             return False  # the close tag may be arriving
         tag = after if body.startswith(CLOSE_TAG, after) else body.find(CLOSE_TAG, after)
@@ -107,10 +99,6 @@ class TaggedParser(ToolStreamParser):
         closed = tag >= 0
         block = body[:tag] if closed else body
         self._buf, self._inside = (body[tag + len(CLOSE_TAG):] if closed else ""), False
-        if self._sent:  # an array's calls were sent: what follows them in the block is content
-            if not (closed and tag == after):  # a clean close leaves none
-                self._content(block[after:] + (CLOSE_TAG if closed else ""), events)
-            return True
         calls = calls_from_json_text(block[:end]) if end is not None and not block[end:].strip() else None
         if calls is None:
             self._content(OPEN_TAG + block + (CLOSE_TAG if closed else ""), events)
@@ -126,10 +114,11 @@ class HermesFormat(ToolCallFormat):
         return TaggedParser()
 
     def grammar(self, tools: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str | None:
-        if choice.mode == "none" or not tools:
+        if not tools:
             return None
-        call = st.tag(OPEN_TAG + "\n", st.json_format(st.call_schema(st.chosen_tools(tools, choice))),
-                      "\n" + CLOSE_TAG)
+        if choice.mode == "none":
+            return st.structural_tag(st.any_text_except([OPEN_TAG]))
+        call = st.tag(OPEN_TAG + "\n", st.call(st.chosen_tools(tools, choice)), "\n" + CLOSE_TAG)
         if choice.mode == "auto":
             return st.structural_tag(st.triggered(OPEN_TAG, [call], stop_after_first=not parallel))
         if choice.mode == "function":
@@ -144,11 +133,12 @@ class SmolLM2Format(ToolCallFormat):
         return TaggedParser()
 
     def grammar(self, tools: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str | None:
-        if choice.mode == "none" or not tools:
+        if not tools:
             return None
+        if choice.mode == "none":
+            return st.structural_tag(st.any_text_except([OPEN_TAG]))
         many = parallel and choice.mode != "function"
-        block = st.tag(OPEN_TAG, st.json_format(st.calls_array_schema(st.chosen_tools(tools, choice), many)),
-                       CLOSE_TAG)
+        block = st.tag(OPEN_TAG + "[", st.calls_array(st.chosen_tools(tools, choice), many), "]" + CLOSE_TAG)
         if choice.mode == "auto":
             return st.structural_tag(st.triggered(OPEN_TAG, [block], stop_after_first=True))
         return st.structural_tag(block)

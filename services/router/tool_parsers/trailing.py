@@ -160,10 +160,12 @@ class MistralFormat(ToolCallFormat):
         return TrailingCallParser(_parse_mistral, leading=("[",), anywhere=(MISTRAL_MARKER,), salvage=_salvage_mistral)
 
     def grammar(self, tools: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str | None:
-        if choice.mode == "none" or not tools:
+        if not tools:
             return None
+        if choice.mode == "none":
+            return st.structural_tag(st.any_text_except([MISTRAL_MARKER]))
         many = parallel and choice.mode != "function"
-        block = st.tag(MISTRAL_MARKER, st.json_format(st.calls_array_schema(st.chosen_tools(tools, choice), many)), "")
+        block = st.tag(MISTRAL_MARKER + "[", st.calls_array(st.chosen_tools(tools, choice), many), "]")
         if choice.mode == "auto":
             return st.structural_tag(st.triggered(MISTRAL_MARKER, [block], stop_after_first=True))
         return st.structural_tag(block)
@@ -176,8 +178,10 @@ class Llama3JsonFormat(ToolCallFormat):
         return TrailingCallParser(_parse_llama, leading=(PYTHON_TAG, "{"), salvage=_salvage_llama)
 
     def grammar(self, tools: Sequence[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str | None:
-        if choice.mode == "none" or not tools:
+        if not tools:
             return None
+        if choice.mode == "none":
+            return st.structural_tag(st.any_text_except([PYTHON_TAG, LLAMA_TRIGGER]))
         # One tag per tool, its name spelled in the begin string, as Llama writes
         # ``{"name": "f", "parameters": {...}}``: the trigger is the common prefix.
         calls = [st.tag(f'{LLAMA_TRIGGER}{json.dumps(t["function"]["name"])}, "parameters": ',

@@ -155,7 +155,7 @@ def test_smollm2s_array_reply_becomes_one_openai_tool_call_per_element(smol_dir,
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_malformed_array_block_stays_content(smol_dir, stream):
-    reply = '<tool_call>["oops", {"name": "get_weather"}]</tool_call>'
+    reply = '<tool_call>[{"name": "get_weather"}, "oops"]</tool_call>'
     status, text, _, _ = _post_chat(smol_dir, {"messages": [{"role": "user", "content": "x"}],
                                                "tools": TOOLS, "stream": stream}, reply)
     assert status == 200, text

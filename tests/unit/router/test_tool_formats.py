@@ -74,7 +74,7 @@ def test_how_the_text_is_split_does_not_change_the_result(cuts):
 
 @pytest.mark.parametrize("fmt, text", [
     ("hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'),  # arguments not an object
-    ("smollm2", '<tool_call>["oops", {"name": "f"}]</tool_call>'),  # the first element is not a call
+    ("smollm2", '<tool_call>[{"name": "f"}, "oops"]</tool_call>'),
     ("llama3_json", '{"answer": 42}'),  # JSON, but not a call
     ("llama3_json", '{"name": "f", "parameters": {"a": 1}} and then text'),
     ("mistral", "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {}"),  # cut off

@@ -144,9 +144,23 @@ def test_the_served_smollm2_checkpoint_gets_the_smollm2_format():
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_none_and_no_tools_mean_no_constraint(fmt):
-    assert FORMATS[fmt].grammar(TOOLS, ToolChoice("none"), parallel=True) is None
+def test_no_tools_mean_no_constraint(fmt):
     assert FORMATS[fmt].grammar((), AUTO, parallel=True) is None
+    assert FORMATS[fmt].grammar((), ToolChoice("none"), parallel=True) is None
+
+
+@pytest.mark.parametrize("fmt", sorted(CALLS))
+def test_none_forbids_the_call_marker_and_lets_text_through(walk, fmt):
+    """SmolLM2 wrote ``<tool_call>[...]`` as text under "none" when nothing constrained it."""
+    grammar = FORMATS[fmt].grammar(TOOLS, ToolChoice("none"), parallel=True)
+    assert walk(grammar, "It is sunny in Paris, 18 degrees. {\"city\": [1, 2]} <tool> [TOOL]")
+    for call in CALLS[fmt][:2]:
+        assert not walk(grammar, "Sure. " + call)
+
+
+def test_pythonic_none_is_not_constrained():
+    """Its only marker, "[", is ordinary text."""
+    assert FORMATS["pythonic"].grammar(TOOLS, ToolChoice("none"), parallel=True) is None
 
 
 def test_pythonic_auto_is_not_constrained():
@@ -204,9 +218,16 @@ def test_grammars_refuse_what_they_cannot_express_naming_the_field():
     assert FORMATS["hermes"].grammar(dashed, REQUIRED, parallel=True)  # JSON formats spell any name
 
 
-def test_whitespace_inside_a_call_is_bounded(walk):
-    """Pretty-printed calls fit; a run of whitespace a looping model would write does not."""
-    grammar = FORMATS["hermes"].grammar(TOOLS, REQUIRED, parallel=False)
-    pretty = '<tool_call>\n{\n  "name": "now",\n  "arguments": {}\n}\n</tool_call>'
-    assert walk(grammar, pretty)
-    assert not walk(grammar, '<tool_call>\n{"name": "now",' + "\n" * 200 + '"arguments": {}}\n</tool_call>')
+def test_calls_are_written_compact(walk):
+    """Whitespace inside a call is at most one character in a row, and only inside its
+    arguments: a model cannot spend its budget on pretty-printing (issue 15: SmolLM2 at
+    temperature 1 pretty-printed parallel calls until max_tokens cut the array)."""
+    for fmt in ("hermes", "smollm2", "mistral", "llama3_json"):
+        grammar = FORMATS[fmt].grammar(TOOLS, REQUIRED, parallel=True)
+        assert walk(grammar, TWO_CALLS[fmt])
+    hermes = FORMATS["hermes"].grammar(TOOLS, REQUIRED, parallel=False)
+    assert walk(hermes, '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris",\n"days": 3}}\n</tool_call>')
+    assert not walk(hermes, '<tool_call>\n{\n  "name": "now",\n  "arguments": {}\n}\n</tool_call>')
+    assert not walk(hermes, '<tool_call>\n{"name": "get_weather", "arguments": {\n  "city": "Paris"}}\n</tool_call>')
+    smollm2 = FORMATS["smollm2"].grammar(TOOLS, REQUIRED, parallel=True)
+    assert not walk(smollm2, '<tool_call>[{"name": "now", "arguments": {}},\n {"name": "now", "arguments": {}}]</tool_call>')
