@@ -12,6 +12,7 @@ arming file is consumed by the one process that kills itself, so the migrated at
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -64,9 +65,13 @@ class _PatchEngine(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _PatchEngine())
 '''
 
+# A pattern, not minLength / maxLength: xgrammar 0.2.9 compiles a length-bounded string to
+# "any character but quote, backslash, CR, LF", so raw control characters (invalid JSON)
+# pass the mask (reported; the executor's grammar compiler is another part's).
+CITY = {"type": "string", "pattern": "^[A-Za-z ]{12,24}$"}
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "minLength": 12, "maxLength": 24},
+    "properties": {"city": CITY,
                    "population": {"type": "integer", "minimum": 0, "maximum": 99999},
                    "capital": {"type": "boolean"}},
     "required": ["city", "population", "capital"],
@@ -74,7 +79,7 @@ SCHEMA = {
 }
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "minLength": 12, "maxLength": 24}},
+    "parameters": {"type": "object", "properties": {"city": CITY},
                    "required": ["city"], "additionalProperties": False}}}
 SAMPLINGS = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.9, "seed": 7}}
 
@@ -142,7 +147,7 @@ def _stream_chat(state, body: dict) -> tuple[str, list[dict], str]:
 def _check_schema(text: str) -> None:
     value = json.loads(text)
     assert set(value) == {"city", "population", "capital"}, value
-    assert isinstance(value["city"], str) and 12 <= len(value["city"]) <= 24, value
+    assert re.fullmatch("[A-Za-z ]{12,24}", value["city"]), value
     assert type(value["population"]) is int and 0 <= value["population"] <= 99999, value
     assert type(value["capital"]) is bool, value
 
@@ -200,4 +205,19 @@ def test_a_forced_tool_call_whose_executor_is_killed_ends_as_the_unkilled_stream
     assert text == "" and finish == "tool_calls", killed
     assert [c["function"]["name"] for c in calls if c["function"].get("name")] == ["get_weather"], calls
     arguments = json.loads("".join(c["function"].get("arguments") or "" for c in calls))
-    assert set(arguments) == {"city"} and 12 <= len(arguments["city"]) <= 24, arguments
+    assert set(arguments) == {"city"} and re.fullmatch("[A-Za-z ]{12,24}", arguments["city"]), arguments
+
+
+def test_n8_constrained_completions_with_an_executor_killed_all_finish_valid(mesh):
+    """n = 8 fans out to eight streams across both executors; one executor dies under some
+    of them. Every choice must come back, once, finished and valid (none silently missing)."""
+    state_dir, state, arm = mesh
+    before = _executor_pids(state_dir)
+    arm.touch()
+    reply = _chat(state, {"n": 8, "temperature": 0.9, "seed": 3, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}})
+    _killed_one(state_dir, state, arm, before)
+    assert sorted(c["index"] for c in reply["choices"]) == list(range(8)), reply
+    for choice in reply["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        _check_schema(choice["message"]["content"])
