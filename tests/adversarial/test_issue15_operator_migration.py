@@ -6,8 +6,9 @@ a forced tool call that parses, for greedy and for seeded sampled streams.
 
 The kill is deterministic, not timed: every executor runs with a ``sitecustomize`` (written
 into the test's tmp dir) that, once armed by a file, SIGKILLs its own process at the start
-of a step in which a first-attempt constrained request has produced ``KILL_AT`` tokens. The
-arming file is consumed by the one process that kills itself, so the migrated attempt runs.
+of a step in which a first-attempt constrained request has produced ``KILL_AT`` tokens (or,
+when the file holds a pid, SIGKILLs that process: the scheduler). The arming file is
+consumed by the one process that fires, so the migrated attempt runs.
 """
 from __future__ import annotations
 
@@ -50,10 +51,12 @@ class _PatchEngine(importlib.abc.MetaPathFinder):
                     if (seq.grammar is not None and seq.params.resumed_output_tokens == 0
                             and seq.num_output_tokens >= KILL_AT):
                         try:
+                            with open(ARM) as f:
+                                target = int(f.read() or os.getpid())  # a pid written there, else itself
                             os.remove(ARM)  # exactly one process wins the armed kill
                         except FileNotFoundError:
                             break
-                        os.kill(os.getpid(), signal.SIGKILL)
+                        os.kill(target, signal.SIGKILL)
                 return real_step(self)
 
             module.LLMEngine.step = step
@@ -221,3 +224,25 @@ def test_n8_constrained_completions_with_an_executor_killed_all_finish_valid(mes
     for choice in reply["choices"]:
         assert choice["finish_reason"] == "stop", choice
         _check_schema(choice["message"]["content"])
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_json_schema_stream_whose_scheduler_is_killed_still_ends_valid_json(mesh, stream):
+    """The scheduler dies mid-stream (killed by the executor's hook at KILL_AT tokens, so
+    the stream is surely in flight): the router continues it on the restarted scheduler
+    with the sent tokens as resumed output, and the grammar still holds."""
+    state_dir, state, arm = mesh
+    scheduler = read_state(state_dir).instance("scheduler").pid
+    arm.write_text(str(scheduler))
+    body = {"temperature": 0.0, "response_format": {"type": "json_schema",
+                                                    "json_schema": {"name": "city", "schema": SCHEMA}}}
+    if stream:
+        text, _, finish = _stream_chat(state, body)
+    else:
+        reply = _chat(state, body)
+        text, finish = reply["choices"][0]["message"]["content"], reply["choices"][0]["finish_reason"]
+    assert not arm.exists() and not pid_alive(scheduler), "the scheduler was not killed"
+    wait_for(lambda: read_state(state_dir).instance("scheduler").pid != scheduler
+             and len(_serving(state)) == 2, 90, "the scheduler restarted and placing on both executors")
+    assert finish == "stop", (finish, text)
+    _check_schema(text)
