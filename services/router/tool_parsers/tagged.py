@@ -91,8 +91,10 @@ class TaggedParser(ToolStreamParser):
         """Ends the block at the close tag right after ``end`` (the complete value's end) or,
         failing that, at the first close tag; without one, waits for more text unless ``final``."""
         after = js.skip_space(body, end) if end is not None else 0
-        if end is not None and not final and CLOSE_TAG.startswith(body[after:]):
-            return False  # the close tag may be arriving
+        if end is not None and CLOSE_TAG.startswith(body[after:]):
+            if not final:
+                return False  # the close tag may be arriving
+            body = body[:after] + CLOSE_TAG  # the output ended inside the close tag (max_tokens)
         tag = after if body.startswith(CLOSE_TAG, after) else body.find(CLOSE_TAG, after)
         if tag < 0 and not final:
             return False

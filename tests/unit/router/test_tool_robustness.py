@@ -69,6 +69,12 @@ def test_trailing_formats_cut_short_keep_their_complete_calls(fmt, text, calls):
     assert whole == streamed == (None, calls)
 
 
+@pytest.mark.parametrize("cut", ["</tool_call", "</", "\n"])
+def test_an_array_cut_inside_its_close_tag_is_still_its_calls(cut):
+    text = '<tool_call>[{"name": "f", "arguments": {"a": 1}}]' + cut
+    assert _both("smollm2", text) == ((None, [("f", {"a": 1})]),) * 2
+
+
 def test_a_cut_with_no_complete_call_stays_content():
     for fmt, text in (("smollm2", '<tool_call>[{"name": "f", "argu'), ("mistral", '[TOOL_CALLS][{"name": "f"')):
         assert _both(fmt, text) == ((text, []), (text, []))
