@@ -75,17 +75,26 @@ class TaggedParser(ToolStreamParser):
         pos = js.skip_space(body, 0)
         if pos < len(body) and body[pos] == "[":
             calls, end, state = js.complete_elements(body, pos, call_from_json)
-            if state == "more" and final and calls:  # cut short (max_tokens): the complete calls stand
-                self._buf, self._inside = "", False
-                self._calls(calls, events)
-                return True
             if state == "more" and not final:
                 return False
+            if state == "more" and (calls or self.num_tool_calls):
+                return self._cut_short(calls, events)
             return self._close(body, end if state == "done" else None, events, final)
         end = js.value_end(body, pos) if pos < len(body) and body[pos] == "{" else None
-        if end is None and not final and (pos == len(body) or body[pos] == "{"):
-            return False  # the value is still arriving
+        if end is None and (pos == len(body) or body[pos] == "{"):
+            if not final:
+                return False  # the value is still arriving
+            if self.num_tool_calls:
+                return self._cut_short([], events)
         return self._close(body, end, events, final)
+
+    def _cut_short(self, calls: list, events: list[StreamEvent]) -> bool:
+        """The output ended (max_tokens) inside a call after complete ones: those stand, the
+        partial one is dropped (it is no text the model meant to show; the finish reason says
+        the output was cut)."""
+        self._buf, self._inside = "", False
+        self._calls(calls, events)
+        return True
 
     def _close(self, body: str, end: int | None, events: list[StreamEvent], final: bool) -> bool:
         """Ends the block at the close tag right after ``end`` (the complete value's end) or,

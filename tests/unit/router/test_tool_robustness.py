@@ -75,6 +75,12 @@ def test_an_array_cut_inside_its_close_tag_is_still_its_calls(cut):
     assert _both("smollm2", text) == ((None, [("f", {"a": 1})]),) * 2
 
 
+@pytest.mark.parametrize("tail", ['<tool_call>\n{"name": "g", "argu', '<tool_call>[{"name": "g"', "<tool_call>"])
+def test_a_hermes_block_cut_short_after_complete_calls_is_dropped(tail):
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n' + tail
+    assert _both("hermes", text) == ((None, [("f", {"a": 1})]),) * 2
+
+
 def test_a_cut_with_no_complete_call_stays_content():
     for fmt, text in (("smollm2", '<tool_call>[{"name": "f", "argu'), ("mistral", '[TOOL_CALLS][{"name": "f"')):
         assert _both(fmt, text) == ((text, []), (text, []))
