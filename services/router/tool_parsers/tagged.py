@@ -9,7 +9,9 @@ Both parse either body (an object, or an array whose every element is a call; ``
 call) since models of one family write both. Plain text passes through as content, except
 a tail that may be the start of ``<tool_call>`` (held until the next delta decides); a
 block whose body is not a call comes back as content, tags included, so nothing the model
-wrote is lost. They differ in what their grammar makes the model write.
+wrote is lost. A body is read as JSON, so a ``</tool_call>`` inside a string does not
+close it; output cut short (max_tokens) inside a call keeps the complete calls before it
+(docs/tools.md). They differ in what their grammar makes the model write.
 """
 from __future__ import annotations
 

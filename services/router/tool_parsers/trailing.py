@@ -9,7 +9,8 @@
 
 ``TrailingCallParser`` streams content until a marker (a tail that may be one's start is
 held back), then holds everything to the end: the calls are only certain once the output
-is complete. What does not parse comes back as content, marker included.
+is complete. What does not parse comes back as content, marker included, unless it was
+cut short after complete calls (max_tokens): those stand, the partial one is dropped.
 """
 from __future__ import annotations
 
