@@ -19,6 +19,7 @@ from typing import Any
 from services.router.chat_messages import parse_tools, parse_tool_choice_spec
 from services.router.errors import InvalidRequestError
 from services.router.schema import Sampling
+from services.router.structured_output import check_tool_schemas
 from services.router.tool_parsers import (ContentDelta, StreamEvent, ToolCall, ToolCallArgsDelta, ToolCallFormat,
                                           ToolCallStart, ToolChoice)
 from weft.v1 import router_pb2
@@ -89,6 +90,7 @@ def with_tool_grammar(sampling: Sampling, fmt: ToolCallFormat, tools: tuple[dict
                    else f"the {fmt.name} tool-call format has no grammar for tool_choice {choice.mode!r}")
             raise InvalidRequestError("parallel_tool_calls", f"false cannot be enforced here ({why}); omit it")
         return sampling, own
+    check_tool_schemas(tools, "tools[{}].parameters_json")
     return replace(sampling, grammar=("structural_tag", grammar)), "tool_choice"
 
 

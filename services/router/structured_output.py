@@ -11,9 +11,11 @@ The forms clients send, all mapped to one ``(kind, text)`` (``weft.v1.Grammar``)
              structured_outputs {json | regex | grammar | choice} (its newer spelling)
     SGLang   json_schema (object or JSON text), regex, ebnf (top level)
 
-At most one form per request: two are a 400 naming the second. The router checks shapes
-and sizes only; compiling is the executor's (xgrammar), whose refusal comes back as
-INVALID_ARGUMENT ``grammar.<kind>: ...`` and is answered naming the field the client
+At most one form per request: two are a 400 naming the second. The router checks shapes,
+sizes and the JSON-schema keywords xgrammar would silently drop (``check_enforceable``:
+a schema using ``not``, ``if``, ``contains``, a multi-entry ``allOf``... was compiled as if
+the keyword were absent, and the output broke the schema the client asked for);
+compiling is the executor's (xgrammar), whose refusal comes back as INVALID_ARGUMENT ``grammar.<kind>: ...`` and is answered naming the field the client
 used (``GrammarRequest.field``, see ``delta_streams.name_grammar_errors``).
 """
 from __future__ import annotations
@@ -38,6 +40,14 @@ _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "ebnf", "choi
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
 _SGLANG = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
 _REGEX_SPECIAL = set("\\^$.|?*+()[]{}-/\"")
+# Keywords xgrammar 0.2.9's schema converter ignores (or turns into "[]"/"{}" only): a
+# schema using one is refused rather than enforced in part.
+_UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentSchemas",
+               "dependentRequired", "unevaluatedProperties", "unevaluatedItems")
+# Where a schema holds subschemas (everything else, "enum", "const", "default"..., is data).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_VALUES = ("additionalProperties", "additionalItems", "items", "propertyNames")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 
 @dataclass(frozen=True)
@@ -139,11 +149,56 @@ def _schema_text(schema: Any, field: str) -> str:
         return "{}"
     json_object(schema, field)
     try:
-        text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-    except (RecursionError, ValueError):
+        text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except RecursionError:
         raise InvalidRequestError(field, "is nested too deeply") from None
+    except ValueError:  # Python's json reads NaN / Infinity; JSON (and xgrammar) has neither
+        raise InvalidRequestError(field, "holds NaN or Infinity, which JSON does not allow") from None
     _check_size(text, field)
+    check_enforceable(schema, field)
     return text
+
+
+def check_enforceable(schema: Any, field: str) -> None:
+    """Refuse a schema (already size-checked) whose constraints xgrammar would not keep,
+    naming the subschema's path; iterative, so any depth is safe."""
+    stack = [(schema, field)]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue  # true / false / a malformed subschema: xgrammar's own check answers
+        for key in _UNENFORCED:
+            if key in node:
+                raise InvalidRequestError(f"{path}.{key}", "is not enforced by the grammar engine (xgrammar); "
+                                          "express the constraint without it")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            raise InvalidRequestError(f"{path}.allOf", "with more than one subschema is not enforced by the "
+                                      "grammar engine; merge them into one schema")
+        for key in ("anyOf", "oneOf", "type"):
+            if node.get(key) == []:
+                raise InvalidRequestError(f"{path}.{key}", "must not be empty (no value could match)")
+        stack.extend(_subschemas(node, path))
+
+
+def check_tool_schemas(tools: Any, field_format: str) -> None:
+    """Each tool's parameters as ``_schema_text`` checks a schema (a tool grammar embeds
+    them); ``field_format`` names tool i, e.g. ``"tools[{}].function.parameters"``."""
+    for i, tool in enumerate(tools or ()):
+        params = tool.get("function", {}).get("parameters")
+        if isinstance(params, dict):
+            _schema_text(params, field_format.format(i))
+
+
+def _subschemas(node: dict, path: str) -> list[tuple[Any, str]]:
+    out = []
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            out.extend((sub, f"{path}.{key}.{str(name)[:40]}") for name, sub in node[key].items())
+    out.extend((node[key], f"{path}.{key}") for key in _SCHEMA_VALUES if isinstance(node.get(key), dict))
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out.extend((sub, f"{path}.{key}[{i}]") for i, sub in enumerate(node[key]))
+    return out
 
 
 def choice_regex(choices: Any, field: str) -> str:

@@ -10,7 +10,8 @@ tool-call format's structural tag (``tool_parsers``) as ``Sampling.grammar``.
 keeps: where none applies (a format without an "auto" grammar, or ``response_format``
 set beside ``tool_choice: "auto"``, which then wins) they are refused naming the field,
 never silently broken. A forced call beside ``response_format`` (or any other grammar)
-is refused naming ``tool_choice``: the output cannot be both.
+is refused naming ``tool_choice``: the output cannot be both. A tool's parameters the
+grammar could not keep (NaN, a keyword xgrammar drops) are refused naming that tool.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import replace
 
 from services.router.errors import InvalidRequestError
 from services.router.schema import ChatRequest
+from services.router.structured_output import check_tool_schemas
 from services.router.tool_parsers import ToolCallFormat
 
 TOOL_GRAMMAR_FIELD = "tool_choice"  # named when the executor cannot compile the tools' grammar
@@ -36,6 +38,7 @@ def with_tool_grammar(req: ChatRequest, fmt: ToolCallFormat) -> ChatRequest:
     if grammar is None:
         _refuse_unenforced(req, fmt)
         return req
+    check_tool_schemas(req.tools, "tools[{}].function.parameters")
     return replace(req, sampling=replace(req.sampling, grammar=("structural_tag", grammar)),
                    grammar_field=TOOL_GRAMMAR_FIELD)
 
