@@ -67,8 +67,9 @@ class EngineConfig:
     grammar_max_bytes: int = option("Longest grammar source (schema, regex, EBNF, structural tag) accepted, "
                                     "in bytes.", default=64 * 1024)
     grammar_compile_timeout_s: float = option(
-        "Longest a grammar may take to compile before the request is refused (INVALID_ARGUMENT); the engine "
-        "thread waits for it, so every stream stalls that long at worst.", default=5.0)
+        "Longest a grammar may take to compile before the request is refused (INVALID_ARGUMENT). Compiles run "
+        "off the engine thread: only requests that need the grammar wait; other streams keep going.",
+        default=5.0)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
