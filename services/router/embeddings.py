@@ -19,7 +19,7 @@ Request fields:
     input             a string, strings, token ids or lists of token ids (ids are decoded
                       with the served model's tokenizer: the embedding model has its own
                       vocabulary); at most MAX_INPUTS items, MAX_INPUT_CHARS characters each,
-                      none empty
+                      MAX_TOTAL_INPUT_BYTES (UTF-8) in all, none empty
     model             the embedding model's id (``all-MiniLM-L6-v2``), not the chat model's
     encoding_format   ``float`` (default) or ``base64`` (little-endian float32, as OpenAI)
     dimensions        accepted only when equal to the model's (384): MiniLM has no
@@ -49,6 +49,10 @@ EMBEDDING_DIM = 384
 MAX_INPUTS = 256  # the cachestore's per-call cap (semantic_service.MAX_TEXTS)
 MAX_INPUT_CHARS = 64 * 1024  # ditto (MAX_TEXT_CHARS); MiniLM reads 256 word pieces anyway
 MAX_INPUT_TOKEN_IDS = 64 * 1024
+# All inputs together, UTF-8: one Embed message, which the cachestore refuses past its
+# max_message_bytes (8 MiB by default) with RESOURCE_EXHAUSTED, a "retry shortly" 503 that
+# no retry could ever pass. MiniLM reads 256 word pieces of each input anyway.
+MAX_TOTAL_INPUT_BYTES = 4 * 1024 * 1024
 RETRY_AFTER_S = 1
 
 
@@ -119,7 +123,12 @@ class EmbeddingsApi:
         if len(items) > MAX_INPUTS:
             raise InvalidRequestError("input", f"at most {MAX_INPUTS} inputs per request, got {len(items)}")
         single = isinstance(value, str) or items is not value
-        return [self._text(item, "input" if single else f"input[{i}]") for i, item in enumerate(items)]
+        texts = [self._text(item, "input" if single else f"input[{i}]") for i, item in enumerate(items)]
+        total = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if total > MAX_TOTAL_INPUT_BYTES:
+            raise InvalidRequestError("input", f"at most {MAX_TOTAL_INPUT_BYTES} bytes of text per request in all, "
+                                               f"got {total}; split it into several requests")
+        return texts
 
     def _text(self, item: object, field: str) -> str:
         if isinstance(item, list):
