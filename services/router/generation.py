@@ -10,6 +10,7 @@ which aborts the request on its executor and frees its KV blocks.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Protocol
 
 import structlog
 
-from services.router.errors import UpstreamError
+from services.router.errors import InvalidRequestError, UpstreamError
 from services.router.prepare import Prompt, RequestPreparer
 from services.router.request_trace import RequestRecorder
 from services.router.schema import Delta, Sampling, Session, TokenChunk, TokenRequest, Usage
@@ -57,6 +58,12 @@ def model_limits(model_dir: str | Path, tokenizer: Tokenizer, served_models: Seq
     return Limits(served_models=tuple(served_models), max_model_len=context, vocab_size=vocab)
 
 
+def template_takes_tools(chat_template: str | None) -> bool:
+    """Whether the chat template reads the request's ``tools`` (no template: the render
+    fails on its own, with its own error)."""
+    return chat_template is None or re.search(r"\btools\b", chat_template) is not None
+
+
 class Generator:
     """The pipeline: ``prepare`` turns a validated prompt into a token request (the
     ``RequestPreparer`` it owns), ``stream`` turns the downstream's token chunks into
@@ -69,10 +76,16 @@ class Generator:
         self.downstream = downstream
         self.request_timeout_s = request_timeout_s
         self.preparer = RequestPreparer(tokenizer, limits, request_timeout_s)
+        self.takes_tools = template_takes_tools(getattr(tokenizer, "chat_template", None))
 
     async def prepare(self, prompt: Prompt, sampling: Sampling, tenant: str, session: Session,
                       client_request_id: str) -> TokenRequest:
         """The pipeline's first half, shared by every door (``prepare.py``)."""
+        if getattr(prompt, "tools", None) and not self.takes_tools:
+            # The template would drop them silently: the model never sees the tools, and a
+            # forced call would be a grammar's guess at functions the model was not shown.
+            raise InvalidRequestError("tools", "this model's chat template has no tool support; "
+                                               "send the request without tools")
         return await self.preparer.prepare(prompt, sampling, tenant, session, client_request_id)
 
     # -- streams ------------------------------------------------------------------
