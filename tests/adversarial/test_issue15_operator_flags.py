@@ -9,8 +9,10 @@ import re
 import subprocess
 import sys
 
+import httpx
 import pytest
 
+from tests.integration.conftest import free_port, wait_for
 from tests.integration.launched_mesh import ROOT
 
 
@@ -51,3 +53,31 @@ def test_a_nonsense_grammar_setting_is_a_usage_error_naming_it(tiny_model_dir, f
     out = _executor("--model-dir", str(tiny_model_dir), flag, value)
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert f"{field} must be > 0" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "smollm2", "llama3_json", "mistral", "pythonic", "auto"])
+def test_a_router_starts_with_each_tool_call_parser(tmp_path, tiny_model_dir, parser):
+    """Every format --help lists is one the router starts with (an unknown one is a usage
+    error: test_issue15_operator_mesh), even where the template teaches another."""
+    http_port = free_port()
+    log = open(tmp_path / "router.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.router", "--host", "127.0.0.1", "--model-dir", str(tiny_model_dir),
+         "--tool-call-parser", parser, "--http-port", str(http_port), "--grpc-port", str(free_port()),
+         "--metrics-port", str(free_port()), "--scheduler-address", f"127.0.0.1:{free_port()}"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def up() -> bool:
+            if process.poll() is not None:
+                pytest.fail(f"the router exited {process.returncode}: {(tmp_path / 'router.log').read_text()[-3000:]}")
+            return httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=2).status_code == 200
+
+        wait_for(up, 90, f"the router with --tool-call-parser {parser}")
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
