@@ -8,7 +8,8 @@ regex) costs the caller at most ``compile_timeout_s`` and then a clear
 deadline keeps its worker until xgrammar returns (native code cannot be interrupted; a
 daemon thread at least never holds up process exit); while ``compile_threads`` workers
 are held so, new compiles are refused at once (CapacityError) instead of piling up. Texts over ``max_grammar_bytes`` and
-JSON nested deeper than ``MAX_JSON_DEPTH`` are refused before any compile. A failed
+JSON nested deeper than ``MAX_JSON_DEPTH`` are refused before any compile, and so are
+schemas whose ``pattern`` regexes would take seconds to compile (``pattern_cost.py``). A failed
 compile is remembered too, so a repeated bad grammar is refused without recompiling.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import xgrammar as xgr
 
 from services.executor.engine.sampling_params import GrammarSpec
 from services.executor.errors import CapacityError, InvalidRequestError
+from services.executor.grammar.pattern_cost import MAX_PATTERN_UNITS, schema_pattern_units
 from services.mesh import metrics
 
 log = structlog.get_logger(__name__)
@@ -171,6 +173,11 @@ def _check_source(spec: GrammarSpec, max_bytes: int) -> None:
         raise InvalidRequestError(field, f"is not valid JSON: {e}") from None
     if _depth(doc, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise InvalidRequestError(field, f"is nested deeper than {MAX_JSON_DEPTH} levels")
+    units = schema_pattern_units(doc)
+    if units > MAX_PATTERN_UNITS:
+        raise InvalidRequestError(field, f"its pattern regexes repeat too much to compile quickly ({units} "
+                                  f"units, at most {MAX_PATTERN_UNITS}: each {{m,n}} counts n, nested ones "
+                                  "more); shorten or un-nest the bounded repetitions")
 
 
 def _depth(doc: object, limit: int) -> int:
