@@ -246,3 +246,20 @@ def test_a_json_schema_stream_whose_scheduler_is_killed_still_ends_valid_json(me
              and len(_serving(state)) == 2, 90, "the scheduler restarted and placing on both executors")
     assert finish == "stop", (finish, text)
     _check_schema(text)
+
+
+def test_n8_constrained_completions_with_the_scheduler_killed_all_finish_valid(mesh):
+    """The scheduler dies under eight streams of one request: the router continues each
+    (its own sent tokens replayed into its grammar); every choice returns once, valid."""
+    state_dir, state, arm = mesh
+    scheduler = read_state(state_dir).instance("scheduler").pid
+    arm.write_text(str(scheduler))
+    reply = _chat(state, {"n": 8, "temperature": 0.9, "seed": 5, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}})
+    assert not arm.exists() and not pid_alive(scheduler), "the scheduler was not killed"
+    wait_for(lambda: read_state(state_dir).instance("scheduler").pid != scheduler
+             and len(_serving(state)) == 2, 90, "the scheduler restarted and placing on both executors")
+    assert sorted(c["index"] for c in reply["choices"]) == list(range(8)), reply
+    for choice in reply["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        _check_schema(choice["message"]["content"])
