@@ -263,3 +263,16 @@ def test_n8_constrained_completions_with_the_scheduler_killed_all_finish_valid(m
     for choice in reply["choices"]:
         assert choice["finish_reason"] == "stop", choice
         _check_schema(choice["message"]["content"])
+
+
+def test_a_seeded_forced_tool_call_whose_executor_is_killed_still_parses(mesh):
+    state_dir, state, arm = mesh
+    before = _executor_pids(state_dir)
+    arm.touch()
+    text, calls, finish = _stream_chat(state, {"tools": [TOOL], "temperature": 0.9, "seed": 21, "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}})
+    _killed_one(state_dir, state, arm, before)
+    assert text == "" and finish == "tool_calls", (text, calls, finish)
+    assert [c["function"]["name"] for c in calls if c["function"].get("name")] == ["get_weather"], calls
+    arguments = json.loads("".join(c["function"].get("arguments") or "" for c in calls))
+    assert set(arguments) == {"city"} and re.fullmatch("[A-Za-z ]{12,24}", arguments["city"]), arguments
