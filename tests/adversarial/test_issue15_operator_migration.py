@@ -276,3 +276,31 @@ def test_a_seeded_forced_tool_call_whose_executor_is_killed_still_parses(mesh):
     assert [c["function"]["name"] for c in calls if c["function"].get("name")] == ["get_weather"], calls
     arguments = json.loads("".join(c["function"].get("arguments") or "" for c in calls))
     assert set(arguments) == {"city"} and re.fullmatch("[A-Za-z ]{12,24}", arguments["city"]), arguments
+
+
+def test_echoed_prompt_logprobs_of_a_migrated_constrained_completion_cover_the_prompt_once(mesh):
+    """echo + logprobs with a grammar; the executor dies mid-stream. The migrated attempt's
+    prompt is the original plus the sent tokens; the reply must still score the client's
+    prompt once (not the longer prompt, not twice) and the sent tokens as output."""
+    state_dir, state, arm = mesh
+    body = {"model": "tiny", "prompt": "The engine reads a request and", "max_tokens": 40, "temperature": 0.0,
+            "echo": True, "logprobs": 1, "guided_regex": "[a-z ]{20,30}\\."}
+
+    def complete() -> dict:
+        with httpx.Client(base_url=state.http_url, timeout=120) as client:
+            reply = client.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]
+
+    undisturbed = complete()
+    before = _executor_pids(state_dir)
+    arm.touch()
+    killed = complete()
+    _killed_one(state_dir, state, arm, before)
+    assert killed["text"] == undisturbed["text"]
+    assert killed["logprobs"]["tokens"] == undisturbed["logprobs"]["tokens"]
+    assert killed["logprobs"]["text_offset"] == undisturbed["logprobs"]["text_offset"]
+    assert [lp is None for lp in killed["logprobs"]["token_logprobs"]] == \
+        [lp is None for lp in undisturbed["logprobs"]["token_logprobs"]]
+    assert [x for x in killed["logprobs"]["token_logprobs"] if x is not None] == pytest.approx(
+        [x for x in undisturbed["logprobs"]["token_logprobs"] if x is not None], abs=1e-3)
