@@ -8,6 +8,8 @@ before any compile starts; ordinary patterns still compile."""
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -76,3 +78,39 @@ def test_a_pattern_word_that_is_data_is_not_costed_as_a_regex_key(cache):
     # a property *named* "pattern" (its value is a schema, not a string) costs nothing
     schema = {"type": "object", "properties": {"pattern": {"type": "string"}}}
     assert cache.get(GrammarSpec("json_schema", json.dumps(schema))) is not None
+
+
+def test_one_grammar_sent_by_many_requests_at_once_is_compiled_once_and_none_is_refused(cache, monkeypatch):
+    """100 concurrent requests with one new schema on SmolLM2: 21 were 429 "compilers are
+    busy with grammars that timed out" (none had): each miss started its own compile."""
+    from services.executor.grammar import compiler
+
+    callers = 8
+    arrived, all_arrived, lock = [0], threading.Event(), threading.Lock()
+    check, compile_now = compiler._check_source, GrammarCache._compile_now
+
+    def counting_check(spec, max_bytes):  # every caller passes here before any compile starts
+        with lock:
+            arrived[0] += 1
+            if arrived[0] == callers:
+                all_arrived.set()
+        return check(spec, max_bytes)
+
+    def held_compile(self, spec):  # the compile ends only once every caller has asked for it
+        assert all_arrived.wait(30), "deadlock guard"
+        return compile_now(self, spec)
+
+    monkeypatch.setattr(compiler, "_check_source", counting_check)
+    monkeypatch.setattr(GrammarCache, "_compile_now", held_compile)
+    spec = _props(5, "[a-z]{3,9}")
+    with ThreadPoolExecutor(callers) as pool:
+        results = list(pool.map(lambda _: _outcome(cache, spec), range(callers)))
+    assert all(not isinstance(r, Exception) for r in results), results
+    assert len({id(r) for r in results}) == 1 and cache.num_compiles == 1
+
+
+def _outcome(cache, spec):
+    try:
+        return cache.get(spec)
+    except Exception as e:  # noqa: BLE001 - compared by the test
+        return e

@@ -10,7 +10,9 @@ daemon thread at least never holds up process exit); while ``compile_threads`` w
 are held so, new compiles are refused at once (CapacityError) instead of piling up. Texts over ``max_grammar_bytes`` and
 JSON nested deeper than ``MAX_JSON_DEPTH`` are refused before any compile, and so are
 schemas whose ``pattern`` regexes would take seconds to compile (``pattern_cost.py``). A failed
-compile is remembered too, so a repeated bad grammar is refused without recompiling.
+compile is remembered too, so a repeated bad grammar is refused without recompiling; a
+grammar already compiling is joined, not compiled again (many requests sending one new
+schema at once share one worker).
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ class GrammarCache:
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=limits.compile_threads, cache_enabled=False)
         self.workers: set[threading.Thread] = set()  # compiles in flight, past their deadline included
         self._entries: OrderedDict[tuple[str, str], xgr.CompiledGrammar | InvalidRequestError] = OrderedDict()
+        self._inflight: dict[tuple[str, str], Future] = {}  # compiles running, by (kind, text)
         self._bytes = 0
         self._lock = threading.Lock()
         self.num_compiles = 0
@@ -88,24 +91,37 @@ class GrammarCache:
             return hit
         CACHE_LOOKUPS.labels("miss").inc()
         try:
-            compiled = self._compile(spec)
+            return self._compile(spec)
         except InvalidRequestError as e:
             self._store(key, e, 0)
             raise
-        self._store(key, compiled, compiled.memory_size_bytes)
-        return compiled
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        field = f"grammar.{spec.kind}"
+        """Check, then compile on a worker (or join the one compiling it) and wait."""
         _check_source(spec, self.limits.max_grammar_bytes)
-        future: Future = Future()
-        worker = threading.Thread(target=self._work, args=(spec, future), name="grammar-compile", daemon=True)
+        return self._await(spec, self._compiling(spec))
+
+    def _compiling(self, spec: GrammarSpec) -> Future:
+        """The compile of ``spec`` in flight, started here unless one already is: the same
+        grammar sent by many requests at once is compiled once (each did start its own,
+        and the busy workers refused the rest as if compiles had timed out)."""
+        key = (spec.kind, spec.text)
         with self._lock:
+            future = self._inflight.get(key)
+            if future is not None:
+                return future
             if len(self.workers) >= self.limits.compile_threads:
                 # transient (not cached): RESOURCE_EXHAUSTED, retry later
-                raise CapacityError(f"{field}: the grammar compilers are busy with grammars that timed out")
+                raise CapacityError(f"grammar.{spec.kind}: the grammar compilers are busy; retry shortly")
+            future = Future()
+            worker = threading.Thread(target=self._work, args=(spec, future), name="grammar-compile", daemon=True)
             self.workers.add(worker)
+            self._inflight[key] = future
         worker.start()
+        return future
+
+    def _await(self, spec: GrammarSpec, future: Future) -> xgr.CompiledGrammar:
+        field = f"grammar.{spec.kind}"
         try:
             return future.result(timeout=self.limits.compile_timeout_s)
         except FutureTimeout:
@@ -116,13 +132,17 @@ class GrammarCache:
             raise InvalidRequestError(field, _NATIVE_PREFIX.sub("", str(e)).strip()) from None
 
     def _work(self, spec: GrammarSpec, future: Future) -> None:
+        key = (spec.kind, spec.text)
         try:
-            future.set_result(self._compile_now(spec))
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            compiled = self._compile_now(spec)
+            self._store(key, compiled, compiled.memory_size_bytes)  # before leaving _inflight: no gap
+            future.set_result(compiled)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting callers
             future.set_exception(e)
         finally:
             with self._lock:
                 self.workers.discard(threading.current_thread())
+                self._inflight.pop(key, None)
 
     def _compile_now(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         with COMPILE_SECONDS.labels(spec.kind).time():
