@@ -103,3 +103,22 @@ def test_nan_in_a_forced_tools_parameters_is_400_naming_the_tool_not_tool_choice
     assert status == 400, text
     assert json.loads(text)["error"]["param"] == "tools[0].function.parameters", text
     assert fake.requests == []
+
+
+def test_the_grpc_door_refuses_a_forced_tools_dropped_keyword_naming_parameters_json():
+    from weft.v1 import router_pb2
+
+    from services.router.errors import InvalidRequestError
+    from services.router.grpc_tools import tool_choice_from_proto, tools_from_proto, with_tool_grammar
+    from services.router.schema import Sampling
+    from services.router.tool_parsers import FORMATS
+
+    request = router_pb2.GenerateRequest(
+        chat=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="user", content="hi")]),
+        tools=[router_pb2.ToolDefinition(name="f", parameters_json='{"type": "object", "properties": '
+                                                                   '{"x": {"if": {"type": "integer"}}}}')],
+        tool_choice=router_pb2.ToolChoice(mode=router_pb2.ToolChoice.MODE_REQUIRED))
+    tools = tools_from_proto(request)
+    with pytest.raises(InvalidRequestError) as err:
+        with_tool_grammar(Sampling(), FORMATS["hermes"], tools, tool_choice_from_proto(request, tools), True)
+    assert err.value.field == "tools[0].parameters_json.properties.x.if"
