@@ -137,8 +137,9 @@ def _vllm_kind(kind: str, value: Any, field: str) -> tuple[str, str]:
         return ("json_schema", _schema_text(value, field))
     if kind == "choice":
         return ("regex", choice_regex(value, field))
-    if not isinstance(value, str) or not value:
-        raise InvalidRequestError(field, f"must be a non-empty string, got {json_type(value)}")
+    if not isinstance(value, str) or not value.strip():
+        got = "an empty string" if isinstance(value, str) else json_type(value)
+        raise InvalidRequestError(field, f"must be a non-empty string, got {got}")
     _check_size(value, field)
     return (kind, value)
 

@@ -122,3 +122,11 @@ def test_the_grpc_door_refuses_a_forced_tools_dropped_keyword_naming_parameters_
     with pytest.raises(InvalidRequestError) as err:
         with_tool_grammar(Sampling(), FORMATS["hermes"], tools, tool_choice_from_proto(request, tools), True)
     assert err.value.field == "tools[0].parameters_json.properties.x.if"
+
+
+@pytest.mark.parametrize("extra, field", [({"ebnf": ""}, "ebnf"), ({"guided_regex": "  "}, "guided_regex"),
+                                          ({"structured_outputs": {"grammar": " \n"}}, "structured_outputs.grammar")])
+def test_a_blank_grammar_is_400_saying_it_is_empty_before_the_executor(model_dir, extra, field):  # noqa: F811
+    status, body, fake, _ = _one(model_dir, CHAT, extra)
+    assert status == 400 and body["error"]["param"] == field, body
+    assert "got an empty string" in body["error"]["message"] and fake.requests == []
