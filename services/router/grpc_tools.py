@@ -78,8 +78,12 @@ def with_tool_grammar(sampling: Sampling, fmt: ToolCallFormat, tools: tuple[dict
     tool_choice; beside "auto" the caller's grammar wins; ``parallel_tool_calls`` false
     where no tool grammar applies cannot be kept, so it is refused, never ignored."""
     own = f"sampling.grammar.{sampling.grammar[0]}" if sampling.grammar else "sampling.grammar"
-    if not tools or choice.mode == "none":
+    if not tools:
         return sampling, own
+    if choice.mode == "none":  # enforced too: text in which the format's call marker cannot appear
+        grammar = None if sampling.grammar is not None else fmt.grammar(tools, choice, parallel)
+        return (sampling, own) if grammar is None else (replace(sampling, grammar=("structural_tag", grammar)),
+                                                        "tool_choice")
     if choice.mode in ("required", "function") and sampling.grammar is not None:
         raise InvalidRequestError("tool_choice", "a forced tool call cannot be combined with sampling.grammar "
                                   "(the output cannot be both); send one of them")

@@ -1,7 +1,9 @@
 """What ``tool_choice`` makes the engine enforce on a chat request: the served model's
 tool-call format's structural tag (``tool_parsers``) as ``Sampling.grammar``.
 
-    tool_choice "none"                 no grammar, no parsing
+    tool_choice "none"                 free text in which the format's call marker cannot
+                                       appear (no parsing); no grammar for a format whose
+                                       marker is ordinary text (pythonic's "[")
     "auto"                             the format's triggered tag (free text; a call, once
                                        opened, follows its tool's schema), if it has one
     "required" / a named function      only calls (of that function), schema-valid
@@ -28,6 +30,12 @@ TOOL_GRAMMAR_FIELD = "tool_choice"  # named when the executor cannot compile the
 def with_tool_grammar(req: ChatRequest, fmt: ToolCallFormat) -> ChatRequest:
     """``req`` with its tool grammar set (or unchanged), after the checks above."""
     choice = req.tool_choice
+    if choice.mode == "none" and req.tools and req.sampling.grammar is None:
+        # "none" is enforced too: free text in which the format's call marker cannot appear
+        grammar = fmt.grammar(req.tools, choice, req.parallel_tool_calls)
+        if grammar is not None:
+            return replace(req, sampling=replace(req.sampling, grammar=("structural_tag", grammar)),
+                           grammar_field=TOOL_GRAMMAR_FIELD)
     if not req.parse_tool_calls:
         return req
     forced = choice.mode in ("required", "function")

@@ -187,11 +187,12 @@ def test_a_grammar_the_executor_cannot_compile_is_named_as_the_client_sent_it(mo
     assert err.value.details().startswith(f"{field}: cannot be enforced"), err.value.details()
 
 
-def test_tool_choice_none_parses_nothing_and_enforces_nothing(model_dir):
+def test_tool_choice_none_parses_nothing_and_forbids_the_call_marker(model_dir):
     request = chat(tools=[WEATHER], tool_choice=router_pb2.ToolChoice(mode=router_pb2.ToolChoice.MODE_NONE))
-    chunks, fake = run(model_dir, request, reply=CALL)
+    chunks, fake = run(model_dir, request, reply=CALL)  # (the fake ignores grammars)
     assert not any(c.tool_calls for c in chunks) and "".join(c.text_delta for c in chunks) == CALL
-    assert fake.requests[0].sampling.grammar is None
+    kind, text = fake.requests[0].sampling.grammar
+    assert kind == "structural_tag" and json.loads(text)["format"]["excludes"] == ["<tool_call>"]
 
 
 def test_forced_function_and_no_parallel_calls_shape_the_grammar(model_dir):

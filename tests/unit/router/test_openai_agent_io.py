@@ -404,9 +404,10 @@ def test_parallel_tool_calls_false_reaches_the_formats_grammar(model_dir):  # no
     assert parallel[0] == single[0] == "structural_tag" and parallel != single
 
 
-def test_tool_choice_none_sends_no_grammar_and_parses_nothing(model_dir):  # noqa: F811
+def test_tool_choice_none_forbids_the_call_marker_and_parses_nothing(model_dir):  # noqa: F811
     status, body, fake, _ = _one(model_dir, CHAT, {"tools": TOOLS, "tool_choice": "none"})
-    assert status == 200 and fake.requests[0].sampling.grammar is None
+    kind, text = fake.requests[0].sampling.grammar
+    assert status == 200 and kind == "structural_tag" and json.loads(text)["format"]["type"] == "any_text"
     assert body["choices"][0]["message"]["content"] == REPLY
 
 
