@@ -49,7 +49,7 @@ class ChatChoice:
         calls: list[ToolCall] = []
         if self.tools is not None:
             content, calls = self.tools.parse(content)
-        reason = "tool_calls" if calls else self.last.finish_reason
+        reason = _finish_reason(self.last.finish_reason, bool(calls))
         return fmt.choice(self.index, content, calls, reason, self.ids if self.return_token_ids else None,
                           self.logprobs if self.text is not None else None)
 
@@ -72,7 +72,7 @@ class ChatChoice:
         if ids or lps:  # ids / logprobs whose text is still held back
             out.append(fmt.chunk({}, token_ids=ids, index=self.index, logprobs=lps))
         if done:
-            reason = "tool_calls" if self.num_calls else delta.finish_reason
+            reason = _finish_reason(delta.finish_reason, bool(self.num_calls))
             out.append(fmt.chunk({}, finish_reason=reason, index=self.index))
         return out
 
@@ -143,3 +143,11 @@ class CompletionChoice:
     def usage(self) -> Usage:
         usage = self.last.usage
         return replace(usage, completion_tokens=0) if self.score_only else usage
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """"tool_calls" when the reply made calls, unless it was cut: a reply that hit
+    max_tokens stays "length" (as OpenAI reports it) even when the calls it completed
+    before the cut are returned."""
+    return "tool_calls" if called and reason != "length" else reason
+

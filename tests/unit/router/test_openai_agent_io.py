@@ -43,6 +43,7 @@ class AgentFake:
         self.all_cancelled = asyncio.Event()  # every request started so far was cancelled
         self.fail: Exception | None = None
         self.gate: asyncio.Event | None = None
+        self.reply = REPLY
 
     async def generate(self, request: TokenRequest, timeout_s: float):
         self.requests.append(request)
@@ -54,7 +55,7 @@ class AgentFake:
             await asyncio.sleep(0)
         cached = len(prompt) // BLOCK * BLOCK if prompt in self.cached_prompts else 0
         self.cached[request.request_id] = cached
-        ids = self.tokenizer.encode(REPLY, add_special_tokens=False)[: s.max_tokens]
+        ids = self.tokenizer.encode(self.reply, add_special_tokens=False)[: s.max_tokens]
         try:
             for n, tok in enumerate(ids, 1):
                 if n == 2 and self.gate is not None:
@@ -431,3 +432,26 @@ def test_embeddings_route_reaches_the_handler_and_its_model_is_listed(model_dir)
 def test_embeddings_without_an_embedding_model_is_404(model_dir):  # noqa: F811
     [(status, text)], _, _ = _post(model_dir, [("/v1/embeddings", {"model": "mini", "input": "x"})])
     assert status == 404 and json.loads(text)["error"]["code"] == "model_not_found"
+
+
+CUT_CALLS = '<tool_call>[{"name": "get_time", "arguments": {}}, {"name": "get_ti'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_cut_by_max_tokens_keeps_its_complete_calls_and_says_length(model_dir, stream):  # noqa: F811
+    def setup(fake):
+        fake.reply = CUT_CALLS
+
+    cut = len(Tokenizer.from_dir(model_dir).encode(CUT_CALLS, add_special_tokens=False))
+    status, body, _, _ = _one(model_dir, CHAT, {"tools": TOOLS, "tool_choice": "required", "stream": stream,
+                                                "max_tokens": cut}, setup)
+    assert status == 200
+    if stream:
+        reasons = [c["choices"][0]["finish_reason"] for c in body if c.get("choices") and c["choices"][0]["finish_reason"]]
+        names = [tc["function"]["name"] for c in body if c.get("choices")
+                 for tc in c["choices"][0]["delta"].get("tool_calls") or () if "function" in tc and tc["function"].get("name")]
+        assert reasons == ["length"] and names == ["get_time"]
+    else:
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_time"]
