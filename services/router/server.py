@@ -49,6 +49,7 @@ from services.router.grpc_tools import (ToolCallRelay, assistant_tool_calls, to_
 from services.router.prepare import ChatPrompt, Prompt, TextPrompt, TokenIdsPrompt
 from services.router.request_ids import grpc_request_id
 from services.router.schema import Delta, Sampling
+from services.router.structured_output import check_enforceable
 from services.router.tool_parsers import ToolCallFormat, select_format
 from services.router.validation import Limits, parse_sampling, parse_session, parse_stop
 from weft.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -168,10 +169,18 @@ def grammar_from_proto(s: common_pb2.SamplingParams) -> tuple[str, str] | None:
         raise InvalidRequestError(field, f"longer than {MAX_GRAMMAR_CHARS} characters ({len(text)})")
     if kind in ("json_schema", "structural_tag"):
         try:
-            json.loads(text)
+            doc = json.loads(text, parse_constant=_no_constant)
         except (json.JSONDecodeError, RecursionError) as exc:
             raise InvalidRequestError(field, f"must be JSON text: {exc}") from None
+        except ValueError:
+            raise InvalidRequestError(field, "holds NaN or Infinity, which JSON does not allow") from None
+        if kind == "json_schema":  # the same keyword refusals as HTTP's response_format
+            check_enforceable(doc, field)
     return kind, text
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(name)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

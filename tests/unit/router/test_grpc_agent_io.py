@@ -290,3 +290,16 @@ def test_the_relay_sends_each_call_once_whole_however_the_text_is_split(fmt, tex
         out.append(piece)
         calls += got
         assert "".join(out) == "Sure." and [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Oslo"]
+
+
+@pytest.mark.parametrize("schema, field", [
+    ('{"type": "object", "not": {}}', "sampling.grammar.json_schema.not"),
+    ('{"type": "number", "maximum": NaN}', "sampling.grammar.json_schema"),
+])
+def test_a_grpc_schema_the_grammar_would_not_keep_is_refused_like_http(model_dir, schema, field):
+    request = router_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(
+        max_tokens=4, grammar=common_pb2.Grammar(json_schema=schema)))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(model_dir, request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{field}:"), err.value.details()
