@@ -9,7 +9,9 @@ deadline keeps its worker until xgrammar returns (native code cannot be interrup
 daemon thread at least never holds up process exit); while ``compile_threads`` workers
 are held so, new compiles are refused at once (CapacityError) instead of piling up. Texts over ``max_grammar_bytes`` and
 JSON nested deeper than ``MAX_JSON_DEPTH`` are refused before any compile, and so are
-schemas whose ``pattern`` regexes would take seconds to compile (``pattern_cost.py``). A failed
+schemas whose ``pattern`` regexes would take seconds to compile (``pattern_cost.py``) or would
+write unescaped characters into a JSON string (``json_strings.py``, which also makes
+length-bounded strings JSON-safe). A failed
 compile is remembered too, so a repeated bad grammar is refused without recompiling; a
 grammar already compiling is joined, not compiled again (many requests sending one new
 schema at once share one worker).
@@ -28,6 +30,7 @@ import xgrammar as xgr
 
 from services.executor.engine.sampling_params import GrammarSpec
 from services.executor.errors import CapacityError, InvalidRequestError
+from services.executor.grammar.json_strings import check_string_patterns, safe_string_chars
 from services.executor.grammar.pattern_cost import MAX_PATTERN_UNITS, schema_pattern_units
 from services.mesh import metrics
 
@@ -150,15 +153,17 @@ class GrammarCache:
             c = self._compiler
             # Whitespace between JSON tokens is fixed (", " and ": "), not free: a small
             # model greedily decoding under "any whitespace" can pad forever.
+            # Schemas go through xgrammar's converter and then json_strings.py, which makes
+            # its length-bounded strings JSON-safe (0.2.9 lets raw control characters in).
             if spec.kind == "json_schema":
-                return c.compile_json_schema(spec.text, any_whitespace=False)
+                return c.compile_grammar(safe_string_chars(xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)))
             if spec.kind == "json_object":  # OpenAI's json_object: any JSON object, not any value
                 return c.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
             if spec.kind == "regex":
                 return c.compile_regex(spec.text)
             if spec.kind == "ebnf":
                 return c.compile_grammar(spec.text)
-            return c.compile_structural_tag(spec.text)
+            return c.compile_grammar(safe_string_chars(xgr.Grammar.from_structural_tag(spec.text)))
 
     def _store(self, key: tuple[str, str], value, nbytes: int) -> None:
         with self._lock:
@@ -198,6 +203,7 @@ def _check_source(spec: GrammarSpec, max_bytes: int) -> None:
         raise InvalidRequestError(field, f"its pattern regexes repeat too much to compile quickly ({units} "
                                   f"units, at most {MAX_PATTERN_UNITS}: each {{m,n}} counts n, nested ones "
                                   "more); shorten or un-nest the bounded repetitions")
+    check_string_patterns(doc, spec.kind)
 
 
 def _depth(doc: object, limit: int) -> int:

@@ -1,0 +1,146 @@
+"""JSON strings that stay valid JSON under xgrammar 0.2.9.
+
+Two holes in xgrammar 0.2.9's JSON-schema conversion let a constrained output stop being
+JSON (found with the real matcher over SmolLM2's vocabulary; tests/unit/executor/
+test_grammar_strings.py):
+
+- A string with ``minLength`` / ``maxLength`` (and a ``propertyNames`` length) becomes a
+  repetition of ``[^"\\\r\n]``: every other control character (U+0000-U+001F: TAB, \x04)
+  is allowed raw, which JSON forbids, and escapes are not allowed at all. A plain
+  ``{"type": "string"}`` is right (xgrammar's ``basic_string``). ``safe_string_chars``
+  rewrites the converted grammar so each counted character is a JSON-safe character or one
+  escape, with the same bounds (an escape counts as one character of the decoded string;
+  a surrogate pair ``\\uD83D\\uDE00`` counts two).
+- A ``pattern`` (or ``patternProperties`` key) is matched against the raw JSON text, not
+  the decoded string, and nothing escapes what it names: ``\\t``, ``\\x04``, ``"`` or
+  ``\\\\`` in a pattern put a raw control character, an unescaped quote or a lone backslash
+  in the output. ``.``, negated classes, ``\\s`` / ``\\S`` / ``\\W`` and ranges such as
+  ``[ -~]`` are safe (xgrammar leaves these characters out). A rewrite of the regex would
+  have to escape inside classes and alternations, so ``check_string_patterns`` refuses such
+  a pattern, naming its keyword path, instead of producing invalid JSON.
+"""
+from __future__ import annotations
+
+import re
+
+import xgrammar as xgr
+
+from services.executor.errors import InvalidRequestError
+
+# A length-bounded string's character rule as xgrammar 0.2.9 prints it.
+_UNSAFE_CHARS_RULE = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_ESCAPE_RULE = "weft_json_string_escape"
+_SAFE_CHARS_BODY = '(([^\\0-\\x1f\\"\\\\]) | ("\\\\" ' + _ESCAPE_RULE + '))'
+_ESCAPE_DEF = (f'{_ESCAPE_RULE} ::= ([\\"\\\\/bfnrt]) | '
+               '("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9])')
+
+# What a pattern must not name outside a negated class: a control character, a quote or a backslash.
+_CONTROL_ESCAPES = set("tnrfva0e")
+_HEX = re.compile(r"x([0-9a-fA-F]{2})|x\{([0-9a-fA-F]{1,6})\}|u([0-9a-fA-F]{4})")
+
+
+def safe_string_chars(grammar: xgr.Grammar) -> xgr.Grammar:
+    """``grammar`` with every length-bounded string character rule made JSON-safe (itself
+    when it has none)."""
+    text = str(grammar)
+    fixed, count = _UNSAFE_CHARS_RULE.subn(lambda m: f"{m.group(1)} ::= {_SAFE_CHARS_BODY}", text)
+    if not count:
+        return grammar
+    # from_json_schema and from_structural_tag both name their root rule "root"
+    return xgr.Grammar.from_ebnf(f"{fixed}\n{_ESCAPE_DEF}\n")
+
+
+def check_string_patterns(doc: object, kind: str) -> None:
+    """Raise InvalidRequestError naming ``grammar.<kind>`` and the keyword path of the first
+    ``pattern`` / ``patternProperties`` key that can emit an unescaped character."""
+    roots = [(doc, "")] if kind == "json_schema" else list(_embedded_schemas(doc, ""))
+    for schema, base in roots:
+        for pattern, path in _patterns(schema, base):
+            bad = unsafe_pattern_char(pattern)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"grammar.{kind}", f"{path} names {bad}, which xgrammar would write into the JSON string "
+                    "unescaped (invalid JSON); leave quotes, backslashes and control characters out of the pattern")
+
+
+def _embedded_schemas(node: object, path: str):
+    """The JSON schemas inside a structural tag (its ``json_schema`` values)."""
+    stack = [(node, path)]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "json_schema" and isinstance(value, (dict, bool)):
+                    yield value, f"{path}.{key}".lstrip(".")
+                else:
+                    stack.append((value, f"{path}.{key}".lstrip(".")))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+
+
+def _patterns(schema: object, path: str):
+    """(pattern, keyword path) of every ``pattern`` string and ``patternProperties`` key."""
+    stack = [(schema, path)]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                yield node["pattern"], f"{path}.pattern".lstrip(".")
+            if isinstance(node.get("patternProperties"), dict):
+                for key in node["patternProperties"]:
+                    yield key, f"{path}.patternProperties[{key!r}]".lstrip(".")
+            stack.extend((v, f"{path}.{k}".lstrip(".")) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+
+
+def unsafe_pattern_char(pattern: str) -> str | None:
+    """A description of the first character ``pattern`` names that JSON needs escaped
+    (outside a negated class), or None. Conservative: a range starting at one counts."""
+    i, negated_depth = 0, None  # negated_depth: inside a negated class ("[^...]")
+    in_class = False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "[" and not in_class:
+            in_class, negated_depth = True, pattern.startswith("[^", i)
+            i += 2 if negated_depth else 1
+            continue
+        if ch == "]" and in_class:
+            in_class = False
+            i += 1
+            continue
+        safe_here = in_class and negated_depth
+        if ch == "\\":
+            bad, i = _escape(pattern, i + 1, in_class)
+        else:
+            bad, i = _literal(ch), i + 1
+        if bad is not None and not safe_here:
+            return bad
+    return None
+
+
+def _literal(ch: str) -> str | None:
+    if ch == '"':
+        return "a quote"
+    if ord(ch) < 0x20:
+        return f"control character U+{ord(ch):04X}"
+    return None
+
+
+def _escape(pattern: str, i: int, in_class: bool) -> tuple[str | None, int]:
+    """What the escape at ``pattern[i]`` (just after the backslash) names, and where it ends."""
+    if i >= len(pattern):
+        return None, i
+    ch = pattern[i]
+    if ch == "\\":
+        return "a backslash", i + 1
+    if ch in _CONTROL_ESCAPES or (ch == "b" and in_class):  # [\b] is backspace
+        return f"the control character \\{ch}", i + 1
+    if ch == "c":
+        return "a control character (\\c)", i + 2
+    m = _HEX.match(pattern, i)
+    if m:
+        code = int(next(g for g in m.groups() if g), 16)
+        bad = "a backslash" if code == 0x5C else _literal(chr(code)) if code < 0x110000 else None
+        return bad, m.end()
+    return _literal(ch), i + 1  # \" is a quote; other escapes (\d, \s, \.) are safe
