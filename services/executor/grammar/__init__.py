@@ -5,6 +5,9 @@ JSON object, a regex, an EBNF grammar or a structural tag.
   model's logits width, stop tokens = the model's EOS ids).
 - ``compiler.py``: ``GrammarCache``, compiled grammars keyed by (kind, text), LRU-bounded,
   with size / depth / time limits; bad grammars -> InvalidRequestError naming the field.
+- ``pattern_cost.py``: the compile cost of a schema's ``pattern`` regexes, bounded first.
+- ``json_strings.py``: JSON strings that stay JSON (length-bounded strings made safe,
+  patterns that would write unescaped characters refused).
 - ``state.py``: ``GrammarState``, one request's matcher (``Sequence.grammar``).
 - ``mask.py``: ``mask_logits``, one batched bitmask fill + apply per step, called by the
   sampler after logit bias / penalties and before temperature / top-k / top-p / min-p.

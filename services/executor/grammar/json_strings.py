@@ -29,10 +29,12 @@ from services.executor.errors import InvalidRequestError
 
 # A length-bounded string's character rule as xgrammar 0.2.9 prints it.
 _UNSAFE_CHARS_RULE = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
-_ESCAPE_RULE = "weft_json_string_escape"
-_SAFE_CHARS_BODY = '(([^\\0-\\x1f\\"\\\\]) | ("\\\\" ' + _ESCAPE_RULE + '))'
-_ESCAPE_DEF = (f'{_ESCAPE_RULE} ::= ([\\"\\\\/bfnrt]) | '
-               '("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9])')
+# Each such rule becomes a reference to one shared rule: with "class or escape" written
+# inline in each, 200 strings of maxLength 255 took 0.5-2 s to compile instead of ~40 ms.
+_CHAR_RULE, _ESCAPE_RULE = "weft_json_string_char", "weft_json_string_escape"
+_SAFE_RULES = (
+    _CHAR_RULE + ' ::= ([^\\0-\\x1f\\"\\\\]) | ("\\\\" ' + _ESCAPE_RULE + ')\n'
+    + _ESCAPE_RULE + ' ::= ([\\"\\\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9])\n')
 
 # What a pattern must not name outside a negated class: a control character, a quote or a backslash.
 _CONTROL_ESCAPES = set("tnrfva0e")
@@ -43,11 +45,11 @@ def safe_string_chars(grammar: xgr.Grammar) -> xgr.Grammar:
     """``grammar`` with every length-bounded string character rule made JSON-safe (itself
     when it has none)."""
     text = str(grammar)
-    fixed, count = _UNSAFE_CHARS_RULE.subn(lambda m: f"{m.group(1)} ::= {_SAFE_CHARS_BODY}", text)
+    fixed, count = _UNSAFE_CHARS_RULE.subn(lambda m: f"{m.group(1)} ::= (({_CHAR_RULE}))", text)
     if not count:
         return grammar
     # from_json_schema and from_structural_tag both name their root rule "root"
-    return xgr.Grammar.from_ebnf(f"{fixed}\n{_ESCAPE_DEF}\n")
+    return xgr.Grammar.from_ebnf(f"{fixed}\n{_SAFE_RULES}")
 
 
 def check_string_patterns(doc: object, kind: str) -> None:
