@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from services.router import metrics as m
 from services.router.errors import InvalidRequestError
@@ -57,7 +58,9 @@ async def merge(streams: list[AsyncIterator[Delta]],
     ``follows[i] = j``: stream i starts only once stream j yielded its first delta (or
     ended). The ``n`` completions of one prompt follow the first: by then the prompt's KV
     is on the executor, so the others reuse its full blocks through the prefix cache
-    instead of all prefilling the same prompt at once."""
+    instead of all prefilling the same prompt at once. A follower that did not ask for the
+    prompt's logprobs (``fan_out`` asks the first completion only: computing them bars the
+    prefix cache) gets its leader's on its first delta."""
     if len(streams) == 1:
         try:
             async for delta in streams[0]:
@@ -68,12 +71,20 @@ async def merge(streams: list[AsyncIterator[Delta]],
     queue: asyncio.Queue = asyncio.Queue()
     follows = follows or [None] * len(streams)
     started = [asyncio.Event() for _ in streams]
+    firsts: list[Delta | None] = [None] * len(streams)
 
     async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
         try:
-            if follows[i] is not None:
-                await started[follows[i]].wait()
+            leader = follows[i]
+            if leader is not None:
+                await started[leader].wait()
             async for delta in stream:
+                if firsts[i] is None:
+                    lead = firsts[leader] if leader is not None else None
+                    if lead is not None and lead.prompt_logprobs and not delta.prompt_logprobs:
+                        delta = replace(delta, prompt_logprobs=lead.prompt_logprobs,
+                                        prompt_top_logprobs=lead.prompt_top_logprobs)
+                    firsts[i] = delta
                 started[i].set()
                 await queue.put((i, delta, None))
         except Exception as exc:

@@ -39,13 +39,17 @@ class TokenStreamer(Protocol):
 def fan_out(request: TokenRequest, n: int) -> list[TokenRequest]:
     """The ``n`` downstream requests of one prompt's ``n`` completions: the first keeps the
     request id, the others get ``<id>.n<i>``; a seeded request seeds completion i with
-    seed + i (vLLM's rule), so each completion is reproducible and they differ."""
+    seed + i (vLLM's rule), so each completion is reproducible and they differ. Only the
+    first asks for the prompt's logprobs: they are the same for every completion, and
+    computing them bars the prefix cache, so each other completion would prefill the
+    whole prompt again (``delta_streams.merge`` hands the first's to the others)."""
     out = []
     for i in range(n):
         s = request.sampling
         seed = None if s.seed is None else (s.seed + i) % 2**64
+        prompt_logprobs = s.prompt_logprobs if i == 0 else None
         out.append(replace(request, request_id=request.request_id if i == 0 else f"{request.request_id}.n{i}",
-                           sampling=replace(s, n=1, seed=seed)))
+                           sampling=replace(s, n=1, seed=seed, prompt_logprobs=prompt_logprobs)))
     return out
 
 

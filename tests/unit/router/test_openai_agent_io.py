@@ -455,3 +455,24 @@ def test_a_reply_cut_by_max_tokens_keeps_its_complete_calls_and_says_length(mode
         choice = body["choices"][0]
         assert choice["finish_reason"] == "length"
         assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_time"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_completions_score_the_prompt_once_and_every_choice_echoes_its_logprobs(model_dir, stream):  # noqa: F811
+    """Prompt logprobs bar the prefix cache, so n completions that each asked for them
+    would each prefill the whole prompt: only the first asks, the others reuse its KV and
+    are handed its prompt logprobs."""
+    prompt = "word " * 12
+    status, body, fake, _ = _one(model_dir, COMPLETION, {"prompt": prompt, "echo": True, "logprobs": 0, "n": 3,
+                                                          "stream": stream})
+    assert status == 200, body
+    assert [r.sampling.prompt_logprobs for r in fake.requests] == [0, None, None]
+    assert [fake.cached[r.request_id] > 0 for r in fake.requests] == [False, True, True]
+    prompt_len = len(fake.requests[0].prompt_token_ids)
+    by_index: dict[int, list] = {}
+    for choice in ([c["choices"][0] for c in body] if stream else body["choices"]):
+        if choice["logprobs"]:
+            by_index.setdefault(choice["index"], []).extend(choice["logprobs"]["token_logprobs"])
+    assert sorted(by_index) == [0, 1, 2]
+    for lps in by_index.values():
+        assert lps[:prompt_len] == [None] + [-1.0] * (prompt_len - 1)
