@@ -18,6 +18,9 @@ test_grammar_strings.py):
   ``[ -~]`` are safe (xgrammar leaves these characters out). A rewrite of the regex would
   have to escape inside classes and alternations, so ``check_string_patterns`` refuses such
   a pattern, naming its keyword path, instead of producing invalid JSON.
+- Beside a ``pattern``, or a ``format`` xgrammar knows (``date``, ``email``, ...),
+  ``minLength`` / ``maxLength`` are silently dropped: refused too, naming the keyword,
+  rather than enforced in part (the bounds can go into the pattern).
 """
 from __future__ import annotations
 
@@ -38,6 +41,11 @@ _SAFE_RULES = (
 
 # What a pattern must not name outside a negated class: a control character, a quote or a backslash.
 _CONTROL_ESCAPES = set("tnrfva0e")
+# Formats xgrammar 0.2.9 compiles to their own grammar, dropping minLength / maxLength beside
+# them (probed: a "characters{m,n}" rule only appears for the other formats).
+_FORMATS_OVERRIDING_LENGTH = frozenset((
+    "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
+    "uuid", "uri-template", "json-pointer", "relative-json-pointer"))
 _HEX = re.compile(r"x([0-9a-fA-F]{2})|x\{([0-9a-fA-F]{1,6})\}|u([0-9a-fA-F]{4})")
 
 
@@ -54,15 +62,37 @@ def safe_string_chars(grammar: xgr.Grammar) -> xgr.Grammar:
 
 def check_string_patterns(doc: object, kind: str) -> None:
     """Raise InvalidRequestError naming ``grammar.<kind>`` and the keyword path of the first
-    ``pattern`` / ``patternProperties`` key that can emit an unescaped character."""
+    ``pattern`` / ``patternProperties`` key that can emit an unescaped character, or of a
+    length xgrammar would drop."""
     roots = [(doc, "")] if kind == "json_schema" else list(_embedded_schemas(doc, ""))
     for schema, base in roots:
-        for pattern, path in _patterns(schema, base):
-            bad = unsafe_pattern_char(pattern)
-            if bad is not None:
-                raise InvalidRequestError(
-                    f"grammar.{kind}", f"{path} names {bad}, which xgrammar would write into the JSON string "
-                    "unescaped (invalid JSON); leave quotes, backslashes and control characters out of the pattern")
+        for node, path in _nodes(schema, base):
+            _check_node(node, path, f"grammar.{kind}")
+
+
+def _check_node(node: dict, path: str, field: str) -> None:
+    patterns = [(node["pattern"], _join(path, "pattern"))] if isinstance(node.get("pattern"), str) else []
+    if isinstance(node.get("patternProperties"), dict):
+        patterns += [(key, _join(path, f"patternProperties[{key!r}]")) for key in node["patternProperties"]]
+    for pattern, where in patterns:
+        bad = unsafe_pattern_char(pattern)
+        if bad is not None:
+            raise InvalidRequestError(field, f"{where} names {bad}, which xgrammar would write into the JSON "
+                                      "string unescaped (invalid JSON); leave quotes, backslashes and control "
+                                      "characters out of the pattern")
+    fmt = node.get("format")
+    beside = "pattern" if isinstance(node.get("pattern"), str) else \
+        "format" if isinstance(fmt, str) and fmt in _FORMATS_OVERRIDING_LENGTH else None
+    for key in ("minLength", "maxLength"):
+        if beside and key in node:
+            raise InvalidRequestError(field, f"{_join(path, key)} beside {beside} is not enforced by the grammar "
+                                      f"engine (xgrammar keeps only the {beside}); "
+                                      + ("put the bounds in the pattern, e.g. [a-z]{1,20}" if beside == "pattern"
+                                         else "drop the length or the format"))
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
 
 
 def _embedded_schemas(node: object, path: str):
@@ -73,25 +103,21 @@ def _embedded_schemas(node: object, path: str):
         if isinstance(node, dict):
             for key, value in node.items():
                 if key == "json_schema" and isinstance(value, (dict, bool)):
-                    yield value, f"{path}.{key}".lstrip(".")
+                    yield value, _join(path, key)
                 else:
-                    stack.append((value, f"{path}.{key}".lstrip(".")))
+                    stack.append((value, _join(path, key)))
         elif isinstance(node, list):
             stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
 
 
-def _patterns(schema: object, path: str):
-    """(pattern, keyword path) of every ``pattern`` string and ``patternProperties`` key."""
+def _nodes(schema: object, path: str):
+    """Every object in a schema document with its path (walked iteratively)."""
     stack = [(schema, path)]
     while stack:
         node, path = stack.pop()
         if isinstance(node, dict):
-            if isinstance(node.get("pattern"), str):
-                yield node["pattern"], f"{path}.pattern".lstrip(".")
-            if isinstance(node.get("patternProperties"), dict):
-                for key in node["patternProperties"]:
-                    yield key, f"{path}.patternProperties[{key!r}]".lstrip(".")
-            stack.extend((v, f"{path}.{k}".lstrip(".")) for k, v in node.items())
+            yield node, path
+            stack.extend((v, _join(path, str(k))) for k, v in node.items())
         elif isinstance(node, list):
             stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
 

@@ -89,6 +89,26 @@ def test_a_pattern_properties_key_and_a_structural_tag_schema_pattern_are_checke
         cache.get(GrammarSpec("structural_tag", json.dumps(tag)))
 
 
+@pytest.mark.parametrize("extra, beside", [({"pattern": "[a-z]+"}, "pattern"), ({"format": "hostname"}, "format"),
+                                           ({"format": "date"}, "format")])
+def test_a_length_xgrammar_would_drop_beside_a_pattern_or_format_is_refused_naming_it(cache, extra, beside):
+    dropped = {"type": "string", "maxLength": 3, **extra}
+    xgr_grammar = xgr.Grammar.from_json_schema(json.dumps(dropped), any_whitespace=False)
+    assert "characters{" not in str(xgr_grammar)  # why: xgrammar keeps only the pattern / format
+    doc = {"type": "object", "properties": {"host": dropped}}
+    with pytest.raises(InvalidRequestError) as e:
+        cache.get(GrammarSpec("json_schema", json.dumps(doc)))
+    assert f"properties.host.maxLength beside {beside} is not enforced" in str(e.value)
+
+
+def test_a_length_beside_an_unknown_format_holds_and_keywords_as_property_names_are_not_refused(cache):
+    doc = {"type": "object", "properties": {"format": {"type": "string", "format": "idn-email", "maxLength": 3},
+                                            "pattern": {"type": "string", "maxLength": 3}},
+           "required": ["format", "pattern"]}
+    assert _accepts(cache, "json_schema", doc, '{"format": "abc", "pattern": "a\\tb"}')
+    assert not _accepts(cache, "json_schema", doc, '{"format": "abcd", "pattern": "a"}')
+
+
 def test_a_structural_tag_regex_format_is_not_a_json_string_and_is_not_checked(cache):
     tag = {"type": "structural_tag", "format": {"type": "regex", "pattern": "a\\tb"}}
     assert _accepts(cache, "structural_tag", tag, "a\tb")
