@@ -20,7 +20,8 @@ test_grammar_strings.py):
   a pattern, naming its keyword path, instead of producing invalid JSON.
 - Beside a ``pattern``, or a ``format`` xgrammar knows (``date``, ``email``, ...),
   ``minLength`` / ``maxLength`` are silently dropped: refused too, naming the keyword,
-  rather than enforced in part (the bounds can go into the pattern).
+  rather than enforced in part (the bounds can go into the pattern). Only for the
+  ``json_schema`` kind: the router decides that for tool grammars.
 """
 from __future__ import annotations
 
@@ -67,10 +68,13 @@ def check_string_patterns(doc: object, kind: str) -> None:
     roots = [(doc, "")] if kind == "json_schema" else list(_embedded_schemas(doc, ""))
     for schema, base in roots:
         for node, path in _nodes(schema, base):
-            _check_node(node, path, f"grammar.{kind}")
+            _check_node(node, path, f"grammar.{kind}", lengths=kind == "json_schema")
 
 
-def _check_node(node: dict, path: str, field: str) -> None:
+def _check_node(node: dict, path: str, field: str, lengths: bool) -> None:
+    """``lengths``: refuse a dropped length too. Not inside a structural tag: that is a tool
+    grammar, and the router lets tools of ``tool_choice: auto`` through with keywords
+    xgrammar drops (it refuses them for a forced tool)."""
     patterns = [(node["pattern"], _join(path, "pattern"))] if isinstance(node.get("pattern"), str) else []
     if isinstance(node.get("patternProperties"), dict):
         patterns += [(key, _join(path, f"patternProperties[{key!r}]")) for key in node["patternProperties"]]
@@ -81,6 +85,8 @@ def _check_node(node: dict, path: str, field: str) -> None:
                                       "string unescaped (invalid JSON); leave quotes, backslashes and control "
                                       "characters out of the pattern")
     fmt = node.get("format")
+    if not lengths:
+        return
     beside = "pattern" if isinstance(node.get("pattern"), str) else \
         "format" if isinstance(fmt, str) and fmt in _FORMATS_OVERRIDING_LENGTH else None
     for key in ("minLength", "maxLength"):

@@ -99,6 +99,9 @@ def test_a_length_xgrammar_would_drop_beside_a_pattern_or_format_is_refused_nami
     with pytest.raises(InvalidRequestError) as e:
         cache.get(GrammarSpec("json_schema", json.dumps(doc)))
     assert f"properties.host.maxLength beside {beside} is not enforced" in str(e.value)
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<t>", "end": "</t>",
+                                                "content": {"type": "json_schema", "json_schema": doc}}}
+    cache.get(GrammarSpec("structural_tag", json.dumps(tag)))  # a tool grammar: the router's call
 
 
 def test_a_length_beside_an_unknown_format_holds_and_keywords_as_property_names_are_not_refused(cache):
