@@ -1,20 +1,20 @@
-"""JSON strings that stay valid JSON under xgrammar 0.2.9.
+r"""JSON strings that stay valid JSON under xgrammar 0.2.9.
 
-Two holes in xgrammar 0.2.9's JSON-schema conversion let a constrained output stop being
-JSON (found with the real matcher over SmolLM2's vocabulary; tests/unit/executor/
+Three gaps in xgrammar 0.2.9's JSON-schema conversion: two let a constrained output stop
+being JSON, one drops a constraint (found with the real matcher over SmolLM2's vocabulary; tests/unit/executor/
 test_grammar_strings.py):
 
 - A string with ``minLength`` / ``maxLength`` (and a ``propertyNames`` length) becomes a
-  repetition of ``[^"\\\r\n]``: every other control character (U+0000-U+001F: TAB, \x04)
+  repetition of ``[^"\\r\n]``: every other control character (U+0000-U+001F: TAB, \x04)
   is allowed raw, which JSON forbids, and escapes are not allowed at all. A plain
   ``{"type": "string"}`` is right (xgrammar's ``basic_string``). ``safe_string_chars``
   rewrites the converted grammar so each counted character is a JSON-safe character or one
   escape, with the same bounds (an escape counts as one character of the decoded string;
-  a surrogate pair ``\\uD83D\\uDE00`` counts two).
+  a surrogate pair ``\uD83D\uDE00`` counts two).
 - A ``pattern`` (or ``patternProperties`` key) is matched against the raw JSON text, not
-  the decoded string, and nothing escapes what it names: ``\\t``, ``\\x04``, ``"`` or
-  ``\\\\`` in a pattern put a raw control character, an unescaped quote or a lone backslash
-  in the output. ``.``, negated classes, ``\\s`` / ``\\S`` / ``\\W`` and ranges such as
+  the decoded string, and nothing escapes what it names: ``\t``, ``\x04``, ``"`` or
+  ``\\`` in a pattern put a raw control character, an unescaped quote or a lone backslash
+  in the output. ``.``, negated classes, ``\s`` / ``\S`` / ``\W`` and ranges such as
   ``[ -~]`` are safe (xgrammar leaves these characters out). A rewrite of the regex would
   have to escape inside classes and alternations, so ``check_string_patterns`` refuses such
   a pattern, naming its keyword path, instead of producing invalid JSON.
