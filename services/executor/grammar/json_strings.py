@@ -1,11 +1,11 @@
 r"""JSON strings that stay valid JSON under xgrammar 0.2.9.
 
 Three gaps in xgrammar 0.2.9's JSON-schema conversion: two let a constrained output stop
-being JSON, one drops a constraint (found with the real matcher over SmolLM2's vocabulary; tests/unit/executor/
-test_grammar_strings.py):
+being JSON, one drops a constraint (found with the real matcher over SmolLM2's vocabulary;
+tests/unit/executor/test_grammar_strings.py):
 
 - A string with ``minLength`` / ``maxLength`` (and a ``propertyNames`` length) becomes a
-  repetition of ``[^"\\r\n]``: every other control character (U+0000-U+001F: TAB, \x04)
+  repetition of ``[^"\\\r\n]``: every other control character (U+0000-U+001F: TAB, \x04)
   is allowed raw, which JSON forbids, and escapes are not allowed at all. A plain
   ``{"type": "string"}`` is right (xgrammar's ``basic_string``). ``safe_string_chars``
   rewrites the converted grammar so each counted character is a JSON-safe character or one
