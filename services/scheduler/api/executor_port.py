@@ -35,10 +35,11 @@ def _call_error(exc: grpc.aio.AioRpcError) -> ExecutorCallError:
 
 
 class _GrpcStream:
-    """One Executor.Generate call as a stream of chunks."""
+    """One Executor.Generate call as a stream of chunks; ``done`` runs once when it ends."""
 
-    def __init__(self, call) -> None:
+    def __init__(self, call, done=lambda: None) -> None:
         self._call = call
+        self._done = done
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -51,6 +52,9 @@ class _GrpcStream:
             if exc.code() in _STREAM_FAILURES:
                 raise _call_error(exc) from exc
             raise
+        finally:
+            done, self._done = self._done, lambda: None
+            done()
 
 
 class ChannelPool:
@@ -60,6 +64,8 @@ class ChannelPool:
         self._options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
         self._stubs: dict[str, tuple[grpc.aio.Channel, executor_pb2_grpc.ExecutorStub]] = {}
         self._closing: set[asyncio.Task] = set()  # replaced channels being closed
+        self._streams: dict[grpc.aio.Channel, int] = {}  # open Generate streams per channel
+        self._retired: set[grpc.aio.Channel] = set()  # replaced, closed once their streams end
 
     async def serving(self, rec: ExecutorRecord) -> bool:
         """Whether ``rec`` answers grpc.health.v1 SERVING at its (verified) address, over
@@ -78,11 +84,10 @@ class ChannelPool:
         if entry is not None and entry[0].get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
             # The executor was unreachable (killed, restarting) and gRPC is backing off its
             # reconnects, up to minutes: a call now fails at once even though the restarted
-            # executor serves again. A fresh channel connects now; the old one has no live
-            # streams left (its connection is gone), so closing it cancels nothing.
-            closing = asyncio.get_running_loop().create_task(entry[0].close())
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
+            # executor serves again. A fresh channel connects now. The old one may still carry
+            # streams (a draining executor closed its listener, so reconnects fail, but its
+            # connection finishes what it runs): it is closed once they end.
+            self._retire(entry[0])
             entry = None
         if entry is None:
             channel = mesh_channel(address, options=self._options)
@@ -90,17 +95,38 @@ class ChannelPool:
             self._stubs[address] = entry
         return entry[1]
 
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        if self._streams.get(channel):
+            self._retired.add(channel)
+            return
+        self._streams.pop(channel, None)
+        self._retired.discard(channel)
+        closing = asyncio.get_running_loop().create_task(channel.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+
+    def _stream_ended(self, channel: grpc.aio.Channel) -> None:
+        self._streams[channel] -= 1
+        if channel in self._retired and not self._streams[channel]:
+            self._retire(channel)
+
     async def close(self) -> None:
-        for channel, _ in self._stubs.values():
+        for channel in [c for c, _ in self._stubs.values()] + list(self._retired):
             await channel.close()
         self._stubs.clear()
+        self._retired.clear()
+        self._streams.clear()
 
     # -- ExecutorPort ---------------------------------------------------------------------
     def generate(self, address: str, call: ExecutorCall, timeout_s: float | None,
                  traceparent: str | None) -> _GrpcStream:
-        return _GrpcStream(self.stub(address).Generate(
+        stub = self.stub(address)
+        channel = self._stubs[address][0]
+        self._streams[channel] = self._streams.get(channel, 0) + 1
+        return _GrpcStream(stub.Generate(
             convert.execute_request(call), timeout=timeout_s,
-            metadata=((TRACEPARENT_KEY, traceparent),) if traceparent else None))
+            metadata=((TRACEPARENT_KEY, traceparent),) if traceparent else None),
+            done=lambda: self._stream_ended(channel))
 
     async def update_priorities(self, address: str, request_ids: Sequence[str],
                                 priorities: Sequence[float]) -> None:
