@@ -114,6 +114,7 @@ class ToolCallRelay:
     def __init__(self, fmt: ToolCallFormat) -> None:
         self._parser = fmt.stream_parser()
         self._pending: ToolCall | None = None  # started, arguments maybe incomplete
+        self.num_calls = 0  # calls released so far
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         return self._relay(self._parser.feed(text), final=False)
@@ -141,6 +142,7 @@ class ToolCallRelay:
         if self._pending is not None:
             calls.append(self._pending)
             self._pending = None
+            self.num_calls += 1
 
 
 def _is_object(text: str) -> bool:

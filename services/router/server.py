@@ -65,7 +65,7 @@ ROUTER_ERROR_RULES = (
 )
 _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
            "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT,
-           "error": common_pb2.FINISH_REASON_ERROR}
+           "error": common_pb2.FINISH_REASON_ERROR, "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS}
 
 
 # What server reflection lists on the public port (grpcurl, Postman): the API, its
@@ -351,13 +351,16 @@ def _response(rid: str, index: int, delta: Delta, sampling: Sampling, relay: Too
             text, calls = text + rest, calls + more
     usage = common_pb2.Usage(num_prompt_tokens=delta.usage.prompt_tokens, num_cached_tokens=delta.usage.cached_tokens,
                              num_output_tokens=delta.usage.completion_tokens)
+    reason = delta.finish_reason
+    if reason is not None and reason != "length" and relay is not None and relay.num_calls:
+        reason = "tool_calls"  # as HTTP's finish_reason; a cut reply stays "length"
     return router_pb2.GenerateResponse(
         request_id=rid, index=index, text_delta=echo + text, token_ids_delta=list(delta.token_ids),
         logprobs_delta=list(delta.logprobs) if sampling.logprobs else [],
         top_logprobs_delta=_alternatives(delta.top_logprobs) if sampling.top_logprobs else [],
         prompt_logprobs=list(delta.prompt_logprobs) if sampling.prompt_logprobs is not None else [],
         prompt_top_logprobs=_alternatives(delta.prompt_top_logprobs) if sampling.prompt_logprobs else [],
-        tool_calls=to_proto(calls), finish_reason=_FINISH.get(delta.finish_reason, 0),
+        tool_calls=to_proto(calls), finish_reason=_FINISH.get(reason, 0),
         usage=usage, executor=delta.executor,
         degradation_rung=common_pb2.DegradationRung.Value(f"DEGRADATION_RUNG_{delta.degradation_rung.upper()}")
         if delta.degradation_rung else 0,

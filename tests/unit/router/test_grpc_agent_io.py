@@ -162,6 +162,7 @@ def test_a_tool_call_leaves_whole_once_and_its_markup_leaves_the_text(model_dir)
     assert [(c.name, json.loads(c.arguments_json)) for c in calls] == [("get_weather", {"city": "Paris"})]
     assert calls[0].id.startswith("call_")
     assert "".join(c.text_delta for c in chunks) == "Checking."
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS  # HTTP's "tool_calls"
     sent = fake.requests[0]
     assert sent.sampling.grammar[0] == "structural_tag" and "get_weather" in sent.sampling.grammar[1]
     assert "get_weather" in Tokenizer.from_dir(model_dir).decode(sent.prompt_token_ids)  # tools rendered
