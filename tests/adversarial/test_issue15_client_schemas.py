@@ -12,7 +12,7 @@ import xgrammar as xg
 from xgrammar.testing import _is_grammar_accept_string
 
 from tests.unit.router.test_http import model_dir  # noqa: F401  (fixture)
-from tests.unit.router.test_openai_agent_io import CHAT, _one, _post
+from tests.unit.router.agent_io_fakes import CHAT, one, post
 
 DROPPED = [  # (schema, a value the schema forbids, the keyword's path under the field)
     ({"not": {}}, "57", "not"),
@@ -43,7 +43,7 @@ def test_a_schema_keyword_the_grammar_would_drop_is_400_naming_its_path(model_di
         "guided_json_text": ({"guided_json": json.dumps(schema)}, "guided_json"),
         "structured_outputs": ({"structured_outputs": {"json": schema}}, "structured_outputs.json"),
     }[form]
-    status, body, fake, _ = _one(model_dir, CHAT, extra)
+    status, body, fake, _ = one(model_dir, CHAT, extra)
     assert status == 400, body
     assert body["error"]["param"] == f"{field}.{path}", body
     assert fake.requests == []
@@ -55,7 +55,7 @@ def test_a_schema_keyword_the_grammar_would_drop_is_400_naming_its_path(model_di
     ({"type": []}, "guided_json.type"),  # compiled to "any value"
 ])
 def test_an_empty_alternative_list_is_400(model_dir, schema, field):  # noqa: F811
-    status, body, fake, _ = _one(model_dir, CHAT, {"guided_json": schema})
+    status, body, fake, _ = one(model_dir, CHAT, {"guided_json": schema})
     assert status == 400 and body["error"]["param"] == field, body
     assert fake.requests == []
 
@@ -63,7 +63,7 @@ def test_an_empty_alternative_list_is_400(model_dir, schema, field):  # noqa: F8
 def test_keywords_as_data_or_property_names_are_not_refused(model_dir):  # noqa: F811
     schema = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"enum": [{"not": 1}]}},
               "required": ["not"], "default": {"allOf": [1, 2]}, "allOf": [{"type": "object"}]}
-    status, body, fake, _ = _one(model_dir, CHAT, {"guided_json": schema})
+    status, body, fake, _ = one(model_dir, CHAT, {"guided_json": schema})
     assert status == 200, body
     assert fake.requests[0].sampling.grammar == ("json_schema", json.dumps(schema, separators=(",", ":")))
 
@@ -72,7 +72,7 @@ def test_keywords_as_data_or_property_names_are_not_refused(model_dir):  # noqa:
 def test_nan_or_infinity_inside_a_schema_is_400_naming_it_before_the_executor(model_dir, literal):  # noqa: F811
     raw = b'{"type": "number", "minimum": ' + literal + b"}"
     body = {**CHAT[1], "guided_json": raw.decode()}
-    [(status, text)], fake, _ = _post(model_dir, [(CHAT[0], body)])
+    [(status, text)], fake, _ = post(model_dir, [(CHAT[0], body)])
     assert status == 400, text
     error = json.loads(text)["error"]
     assert error["param"] == "guided_json" and "NaN or Infinity" in error["message"]
@@ -88,7 +88,7 @@ def test_a_forced_tools_parameters_the_grammar_would_drop_are_400_naming_the_too
     params = {"type": "object", "properties": {"x": {"type": "integer", "not": {"const": 0}}}}
     extra = {"tools": [_tool({"type": "object"}), {**_tool(params), "function": {"name": "g", "parameters": params}}],
              "tool_choice": choice if choice == "required" else {"type": "function", "function": {"name": "g"}}}
-    status, body, fake, _ = _one(model_dir, CHAT, extra)
+    status, body, fake, _ = one(model_dir, CHAT, extra)
     assert status == 400, body
     assert body["error"]["param"] == "tools[1].function.parameters.properties.x.not", body
     assert fake.requests == []
@@ -99,7 +99,7 @@ def test_nan_in_a_forced_tools_parameters_is_400_naming_the_tool_not_tool_choice
            b'"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": '
            b'{"type": "object", "properties": {"x": {"type": "number", "maximum": Infinity}}}}}]}')
     body = {**json.loads(raw), "model": CHAT[1]["model"]}
-    [(status, text)], fake, _ = _post(model_dir, [(CHAT[0], body)])
+    [(status, text)], fake, _ = post(model_dir, [(CHAT[0], body)])
     assert status == 400, text
     assert json.loads(text)["error"]["param"] == "tools[0].function.parameters", text
     assert fake.requests == []
@@ -127,6 +127,6 @@ def test_the_grpc_door_refuses_a_forced_tools_dropped_keyword_naming_parameters_
 @pytest.mark.parametrize("extra, field", [({"ebnf": ""}, "ebnf"), ({"guided_regex": "  "}, "guided_regex"),
                                           ({"structured_outputs": {"grammar": " \n"}}, "structured_outputs.grammar")])
 def test_a_blank_grammar_is_400_saying_it_is_empty_before_the_executor(model_dir, extra, field):  # noqa: F811
-    status, body, fake, _ = _one(model_dir, CHAT, extra)
+    status, body, fake, _ = one(model_dir, CHAT, extra)
     assert status == 400 and body["error"]["param"] == field, body
     assert "got an empty string" in body["error"]["message"] and fake.requests == []
