@@ -11,13 +11,15 @@ executor must preempt; the roomy one (1024 blocks) never does.
 from __future__ import annotations
 
 import random
+import re
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from tests.integration.conftest import nats_server  # noqa: F401  (a fixture)
-from tests.integration.conftest import processes  # noqa: F401  (a fixture)
+from tests.integration.conftest import free_port, processes  # noqa: F401  (a fixture)
 from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
 ATOL = 1e-4  # the same fp32 model; batch composition differs between the two runs
@@ -54,12 +56,25 @@ def _run(address: str) -> list[dict]:
         return list(pool.map(lambda ip: _generate(address, *ip), enumerate(_prompts())))
 
 
+def _preemptions(metrics_port: int, executor: str) -> float:
+    """The executor's own count of preemptions (``weft_kv_preemptions_total``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = re.search(r'^weft_kv_preemptions_total\{executor="%s"\} (\S+)$' % re.escape(executor), text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_prompt_logprobs_under_kv_pressure_equal_an_unpressured_run(processes, nats_server, tiny_model_dir):
     common = ["--nats-url", nats_server.url, "--model-dir", str(tiny_model_dir), "--block-size", "16",
               "--num-threads", "1", "--heartbeat-interval-s", "0.25"]
-    roomy = processes.start("executor", *common, "--num-kv-blocks", "1024", name="roomy", timeout_s=90)
-    tight = processes.start("executor", *common, "--num-kv-blocks", "12", name="tight", timeout_s=90)
+    ports = {"roomy": free_port(), "tight": free_port()}
+    roomy = processes.start("executor", *common, "--num-kv-blocks", "1024", "--name", "roomy",
+                            "--metrics-port", str(ports["roomy"]), name="roomy", timeout_s=90)
+    tight = processes.start("executor", *common, "--num-kv-blocks", "12", "--name", "tight",
+                            "--metrics-port", str(ports["tight"]), name="tight", timeout_s=90)
     expected, pressured = _run(roomy.address), _run(tight.address)
+    assert _preemptions(ports["roomy"], "roomy") == 0
+    assert _preemptions(ports["tight"], "tight") > 0, "the tight pool never preempted: the test proves nothing"
     for want, got in zip(expected, pressured):
         assert got["finish"] == want["finish"] == common_pb2.FINISH_REASON_LENGTH
         assert got["prompt_chunks"] == want["prompt_chunks"] == 1, "prompt logprobs not sent exactly once"
