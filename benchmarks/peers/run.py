@@ -152,8 +152,9 @@ def agreement(llm, model_dir: Path, gguf: Path, args) -> tuple[list[int], list[i
     from weft import SamplingParams
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt = tok.apply_chat_template([{"role": "user", "content": AGREE_PROMPT}], add_generation_prompt=True)
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    text = tok.apply_chat_template([{"role": "user", "content": AGREE_PROMPT}], add_generation_prompt=True,
+                                   tokenize=False)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
     sp = SamplingParams(max_tokens=args.agree_tokens, temperature=0.0, ignore_eos=True)
     ours = llm.generate([prompt], sp, use_tqdm=False)[0].token_ids
     theirs = llama_server_greedy(gguf, prompt, args.agree_tokens, args)
