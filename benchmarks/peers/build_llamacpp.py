@@ -10,7 +10,7 @@ Layout under the cache (``$WEFT_CACHE_DIR`` or ``~/.cache/weft``)::
     peers/llama.cpp-<version>/build.log              compiler output
 
 A build whose binaries are all there is not redone (``--force`` to redo it). It takes
-10-25 minutes on 2 cores, which is why it is a script and never part of ``make test``.
+3.5 minutes with -j2 on this machine (up to ~25 on slower cores), which is why it is a script and never part of ``make test``.
 """
 from __future__ import annotations
 
