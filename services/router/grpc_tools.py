@@ -19,7 +19,7 @@ from typing import Any
 from services.router.chat_messages import parse_tools, parse_tool_choice_spec
 from services.router.errors import InvalidRequestError
 from services.router.schema import Sampling
-from services.router.structured_output import check_tool_schemas
+from services.router.tool_grammar import tool_grammar
 from services.router.tool_parsers import (ContentDelta, StreamEvent, ToolCall, ToolCallArgsDelta, ToolCallFormat,
                                           ToolCallStart, ToolChoice)
 from weft.v1 import router_pb2
@@ -73,28 +73,13 @@ def tool_choice_from_proto(request: router_pb2.GenerateRequest, tools: tuple[dic
 def with_tool_grammar(sampling: Sampling, fmt: ToolCallFormat, tools: tuple[dict[str, Any], ...] | None,
                       choice: ToolChoice, parallel: bool) -> tuple[Sampling, str]:
     """``sampling`` with the structural tag that makes the engine write the chosen calls in
-    ``fmt``'s form, and the request field a refusal of the grammar names. HTTP's rules
-    (``tool_grammar.py``): a forced call beside ``sampling.grammar`` is refused naming
-    tool_choice; beside "auto" the caller's grammar wins; ``parallel_tool_calls`` false
-    where no tool grammar applies cannot be kept, so it is refused, never ignored."""
+    ``fmt``'s form, and the request field a refusal of the grammar names; HTTP's rules
+    (``tool_grammar.tool_grammar``)."""
     own = f"sampling.grammar.{sampling.grammar[0]}" if sampling.grammar else "sampling.grammar"
-    if not tools:
-        return sampling, own
-    if choice.mode == "none":  # enforced too: text in which the format's call marker cannot appear
-        grammar = None if sampling.grammar is not None else fmt.grammar(tools, choice, parallel)
-        return (sampling, own) if grammar is None else (replace(sampling, grammar=("structural_tag", grammar)),
-                                                        "tool_choice")
-    if choice.mode in ("required", "function") and sampling.grammar is not None:
-        raise InvalidRequestError("tool_choice", "a forced tool call cannot be combined with sampling.grammar "
-                                  "(the output cannot be both); send one of them")
-    grammar = None if sampling.grammar is not None else fmt.grammar(tools, choice, parallel)
+    grammar = tool_grammar(fmt, tools, choice, parallel, sampling.grammar is not None, "sampling.grammar",
+                           "tools[{}].parameters_json")
     if grammar is None:
-        if not parallel:
-            why = ("sampling.grammar constrains the output instead" if sampling.grammar is not None
-                   else f"the {fmt.name} tool-call format has no grammar for tool_choice {choice.mode!r}")
-            raise InvalidRequestError("parallel_tool_calls", f"false cannot be enforced here ({why}); omit it")
         return sampling, own
-    check_tool_schemas(tools, "tools[{}].parameters_json")
     return replace(sampling, grammar=("structural_tag", grammar)), "tool_choice"
 
 

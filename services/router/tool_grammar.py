@@ -17,46 +17,55 @@ grammar could not keep (NaN, a keyword xgrammar drops) are refused naming that t
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from services.router.errors import InvalidRequestError
 from services.router.schema import ChatRequest
 from services.router.structured_output import check_tool_schemas
-from services.router.tool_parsers import ToolCallFormat
+from services.router.tool_parsers import ToolCallFormat, ToolChoice
 
 TOOL_GRAMMAR_FIELD = "tool_choice"  # named when the executor cannot compile the tools' grammar
 
 
 def with_tool_grammar(req: ChatRequest, fmt: ToolCallFormat) -> ChatRequest:
     """``req`` with its tool grammar set (or unchanged), after the checks above."""
-    choice = req.tool_choice
-    if choice.mode == "none" and req.tools and req.sampling.grammar is None:
-        # "none" is enforced too: free text in which the format's call marker cannot appear
-        grammar = fmt.grammar(req.tools, choice, req.parallel_tool_calls)
-        if grammar is not None:
-            return replace(req, sampling=replace(req.sampling, grammar=("structural_tag", grammar)),
-                           grammar_field=TOOL_GRAMMAR_FIELD)
-    if not req.parse_tool_calls:
-        return req
-    forced = choice.mode in ("required", "function")
-    if forced and req.sampling.grammar is not None:
-        raise InvalidRequestError("tool_choice", f"a forced tool call cannot be combined with {req.grammar_field} "
-                                  "(the output cannot be both); send one of them")
-    grammar = None if req.sampling.grammar is not None else fmt.grammar(req.tools, choice, req.parallel_tool_calls)
+    grammar = tool_grammar(fmt, req.tools, req.tool_choice, req.parallel_tool_calls, req.sampling.grammar is not None,
+                           req.grammar_field, "tools[{}].function.parameters")
     if grammar is None:
-        _refuse_unenforced(req, fmt)
         return req
-    check_tool_schemas(req.tools, "tools[{}].function.parameters")
     return replace(req, sampling=replace(req.sampling, grammar=("structural_tag", grammar)),
                    grammar_field=TOOL_GRAMMAR_FIELD)
 
 
-def _refuse_unenforced(req: ChatRequest, fmt: ToolCallFormat) -> None:
-    why = (f"{req.grammar_field} constrains the output instead" if req.sampling.grammar is not None
-           else f"the {fmt.name} tool-call format has no grammar for tool_choice {req.tool_choice.mode!r}")
-    if not req.parallel_tool_calls:
+def tool_grammar(fmt: ToolCallFormat, tools: Sequence[dict[str, Any]] | None, choice: ToolChoice, parallel: bool,
+                 has_grammar: bool, grammar_field: str, parameters_field: str) -> str | None:
+    """The structural tag ``tool_choice`` needs, or None (the output stays as it is), after
+    refusing what cannot be kept; the rules of both doors. ``has_grammar``: the request
+    already constrains its output (named ``grammar_field``); ``parameters_field``: how a
+    door names tool i's parameters, a format string."""
+    if not tools:
+        return None
+    if choice.mode == "none":  # enforced too: text in which the format's call marker cannot appear
+        return None if has_grammar else fmt.grammar(tools, choice, parallel)
+    if choice.mode in ("required", "function") and has_grammar:
+        raise InvalidRequestError("tool_choice", f"a forced tool call cannot be combined with {grammar_field} "
+                                  "(the output cannot be both); send one of them")
+    grammar = None if has_grammar else fmt.grammar(tools, choice, parallel)
+    if grammar is None:
+        why = (f"{grammar_field} constrains the output instead" if has_grammar
+               else f"the {fmt.name} tool-call format has no grammar for tool_choice {choice.mode!r}")
+        _refuse_unenforced(tools, parallel, why)
+        return None
+    check_tool_schemas(tools, parameters_field)
+    return grammar
+
+
+def _refuse_unenforced(tools: Sequence[dict[str, Any]], parallel: bool, why: str) -> None:
+    if not parallel:
         raise InvalidRequestError("parallel_tool_calls", f"false cannot be enforced here ({why}); omit it")
-    for i, tool in enumerate(req.tools or ()):
+    for i, tool in enumerate(tools):
         if tool["function"].get("strict") is True:
             raise InvalidRequestError(f"tools[{i}].function.strict", f"cannot be enforced here ({why}); "
                                       "omit it or send false")
