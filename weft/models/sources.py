@@ -145,7 +145,7 @@ def import_gguf_cached(gguf_path: Path, cache_dir: Path | None = None, *, progre
     with open(gguf_path, "rb") as handle:  # before hashing: a 20 GB non-GGUF took 45 s of CPU to refuse
         if handle.read(4) != b"GGUF":
             raise ModelSpecError(f"not a GGUF file (it does not start with the GGUF magic): {gguf_path}")
-    digest = _sha256(gguf_path)
+    digest = file_sha256(gguf_path)
     entry = _cache(cache_dir) / "gguf" / digest[:16]
     if is_complete(entry):
         return entry
@@ -261,7 +261,8 @@ def _reporter(progress: bool) -> Callable[[str], None]:
     return lambda message: print(message, file=sys.stderr, flush=True)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB pieces."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(1 << 20):

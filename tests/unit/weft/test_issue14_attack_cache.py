@@ -55,7 +55,7 @@ def test_a_file_that_is_not_a_gguf_is_refused_before_it_is_hashed(tmp_path, monk
     def no_hashing(path):
         raise AssertionError("hashed a file that is not a GGUF")
 
-    monkeypatch.setattr(sources, "_sha256", no_hashing)
+    monkeypatch.setattr(sources, "file_sha256", no_hashing)
     path = tmp_path / "model.gguf"
     path.write_bytes(b"PK\x03\x04" + bytes(4096))  # e.g. a wheel renamed
     with pytest.raises(sources.ModelSpecError, match="not a GGUF file"):
