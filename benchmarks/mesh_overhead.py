@@ -19,6 +19,11 @@ prompts cost the same everywhere; EOS is ignored so every request yields exactly
 --max-tokens tokens. ITL is per token: a chunk of k tokens after a gap g counts k gaps
 of g/k (so coalesced chunks cannot flatter a path).
 
+--rounds R repeats the whole interleaved sweep R times on the same mesh (after one
+warm-up): each p50 cell is the median of the R rounds' p50s with their range
+(min–max); each "+ vs in-process" cell is the median of the R per-round differences.
+p99 columns pool every round's samples.
+
 Both engines run with OMP_WAIT_POLICY=PASSIVE, as `weft up` starts executors.
 Writes benchmarks/results/mesh_overhead.md and mesh_overhead.png.
 """
@@ -61,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=50, help="timed requests per prompt length and path (default: 50)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default: 32)")
     p.add_argument("--warmup", type=int, default=3, help="untimed requests per path first (default: 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed sweeps over every prompt length and path; p50s are the median of the rounds' "
+                        "p50s with their range (default: 3)")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds one request may take (default: 120)")
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds the mesh gets to start (default: 180)")
     p.add_argument("--state-dir", type=Path, default=ROOT / ".weft" / "bench-mesh",
@@ -70,8 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="where results are written")
     args = p.parse_args(argv)
     args.prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
-    if args.num_requests < 1 or args.max_tokens < 2 or not args.prompt_lens:
-        p.error("need --num-requests >= 1, --max-tokens >= 2 and at least one prompt length")
+    if args.num_requests < 1 or args.max_tokens < 2 or args.rounds < 1 or not args.prompt_lens:
+        p.error("need --num-requests >= 1, --max-tokens >= 2, --rounds >= 1 and at least one prompt length")
     return args
 
 
@@ -201,7 +209,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-async def bench(args, model_dir: Path) -> dict[int, dict[str, Timings]]:
+# results[round][prompt tokens][path]
+Results = list[dict[int, dict[str, Timings]]]
+
+
+async def bench(args, model_dir: Path) -> Results:
     from weft.launcher.launcher import Launcher, UpOptions
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -235,17 +247,19 @@ async def bench(args, model_dir: Path) -> dict[int, dict[str, Timings]]:
         for _ in range(args.warmup):
             for run in runners.values():
                 await run(warm)
-        results = {n: {name: Timings() for name in paths} for n in args.prompt_lens}
-        total = len(args.prompt_lens) * args.num_requests * len(paths)
+        results = [{n: {name: Timings() for name in paths} for n in args.prompt_lens} for _ in range(args.rounds)]
+        total = args.rounds * len(args.prompt_lens) * args.num_requests * len(paths)
         with tqdm(total=total, desc="requests", unit="req") as bar:
-            for n in args.prompt_lens:
-                for prompt in prompts[n]:
-                    for name in paths:  # interleaved: drift hits every path alike
-                        start, arrivals, count = await asyncio.wait_for(runners[name](prompt), args.request_timeout)
-                        if count != args.max_tokens:
-                            raise RuntimeError(f"{name} returned {count} tokens, expected {args.max_tokens}")
-                        results[n][name].add(start, arrivals)
-                        bar.update(1)
+            for rnd in results:
+                for n in args.prompt_lens:
+                    for prompt in prompts[n]:
+                        for name in paths:  # interleaved: drift hits every path alike
+                            start, arrivals, count = await asyncio.wait_for(runners[name](prompt),
+                                                                            args.request_timeout)
+                            if count != args.max_tokens:
+                                raise RuntimeError(f"{name} returned {count} tokens, expected {args.max_tokens}")
+                            rnd[n][name].add(start, arrivals)
+                            bar.update(1)
         await http_path.session.close()
         for channel in (grpc_path.channel, executor.channel, scheduler.channel):
             await channel.close()
@@ -255,60 +269,86 @@ async def bench(args, model_dir: Path) -> dict[int, dict[str, Timings]]:
         await launcher.stop()
 
 
-def report(args, model_dir: Path, results: dict[int, dict[str, Timings]]) -> str:
-    ms = lambda s: f"{s * 1000:.2f}"  # noqa: E731
+def p50(results: Results, n: int, name: str, metric: str, minus: str | None = None) -> list[float]:
+    """One p50 (ms) per round of ``metric`` on path ``name``, less path ``minus``'s p50 when given."""
+    out = []
+    for rnd in results:
+        value = percentile(getattr(rnd[n][name], metric), 50)
+        if minus is not None:
+            value -= percentile(getattr(rnd[n][minus], metric), 50)
+        out.append(value * 1000)
+    return out
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def cell(values: list[float], signed: bool = False) -> str:
+    """Median of the rounds with their range: ``3.10 (2.90–3.40)``; one round: the value."""
+    f = "{:+.2f}" if signed else "{:.2f}"
+    if len(values) == 1:
+        return f.format(values[0])
+    return f"{f.format(median(values))} ({f.format(min(values))}–{f.format(max(values))})"
+
+
+def pooled_p99(results: Results, n: int, name: str, metric: str) -> str:
+    return f"{percentile([v for rnd in results for v in getattr(rnd[n][name], metric)], 99) * 1000:.2f}"
+
+
+def report(args, model_dir: Path, results: Results) -> str:
     headers = ["prompt tokens", "path", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
                "+TTFT p50 ms vs in-process", "+ITL p50 ms vs in-process"]
     rows = []
-    for n, paths in results.items():
-        base = paths["in-process"]
+    first = results[0]
+    for n, paths in first.items():
         for name in paths:
-            t = paths[name]
-            rows.append([n, name, ms(percentile(t.ttft, 50)), ms(percentile(t.ttft, 99)), ms(percentile(t.itl, 50)),
-                         ms(percentile(t.itl, 99)),
-                         "—" if name == "in-process" else ms(percentile(t.ttft, 50) - percentile(base.ttft, 50)),
-                         "—" if name == "in-process" else ms(percentile(t.itl, 50) - percentile(base.itl, 50))])
+            base = name == "in-process"
+            rows.append([n, name, cell(p50(results, n, name, "ttft")), pooled_p99(results, n, name, "ttft"),
+                         cell(p50(results, n, name, "itl")), pooled_p99(results, n, name, "itl"),
+                         "—" if base else cell(p50(results, n, name, "ttft", "in-process"), signed=True),
+                         "—" if base else cell(p50(results, n, name, "itl", "in-process"), signed=True)])
     table = write_markdown(headers, rows)
-    if all(name in paths for name in PATHS for paths in results.values()):
+    if all(name in paths for name in PATHS for paths in first.values()):
         table += "\n\n### Where the mesh's time goes (p50 differences, ms)\n\n" + breakdown(results)
     return table
 
 
-def breakdown(results: dict[int, dict[str, Timings]]) -> str:
-    """Per-hop share of the mesh's p50 TTFT / ITL: each path minus the one inside it."""
+def breakdown(results: Results) -> str:
+    """Per-hop share of the mesh's p50 TTFT / ITL: each path minus the one inside it
+    (median of the rounds' differences)."""
     hops = [("executor gRPC hop (vs in-process AsyncEngine)", "executor gRPC", "in-process"),
             ("scheduler hop (placement + relay)", "scheduler gRPC", "executor gRPC"),
             ("router hop, gRPC API (auth, validation, detokenize, relay)", "mesh gRPC", "scheduler gRPC"),
             ("HTTP/SSE instead of gRPC at the router", "mesh HTTP", "mesh gRPC")]
-    headers = ["hop"] + [f"{n} tok: TTFT / ITL" for n in results]
+    headers = ["hop"] + [f"{n} tok: TTFT / ITL" for n in results[0]]
     rows = []
     for label, outer, inner in hops:
-        cells = []
-        for paths in results.values():
-            d_ttft = percentile(paths[outer].ttft, 50) - percentile(paths[inner].ttft, 50)
-            d_itl = percentile(paths[outer].itl, 50) - percentile(paths[inner].itl, 50)
-            cells.append(f"{d_ttft * 1000:+.2f} / {d_itl * 1000:+.2f}")
+        cells = [f"{median(p50(results, n, outer, 'ttft', inner)):+.2f} / "
+                 f"{median(p50(results, n, outer, 'itl', inner)):+.2f}" for n in results[0]]
         rows.append([label, *cells])
     return write_markdown(headers, rows)
 
 
-def plot(path: Path, results: dict[int, dict[str, Timings]]) -> None:
+def plot(path: Path, results: Results) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    lens = list(results)
-    names = list(next(iter(results.values())))
+    lens = list(results[0])
+    names = list(results[0][lens[0]])
     width = 0.8 / len(names)
     for ax, metric, title in ((axes[0], "ttft", "TTFT p50 (ms)"), (axes[1], "itl", "inter-token latency p50 (ms)")):
         for i, name in enumerate(names):
-            values = [percentile(getattr(results[n][name], metric), 50) * 1000 for n in lens]
+            values = [median(p50(results, n, name, metric)) for n in lens]
             bars = ax.bar([g + i * width for g in range(len(lens))], values, width, label=name)
             ax.bar_label(bars, fmt="%.1f", fontsize=7)
         ax.set_xticks([g + width * (len(names) - 1) / 2 for g in range(len(lens))], [f"{n} prompt tokens" for n in lens])
-        ax.set_title(title)
+        ax.set_title(title + (f", median of {len(results)} rounds" if len(results) > 1 else ""))
         ax.margins(y=0.3)  # headroom for the legend
         ax.legend(fontsize=7, ncol=3, loc="upper left")
     fig.suptitle("Weft mesh overhead vs in-process engine (batch 1, loopback)")
@@ -338,7 +378,8 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(args.out_dir / "mesh_overhead.png", results)
     header = (f"# Mesh overhead\n\nModel: `{model_dir.name}` (preset {args.preset if args.model is None else 'n/a'}); "
-              f"{args.num_requests} requests per prompt length and path, {args.max_tokens} tokens each, batch 1, "
+              f"{args.rounds} rounds of {args.num_requests} requests per prompt length and path, "
+              f"{args.max_tokens} tokens each, batch 1, "
               f"greedy, prefix caching off; one executor; loopback; {os.cpu_count()} CPUs, 1-minute load "
               f"average {load_before:.1f} before and {load_after:.1f} after the run (other work on the machine "
               f"shows up as stalls in the p99 columns).\n\n")
