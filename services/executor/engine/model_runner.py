@@ -9,23 +9,21 @@ the prefix cache until they are all recorded (a cached position has no logits).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from services.executor.attention.base import AttentionMetadata, QuantizedKVCache
+from services.executor.attention.base import QuantizedKVCache
+from services.executor.engine.input_batch import InputBatch, StepInputs
 from services.executor.engine.step_plan import StepPlan, StepResult
 from services.executor.model.llama import LlamaModel
 from services.executor.engine.sequence import Sequence
 from services.executor.model.logits_processors import TokenHistory, needs_history
-from services.executor.model.sampler import SampledTokens, sample
+from services.executor.model.sampler import SampledTokens, is_plain_greedy, sample, sample_greedy
 
 # Prompt positions turned into [rows, vocab] logits at a time (bounds the memory of a
 # long prompt's prompt logprobs: 256 x 49k fp32 = 50 MB).
 PROMPT_LOGPROBS_ROWS = 256
-
-
-def _block_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
 
 
 class ModelRunner:
@@ -49,6 +47,7 @@ class ModelRunner:
             shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
             # one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
             self.kv_caches = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
+        self.batch = InputBatch(block_size, self.device, num_blocks)
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
@@ -58,63 +57,17 @@ class ModelRunner:
             return per_layer * model.num_layers
         return 2 * block_size * model.num_kv_heads * model.head_dim * model.num_layers * model.dtype.itemsize
 
-    def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        row_starts: list[int] = []  # each item's first row in input_ids
-        for item in plan.decodes + plan.prefills:
-            seq, n = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
-            row_starts.append(len(input_ids))
-            input_ids.extend(seq.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))  # absolute: RoPE sees the true position
-            # Cache index = position - evicted (compression dropped whole blocks before it):
-            #   position  0 .. ev-1 | ev .. start+n-1
-            #   cache       (gone)  | 0  .. start+n-1-ev   -> blocks[idx // bs], offset idx % bs
-            ids, ev = seq.block_ids(), seq.num_evicted_tokens
-            slots.extend(ids[i // bs] * bs + i % bs for i in range(start - ev, start + n - ev))
-            if item.samples:
-                sample_rows.append(len(input_ids) - 1)
-        dev = self.device
-        decode_lens = tuple(s.seq.num_cached_kv_tokens + 1 for s in plan.decodes)
-        q_lens = tuple(s.num_new_tokens for s in plan.prefills)
-        ctx_lens = tuple(s.seq.num_cached_kv_tokens for s in plan.prefills)
-        items = plan.decodes + plan.prefills
-        block_scores = None
+    def _prepare(self, plan: StepPlan) -> StepInputs:
+        """The step's inputs, in the persistent batch's buffers (input_batch.py); with
+        KV compression's attention mass accumulator when it is tracked."""
+        inputs = self.batch.prepare(plan)
         if self.track_block_scores and self.model.attn.produces_block_scores:
+            items = plan.decodes + plan.prefills
             width = max(len(s.seq.blocks) for s in items)
-            block_scores = torch.zeros((len(items), width), dtype=torch.float32, device=dev)
-        empty_table = torch.zeros((0, 1), dtype=torch.int32, device=dev)
-        starts = [0]
-        for q in q_lens:
-            starts.append(starts[-1] + q)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decodes=len(plan.decodes),
-            decode_block_tables=_block_table([s.seq.block_ids() for s in plan.decodes], dev)
-            if plan.decodes else empty_table,
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
-            num_prefills=len(plan.prefills),
-            prefill_query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            prefill_seq_lens=torch.tensor([c + q for c, q in zip(ctx_lens, q_lens)], dtype=torch.int32, device=dev),
-            prefill_block_tables=_block_table([s.seq.block_ids() for s in plan.prefills], dev)
-            if plan.prefills else empty_table,
-            prefill_query_lens_host=q_lens,
-            prefill_context_lens_host=ctx_lens,
-            decode_seq_lens_host=decode_lens,
-            block_scores=block_scores,
-        )
-        return (
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta,
-            sample_rows,
-            row_starts,
-        )
+            # fresh each step: the engine reads it after the step (StepResult.block_scores)
+            block_scores = torch.zeros((len(items), width), dtype=torch.float32, device=self.device)
+            inputs = inputs._replace(meta=dataclasses.replace(inputs.meta, block_scores=block_scores))
+        return inputs
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. Writes the new tokens' K/V into the cache; does not touch
@@ -130,10 +83,12 @@ class ModelRunner:
             return StepResult([], SampledTokens([], None), meta.block_scores)
         logits = self.model.compute_logits(hidden[sample_rows])  # [rows, vocab]
         seqs = [s.seq for s in sampled]
+        if all(_is_plain(s) for s in seqs):  # one argmax, no per-row lists
+            return StepResult(sampled, sample_greedy(logits), meta.block_scores)
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                        [s.session.track_entropy for s in seqs],
-                        histories=[_history(s) for s in seqs],
-                        grammars=[s.grammar for s in seqs],
+                        [s.session.track_entropy for s in seqs] if any(s.session.track_entropy for s in seqs) else (),
+                        histories=[_history(s) for s in seqs] if any(needs_history(s.params) for s in seqs) else (),
+                        grammars=[s.grammar for s in seqs] if any(s.grammar is not None for s in seqs) else (),
                         fallback_ids=[self._fallback_id(s) for s in seqs])
         return StepResult(sampled, tokens, meta.block_scores)
 
@@ -159,6 +114,11 @@ class ModelRunner:
                 values, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
                 seq.prompt_top_logprobs.extend(
                     tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist()))
+
+
+def _is_plain(seq: Sequence) -> bool:
+    """A row the sampler's greedy fast path serves: no processor, no logprobs, no entropy."""
+    return seq.grammar is None and not seq.session.track_entropy and is_plain_greedy(seq.params)
 
 
 def _history(seq: Sequence) -> TokenHistory | None:

@@ -4,7 +4,9 @@ Per row, in order (vLLM's / OpenAI's semantics): logit_bias -> repetition penalt
 presence / frequency penalties -> grammar mask (services/executor/grammar) -> greedy
 argmax of the processed logits, or temperature -> top-k -> top-p -> min-p -> a draw with
 the row's own generator (a seeded request is reproducible whatever shares its batch).
-Rows without a processor pay nothing: the greedy rows of a plain batch are one argmax.
+Rows without a processor pay nothing: the greedy rows of a plain batch are one argmax,
+and a batch of only such rows (``is_plain_greedy``) goes through ``sample_greedy``, which
+takes no per-row arguments at all.
 
 Log-probabilities (the chosen token's and the ``top_logprobs`` alternatives) are taken
 from the RAW model distribution, the log_softmax of the unprocessed logits, before bias,
@@ -64,6 +66,20 @@ def sample(
         token_ids[row] = fallback_ids[row] if row < len(fallback_ids) else 0
     logprobs, top = _logprobs(logits, params, token_ids)
     return SampledTokens(token_ids, logprobs, _entropies(logits, entropy_rows, len(token_ids)), top, stuck)
+
+
+def is_plain_greedy(p: SamplingParams) -> bool:
+    """Whether ``sample`` would do nothing for this row but an argmax and return no
+    logprobs: greedy, no bias or penalty, no logprobs asked (grammar and entropy are the
+    caller's to check: they are not sampling params)."""
+    return (p.greedy and not p.logit_bias and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and not p.logprobs and not p.top_logprobs)
+
+
+def sample_greedy(logits: torch.Tensor) -> SampledTokens:  # logits: [rows, vocab]
+    """``sample`` for a batch whose every row ``is_plain_greedy`` (no grammar, no entropy):
+    the argmax of each row, nothing else."""
+    return SampledTokens(logits.argmax(dim=-1).tolist(), None)
 
 
 def _process(logits: torch.Tensor, params: Seq[SamplingParams], histories: Seq[TokenHistory | None],
