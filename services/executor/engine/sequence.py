@@ -68,6 +68,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
+    # Changes only by appending to this list or by assigning a new one (the KV manager):
+    # the model runner's persistent block table (input_batch.py) relies on it.
     blocks: list[Block] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, in order
     generator: torch.Generator | None = None
