@@ -45,6 +45,14 @@ def _stats_and_gauges(engine) -> dict:
     return engine.stats()
 
 
+def promotes_before_prefill(config: ExecutorConfig) -> bool:
+    """Whether each prompt is looked up in the cachestore before its prefill: only when
+    asked to and the prefix cache is on. Promoted blocks are found only through the prefix
+    cache; without it the lookup is a cachestore round trip on the first-token path (about
+    1.3 ms on loopback, benchmarks/results/mesh_overhead.md) that can never pay off."""
+    return config.promote_before_prefill and config.enable_prefix_caching
+
+
 async def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(ExecutorConfig, "executor", DESCRIPTION, sys.argv[1:] if argv is None else argv)
     configure_logging("executor", config.log_level, config.log_format)
@@ -105,8 +113,11 @@ async def main(argv: Sequence[str] | None = None) -> None:
     elif config.cachestore_address:
         from services.executor.tiers.tier_ops import build_tier_ops
 
+        promote = promotes_before_prefill(config)
+        if config.promote_before_prefill and not promote:
+            log.info("promotion_disabled", executor=name, reason="prefix caching is off")
         tiers = build_tier_ops(async_engine, config.cachestore_address, engine.model_id, config.block_size,
-                               config.demote_on_finish, config.promote_before_prefill)
+                               config.demote_on_finish, promote)
     servicer = ExecutorServicer(async_engine, name, engine.model_id, config.block_size, tiers=tiers,
                                 no_tiers_reason=no_tiers_reason, step_trace=step_trace)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, grpc_server.server)

@@ -5,7 +5,12 @@ Domain dataclasses only: ``publish(kind, item)`` (wired in app.py to
 
 kv events come from the engine thread (``AsyncEngine``'s ``on_kv_events`` callback);
 they cross into the event loop with ``call_soon_threadsafe`` and are published in
-order by one task, so the engine step never waits on the network. Publishing never
+order by one task, so the engine step never waits on the network. That task waits
+``kv_publish_delay_s`` after a batch arrives and then publishes everything that came
+meanwhile: the step that stored the blocks also produced tokens, and their streams
+(pump, servicer, gRPC write) get the loop first, so encoding and sending kv events
+never sits between a step and its first token on the wire. The scheduler's kv index
+lags by that delay at most; it is eventually consistent anyway. Publishing never
 raises: with NATS down events are dropped (and counted) and the engine keeps serving;
 consumers see the sequence gap when it returns and resync.
 
@@ -28,6 +33,8 @@ from services.executor.kv.block_pool import KVEvent
 log = structlog.get_logger(__name__)
 
 Publish = Callable[[str, object], Awaitable[bool]]
+
+KV_PUBLISH_DELAY_S = 0.002  # a few decode steps of a small model; far below the kv index's useful staleness
 
 
 class ExecutorState(enum.Enum):
@@ -86,12 +93,16 @@ class ExecutorEvents:
         heartbeat_interval_s: float,
         load_interval_s: float,
         read_load: Callable[[], Awaitable[dict]] | None = None,
+        kv_publish_delay_s: float = KV_PUBLISH_DELAY_S,
     ) -> None:
+        if kv_publish_delay_s < 0:
+            raise ValueError(f"kv_publish_delay_s must be >= 0, got {kv_publish_delay_s}")
         self.publish = publish
         self.identity = identity
         self.heartbeat_interval_s = heartbeat_interval_s
         self.load_interval_s = load_interval_s
         self.read_load = read_load
+        self.kv_publish_delay_s = kv_publish_delay_s
         self.state = ExecutorState.JOINING
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kv_queue: asyncio.Queue[Sequence[KVEvent]] = asyncio.Queue()
@@ -134,10 +145,14 @@ class ExecutorEvents:
 
     async def _publish_kv_forever(self) -> None:
         while True:
-            events = await self._kv_queue.get()
+            batches = [await self._kv_queue.get()]
+            await asyncio.sleep(self.kv_publish_delay_s)  # the step's streams send their tokens first
+            while not self._kv_queue.empty():
+                batches.append(self._kv_queue.get_nowait())
             ident = self.identity
-            for event in events:
-                await self.publish("kv", KvChange(event, ident.model_id, ident.block_size))
+            for events in batches:
+                for event in events:
+                    await self.publish("kv", KvChange(event, ident.model_id, ident.block_size))
 
     # -- heartbeat and load -------------------------------------------------------------
     async def publish_heartbeat(self) -> None:
