@@ -17,6 +17,7 @@ figures are medians with their range. Writes benchmarks/results/step_overhead.md
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -46,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where generated preset checkpoints are kept between runs")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "step_overhead.md",
                    help="markdown report to write ('-' prints only)")
+    p.add_argument("--json", type=Path, default=None,
+                   help="also write every measurement (not just medians) as JSON here, for A/B comparisons")
     p.add_argument("--label", default="", help="a note put in the report's heading (e.g. the commit measured)")
     return p.parse_args(argv)
 
@@ -154,6 +157,8 @@ def main(argv=None) -> int:
                 if r:
                     results[(m, b)].append(out)
                 bar.update(1)
+    if args.json is not None:
+        args.json.write_text(json.dumps([{"model": m, "batch": b, "runs": runs} for (m, b), runs in results.items()]))
     report(results, args)
     return 0
 

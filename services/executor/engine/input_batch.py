@@ -71,6 +71,8 @@ class InputBatch:
         self._last_rows: list[int] = []
         self._tokens = torch.zeros((3, token_capacity), dtype=torch.int64)  # ids, positions, slots
         self._decode_lens = torch.zeros(row_capacity, dtype=torch.int32)
+        empty = torch.zeros(0, dtype=torch.int32, device=device)  # never written: shared by every step
+        self._no_prefills = (torch.zeros(1, dtype=torch.int32, device=device), empty, empty)
         self._np()
 
     def _np(self) -> None:
@@ -202,16 +204,16 @@ class InputBatch:
         q_lens = tuple(item.num_new_tokens for item in plan.prefills)
         ctx_lens = tuple(item.seq.num_cached_kv_tokens for item in plan.prefills)
         tables = self._tables(rows)
-        dev = self.device
+        start_loc, ctx, seq_lens = self._prefill_lens(q_lens, ctx_lens)
         meta = AttentionMetadata(
             slot_mapping=self._on_device(self._tokens[2, :num_tokens]),
             num_decodes=num_decodes,
             decode_block_tables=self._on_device(tables[:num_decodes]),
             decode_seq_lens=self._on_device(self._decode_lens[:num_decodes]),
             num_prefills=len(plan.prefills),
-            prefill_query_start_loc=torch.tensor(np.cumsum((0,) + q_lens), dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            prefill_seq_lens=torch.tensor([c + q for c, q in zip(ctx_lens, q_lens)], dtype=torch.int32, device=dev),
+            prefill_query_start_loc=start_loc,
+            prefill_context_lens=ctx,
+            prefill_seq_lens=seq_lens,
             prefill_block_tables=self._on_device(tables[num_decodes:]),
             prefill_query_lens_host=q_lens,
             prefill_context_lens_host=ctx_lens,
@@ -223,6 +225,17 @@ class InputBatch:
             sample_rows = slice(0, len(sample_rows))
         return StepInputs(self._on_device(self._tokens[0, :num_tokens]),
                           self._on_device(self._tokens[1, :num_tokens]), meta, sample_rows, row_starts)
+
+    def _prefill_lens(self, q_lens: tuple[int, ...],
+                      ctx_lens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """query_start_loc [P + 1], context_lens [P], seq_lens [P] (int32, on the device);
+        a decode-only step gets the same empty ones every time."""
+        if not q_lens:
+            return self._no_prefills
+        dev = self.device
+        return (torch.tensor(np.cumsum((0,) + q_lens), dtype=torch.int32, device=dev),
+                torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+                torch.tensor([c + q for c, q in zip(ctx_lens, q_lens)], dtype=torch.int32, device=dev))
 
     def _on_device(self, host: torch.Tensor) -> torch.Tensor:
         """The host view itself on CPU; a fresh device copy elsewhere (the copy is
