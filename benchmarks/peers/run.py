@@ -149,8 +149,9 @@ def model_section(pm: PeerModel, rates: Rates, bandwidths: list[float], agree, t
              "GB/s: " + ", ".join(f"{e} {spread([100 * f for f in fractions[e]], '{:.0f} %')}" for e in fractions)
              + ".", ""]
     if any(f > 1 for fs in fractions.values() for f in fs):
-        lines += ["Above 100 % means an engine read faster than benchmarks/bandwidth.py's streaming sum: that "
-                  "figure is a floor of the machine's bandwidth, not its peak, and the percentages overstate.", ""]
+        lines += ["A figure at or above 100 %: that engine streams weights at least as fast as benchmarks/bandwidth.py's "
+                  "`torch.sum` reads, so the measured bandwidth is a floor of the machine's peak and every "
+                  "percentage here may overstate.", ""]
     lines += [
              write_markdown(["issue 16 target", "measured", "verdict"],
                             target_rows(pm.name, rates, fractions["weft"], args.num_prompts)), ""]
