@@ -6,9 +6,10 @@ tokenizes a fixed text, and knows only published models' hashes. Weft's test tok
 (weft/testing/tiny_tokenizer.py) is trained on a small built-in corpus, so its hash is
 unknown and the converter refuses it, although its split regex is exactly Qwen2's. This
 script tells the converter "qwen2" (llama.cpp's name for that regex), sends it straight to
-its byte-level BPE vocabulary path, and changes nothing else: tensors, their names and the Q/K row permutation are the converter's own. The 32000
-embedding rows the tokenizer has no token for become ``[PAD<i>]`` UNUSED tokens, as the
-converter does for every padded vocabulary. llama-batched-bench and the agreement check
+its byte-level BPE vocabulary path, and changes nothing else: tensors, their names and the
+Q/K row permutation are the converter's own. The bench preset has 32000 embedding rows and
+its tokenizer ~1,150 tokens; the rows without a token become ``[PAD<i>]`` UNUSED tokens, as
+the converter does for every padded vocabulary. llama-batched-bench and the agreement check
 feed token ids, so the tokenizer only has to load.
 
 Runs in a separate process (weights.py starts it) so the converter's ``gguf`` package, the
@@ -45,7 +46,8 @@ def convert(llama_src: Path, model_dir: Path, out: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("llama_src", type=Path, help="the vendored llama.cpp source dir (has convert_hf_to_gguf.py)")
-    p.add_argument("model_dir", type=Path, help="a Weft test checkpoint (config.json, model.safetensors, tokenizer.json)")
+    p.add_argument("model_dir", type=Path,
+                   help="a Weft test checkpoint (config.json, model.safetensors, tokenizer.json)")
     p.add_argument("out", type=Path, help="the f32 GGUF to write")
     args = p.parse_args(argv)
     convert(args.llama_src, args.model_dir, args.out)

@@ -124,8 +124,8 @@ def plot(path: Path, per_model: dict[str, Rates], num_prompts: int) -> None:
     import matplotlib.pyplot as plt
 
     groups = [(w, p) for w in WORKLOADS for p in PHASES]
-    labels = [("batch-1" if w == "batch-1" else f"{num_prompts} conc.") + ("\ndecode only" if p == "decode" else "\nprefill + decode")
-              for w, p in groups]
+    labels = [("batch-1" if w == "batch-1" else f"{num_prompts} conc.")
+              + ("\ndecode only" if p == "decode" else "\nprefill + decode") for w, p in groups]
     fig, axes = plt.subplots(1, len(per_model), figsize=(6.5 * len(per_model), 4.5), squeeze=False)
     width = 0.8 / len(ENGINES)
     for ax, (model, rates) in zip(axes[0], per_model.items()):
