@@ -34,12 +34,13 @@ class TorchAttentionBackend(AttentionBackend):
             flat[0].index_copy_(0, meta.slot_mapping, k)
             flat[1].index_copy_(0, meta.slot_mapping, v)
 
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if not meta.num_prefills:  # a decode-only step: its output is the result, no copy
+            return self._decode(q, kv_cache, meta, block_size)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, block_size)
-        if meta.num_prefills:
-            self._prefill(q[nd:], kv_cache, meta, block_size, out[nd:])
+        self._prefill(q[nd:], kv_cache, meta, block_size, out[nd:])
         return out
 
     def _gather(self, kv_cache: torch.Tensor | QuantizedKVCache, block_tables: torch.Tensor,
@@ -51,8 +52,9 @@ class TorchAttentionBackend(AttentionBackend):
         if isinstance(kv_cache, QuantizedKVCache):
             k, v = kv_cache.gather(0, table), kv_cache.gather(1, table)
         else:
-            # index_select is ~50x cheaper than advanced indexing for this on CPU
-            k, v = kv_cache[0].index_select(0, table), kv_cache[1].index_select(0, table)
+            # index_select is ~50x cheaper than advanced indexing for this on CPU; one
+            # call gathers keys and values together
+            k, v = kv_cache.index_select(1, table).unbind(0)
         k = k.view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return k, v

@@ -44,6 +44,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin``, written into ``x`` (a view is fine).
+
+    ``x``: [n, heads, d]; ``cos``: [n, 1, d]; ``sin_signed``: [n, 1, d], the sin table
+    with its first half negated. rotate_half(x) * sin == swap_halves(x) * sin_signed
+    exactly (negating a product is exact), so this is bit-identical to HF's order of
+    operations, in 4 ops instead of 7 and with no new tensor for the result."""
+    n, heads, d = x.shape
+    rot = x.view(n, heads, 2, d // 2).flip(2).view(n, heads, d)  # [x2, x1]: a copy
+    rot.mul_(sin_signed)
+    return x.mul_(cos).add_(rot)
+
+
 class LlamaModel:
     """Forward pass of a decoder-only Llama-family model. Holds no per-request state."""
 
@@ -78,6 +91,8 @@ class LlamaModel:
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
         self.cos = (emb.cos() * attn_scaling).to(dtype=dtype, device=self.device)
         self.sin = (emb.sin() * attn_scaling).to(dtype=dtype, device=self.device)
+        half = self.head_dim // 2
+        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)  # see apply_rope_
 
     def _take(self, sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         try:
@@ -137,21 +152,23 @@ class LlamaModel:
         n = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)  # [n, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [n, 1, d]
-        sin = self.sin[positions].unsqueeze(1)
-        split = [self.q_dim + self.kv_dim, self.kv_dim]
+        sin = self.sin_signed[positions].unsqueeze(1)
+        k_end = self.q_dim + self.kv_dim
+        inter = self.config.intermediate_size
+        heads = self.num_heads + self.num_kv_heads
         for lw, kv_cache in zip(self.layers, kv_caches):
             x = rms_norm(h, lw.input_norm, self.eps)
-            qk, v = lw.qkv(x).split(split, dim=-1)
-            # q and k heads rotate together: one set of rope ops instead of two
-            qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = qk * cos + rotate_half(qk) * sin
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            v = v.view(n, self.num_kv_heads, self.head_dim)
+            qkv = lw.qkv(x)  # [n, q_dim + 2 * kv_dim]
+            # q and k heads rotate together, in place in the projection's output
+            qk = apply_rope_(qkv[:, :k_end].view(n, heads, self.head_dim), cos, sin)
+            q = qk[:, : self.num_heads]
+            k = qk[:, self.num_heads :]
+            v = qkv[:, k_end:].view(n, self.num_kv_heads, self.head_dim)
             o = self.attn.forward(q, k, v, kv_cache, meta)  # [n, heads, d]
-            h = h + lw.o(o.reshape(n, self.q_dim))
+            h = h + lw.o(o.view(n, self.q_dim))
             x = rms_norm(h, lw.post_norm, self.eps)
-            gate, up = lw.gate_up(x).chunk(2, dim=-1)
-            h = h + lw.down(F.silu(gate) * up)
+            gate_up = lw.gate_up(x)  # [n, 2 * intermediate]
+            h = h + lw.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]))
         return rms_norm(h, self.final_norm, self.eps)
 
     @torch.inference_mode()

@@ -77,3 +77,25 @@ def test_unsupported_rope_type_raises():
     object.__setattr__(bogus, "rope_scaling", {"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(UnsupportedModelError, match="dynamic"):
         rope_inv_freq(bogus)
+
+
+def test_in_place_rope_is_bit_identical_to_hf_order_on_a_strided_view():
+    """apply_rope_ rotates q and k heads inside the qkv projection's output (a strided view)
+    and must give exactly HF's ``x * cos + rotate_half(x) * sin``, bit for bit."""
+    from services.executor.model.llama import apply_rope_, rotate_half
+
+    gen = torch.Generator().manual_seed(0)
+    n, heads, kv_heads, d = 5, 6, 2, 8
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen)
+    positions = torch.arange(n) * 37
+    cfg_inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rope_cos_sin(cfg_inv, positions)
+    cos, sin = cos[:, None], sin[:, None]
+    x = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
+    expected = x * cos + rotate_half(x) * sin
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    sin_signed = torch.cat((-sin[..., : d // 2], sin[..., d // 2:]), dim=-1)
+    out = apply_rope_(x, cos, sin_signed)
+    assert out.data_ptr() == x.data_ptr()  # in place, in the projection's buffer
+    assert torch.equal(out, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched
