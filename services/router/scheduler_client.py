@@ -11,6 +11,7 @@ generated yet, so a retry is invisible to the client. A call that broke in trans
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -58,6 +59,9 @@ MAX_ATTEMPTS = 3
 # restarts it within ~1-2 s) is waited for this long before the first token, beyond
 # MAX_ATTEMPTS; a scheduler that answers (overload, draining, no executor) is not.
 SCHEDULER_OUTAGE_S = 5.0
+
+_now = time.monotonic  # the outage window's clock (a test replaces it)
+
 LOST_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
                         grpc.StatusCode.UNKNOWN})
 
@@ -208,7 +212,10 @@ class SchedulerClient:
         # The first attempt runs outside tenacity: setting up its retry loop costs ~0.14 ms
         # per request on the first-token path (2 CPUs), and almost every call succeeds. A
         # failure worth retrying replays through the policy as its attempt 1 (so its
-        # waits, retry hint and attempt bound are unchanged).
+        # waits, retry hint and attempt bound are unchanged). The outage window counts from
+        # before the first attempt, as it did when tenacity ran it (its own clock starts
+        # only at the replay: a first attempt that hung would extend the window).
+        started_s = _now()
         try:
             return await self._open_once(message, timeout_s, metadata)
         except Exception as exc:
@@ -220,7 +227,7 @@ class SchedulerClient:
         def stop(state) -> bool:
             if state.attempt_number < MAX_ATTEMPTS:
                 return False
-            return not (self._not_connected(state.outcome.exception()) and state.seconds_since_start < outage_s)
+            return not (self._not_connected(state.outcome.exception()) and _now() - started_s < outage_s)
 
         policy = rpc_retrying(max_attempts=MAX_ATTEMPTS, initial_s=0.05, max_wait_s=0.5)
         async for attempt in policy.copy(retry=retry_if_exception(retry_opening), stop=stop):
