@@ -12,7 +12,11 @@ meanwhile: the step that stored the blocks also produced tokens, and their strea
 never sits between a step and its first token on the wire. The scheduler's kv index
 lags by that delay at most; it is eventually consistent anyway. Publishing never
 raises: with NATS down events are dropped (and counted) and the engine keeps serving;
-consumers see the sequence gap when it returns and resync.
+consumers see the sequence gap when it returns and resync. Each event is published at
+most once, in order: one that fails to encode or send is logged and skipped, never
+retried and never the end of the task. ``stop`` publishes what is still waiting in the
+delay (bounded by ``KV_FLUSH_TIMEOUT_S``); a killed process loses it, and the scheduler
+drops a restarted or silent executor's blocks anyway (epoch change, heartbeat expiry).
 
 Heartbeats are signed with the mesh secret when one is set (heartbeat_signing.py), so a
 scheduler believes no one else about where this executor is. The signature covers the
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +40,7 @@ log = structlog.get_logger(__name__)
 Publish = Callable[[str, object], Awaitable[bool]]
 
 KV_PUBLISH_DELAY_S = 0.002  # a few decode steps of a small model; far below the kv index's useful staleness
+KV_FLUSH_TIMEOUT_S = 1.0  # what stop() gives the events still waiting (NATS may be down)
 
 
 class ExecutorState(enum.Enum):
@@ -106,6 +112,7 @@ class ExecutorEvents:
         self.state = ExecutorState.JOINING
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kv_queue: asyncio.Queue[Sequence[KVEvent]] = asyncio.Queue()
+        self._kv_in_hand: deque[KVEvent] = deque()  # taken from the queue, not yet published
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -117,10 +124,17 @@ class ExecutorEvents:
         ]
 
     async def stop(self) -> None:
+        """Stop publishing; kv events still waiting in the delay are published first."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        self._take_queued()
+        if self._kv_in_hand:
+            try:
+                await asyncio.wait_for(self._publish_in_hand(), KV_FLUSH_TIMEOUT_S)
+            except (TimeoutError, asyncio.TimeoutError):
+                log.warning("kv_events_not_flushed", num_events=len(self._kv_in_hand))
 
     def set_load_reader(self, read_load: Callable[[], Awaitable[dict]]) -> None:
         """The engine is ready: load reports read it from now on (a joining executor,
@@ -145,14 +159,25 @@ class ExecutorEvents:
 
     async def _publish_kv_forever(self) -> None:
         while True:
-            batches = [await self._kv_queue.get()]
+            self._kv_in_hand.extend(await self._kv_queue.get())
             await asyncio.sleep(self.kv_publish_delay_s)  # the step's streams send their tokens first
-            while not self._kv_queue.empty():
-                batches.append(self._kv_queue.get_nowait())
-            ident = self.identity
-            for events in batches:
-                for event in events:
-                    await self.publish("kv", KvChange(event, ident.model_id, ident.block_size))
+            self._take_queued()
+            await self._publish_in_hand()
+
+    def _take_queued(self) -> None:
+        while not self._kv_queue.empty():
+            self._kv_in_hand.extend(self._kv_queue.get_nowait())
+
+    async def _publish_in_hand(self) -> None:
+        """Publish the events in hand in order, each at most once: an event leaves the
+        hand before its send (a send cancelled half way is not repeated by ``stop``)."""
+        ident = self.identity
+        while self._kv_in_hand:
+            event = self._kv_in_hand.popleft()
+            try:
+                await self.publish("kv", KvChange(event, ident.model_id, ident.block_size))
+            except Exception:  # an encoding bug loses this event, never the ones after it
+                log.exception("kv_event_publish_failed", kind=type(event).__name__)
 
     # -- heartbeat and load -------------------------------------------------------------
     async def publish_heartbeat(self) -> None:
