@@ -212,6 +212,8 @@ def test_greedy_rows_in_a_crowded_batch_equal_each_request_decoded_alone(checkpo
         for out in crowded.step():
             got[out.request_id] += out.new_token_ids
     alone = LLMEngine(checkpoint, EngineConfig(block_size=BS, num_threads=1, num_kv_blocks=48, enable_prefix_caching=False))
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     for rid, prompt in prompts.items():
         alone.add_request(rid, prompt, params)
         want: list[int] = []
@@ -219,6 +221,10 @@ def test_greedy_rows_in_a_crowded_batch_equal_each_request_decoded_alone(checkpo
             for out in alone.step():
                 want += out.new_token_ids
         assert got[rid] == want, rid
+        with torch.no_grad():  # and the model itself (in-place RoPE, fused gathers) against transformers
+            hf_out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        assert want == hf_out[0, len(prompt):].tolist(), rid
 
 
 @pytest.mark.parametrize("prefix_caching", [
