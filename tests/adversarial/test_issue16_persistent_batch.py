@@ -121,13 +121,13 @@ def _params(rng: random.Random, grammars: bool) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def _script(seed: int, num_requests: int, grammars: bool) -> list[tuple]:
+def _script(seed: int, num_requests: int, grammars: bool, gaps: tuple[int, ...] = (0, 0, 1, 2, 5)) -> list[tuple]:
     """The workload as (step, action, ...) tuples, so both runs replay exactly the same."""
     rng = random.Random(seed)
     shared = [rng.randrange(VOCAB) for _ in range(3 * BS)]  # full shared blocks: prefix hits
     events, step = [], 0
     for i in range(num_requests):
-        step += rng.choice([0, 0, 1, 2, 5])
+        step += rng.choice(gaps)
         prefix = shared[:rng.choice([0, BS, 2 * BS, 3 * BS])]
         prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))]
         events.append((step, "add", f"r{i}", prompt, _params(rng, grammars)))
@@ -171,6 +171,8 @@ CONFIGS = {
                         kv_compress_budget_blocks=5, kv_compress_sink_blocks=1, kv_compress_recent_blocks=2),
     # a pool the longest request fits in: with prefix caching off an outgrown request
     # never finishes (test_a_request_that_outgrows_the_pool_finishes_without_prefix_caching)
+    # many rows at once: the table grows past its initial 16 rows x 16 blocks mid-flight
+    "wide": dict(num_kv_blocks=512, max_num_seqs=64, max_num_batched_tokens=256, max_prefill_chunk=64),
     "no_prefix_cache": dict(num_kv_blocks=56, max_prefill_chunk=8, max_num_batched_tokens=24,
                             enable_prefix_caching=False),
 }
@@ -180,7 +182,8 @@ CONFIGS = {
 @pytest.mark.parametrize("seed", [11, 12, 13, 14])
 def test_every_step_equals_a_fresh_build_under_a_hostile_mix(checkpoint, name, seed):
     config = EngineConfig(block_size=BS, num_threads=1, **CONFIGS[name])
-    script = _script(seed, num_requests=80, grammars=seed % 2 == 0)
+    gaps = (0, 0, 0, 1) if name == "wide" else (0, 0, 1, 2, 5)  # steps between arrivals
+    script = _script(seed, num_requests=80, grammars=seed % 2 == 0, gaps=gaps)
     engine = LLMEngine(checkpoint, config)
     got = _run(engine, script)
     with pytest.MonkeyPatch.context() as mp:  # the reference never takes the greedy fast path
@@ -192,6 +195,8 @@ def test_every_step_equals_a_fresh_build_under_a_hostile_mix(checkpoint, name, s
         assert engine.num_preemptions > 0
     if name == "compression":
         assert engine.num_compressed_blocks > 0
+    if name == "wide":
+        assert min(engine.runner.batch._table.shape) > 16
 
 
 def test_greedy_rows_in_a_crowded_batch_equal_each_request_decoded_alone(checkpoint):
