@@ -8,7 +8,7 @@ to the batch's longest row). The two runs see the same arrivals, aborts and sche
 any difference in a step's outputs is the persistent batch's (stale rows, a missed
 rewrite, a wrong slot) or the sampler fast path's. The workload mixes greedy and seeded
 sampled rows in one batch, logprobs / top_logprobs / prompt_logprobs, penalties and
-logit bias, grammars, aborts between steps, a request id reused after its abort,
+logit bias, grammars, sessions that track entropy, aborts between steps, a request id reused after its abort,
 requests that outgrow a tiny pool, shared prefixes (prefix hits on shared blocks),
 preemption storms, KV compression and an int8 cache.
 
@@ -27,6 +27,7 @@ from services.executor.engine.config import EngineConfig
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.input_batch import StepInputs
 from services.executor.engine.sampling_params import GrammarSpec, SamplingParams
+from services.executor.engine.sequence import NO_SESSION, SessionOptions
 from services.executor.engine.step_plan import StepPlan
 from weft.testing.tiny_model import make_tiny_checkpoint
 
@@ -130,11 +131,13 @@ def _script(seed: int, num_requests: int, grammars: bool, gaps: tuple[int, ...] 
         step += rng.choice(gaps)
         prefix = shared[:rng.choice([0, BS, 2 * BS, 3 * BS])]
         prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))]
-        events.append((step, "add", f"r{i}", prompt, _params(rng, grammars)))
+        session = SessionOptions(track_entropy=True) if rng.random() < 0.1 else NO_SESSION  # agent hops
+        events.append((step, "add", f"r{i}", prompt, _params(rng, grammars), session))
         if rng.random() < 0.15:  # aborted a few steps later, sometimes mid-prefill
             events.append((step + rng.randint(0, 6), "abort", f"r{i}"))
             if rng.random() < 0.5:  # and its id reused by a new request
-                events.append((step + rng.randint(7, 9), "add", f"r{i}", prompt[::-1], _params(rng, grammars)))
+                events.append((step + rng.randint(7, 9), "add", f"r{i}", prompt[::-1], _params(rng, grammars),
+                               NO_SESSION))
     return sorted(events, key=lambda e: e[0])
 
 
@@ -147,7 +150,7 @@ def _run(engine: LLMEngine, script: list[tuple]) -> list[list]:
             if ev[1] == "add":
                 if ev[2] in engine.requests:  # still running when its id is reused: skip the reuse
                     continue
-                engine.add_request(ev[2], ev[3], ev[4])
+                engine.add_request(ev[2], ev[3], ev[4], session=ev[5])
             else:
                 engine.abort_request(ev[2])
         if not pending and not engine.has_unfinished_requests:
