@@ -24,7 +24,7 @@ warm-up): each p50 cell is the median of the R rounds' p50s with their range
 (min–max); each "+ vs in-process" cell is the median of the R per-round differences.
 p99 columns pool every round's samples.
 
-Both engines run with OMP_WAIT_POLICY=PASSIVE, as `weft up` starts executors.
+Both engines run with the executor processes' torch runtime settings (services/executor/process_env.py).
 Writes benchmarks/results/mesh_overhead.md and mesh_overhead.png.
 """
 from __future__ import annotations
@@ -43,7 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # The in-process engine runs with the executor processes' OpenMP setting (weft/launcher/mesh_spec.py),
 # so the comparison differs only in the mesh. Must be set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from services.executor.process_env import apply_executor_env  # noqa: E402
+
+apply_executor_env()  # the executor processes' torch runtime settings, before torch loads
 
 from tqdm.auto import tqdm  # noqa: E402
 

@@ -43,7 +43,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from services.executor.process_env import apply_executor_env  # noqa: E402
+
+apply_executor_env()  # the executor processes' torch runtime settings, before torch loads
 
 from tqdm.auto import tqdm  # noqa: E402
 

@@ -18,6 +18,9 @@ def __getattr__(name: str):
 
         return SamplingParams
     if name in ("LLM", "RequestOutput"):
+        from services.executor.process_env import apply_executor_env
+
+        apply_executor_env()  # the executor's OpenMP / huge-page settings, if torch is not loaded yet
         from weft import llm
 
         return getattr(llm, name)

@@ -29,6 +29,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+# Weft runs in this process with the torch runtime settings `weft up` gives executors
+# (services/executor/process_env.py), so the figures are the served engine's.
+from services.executor.process_env import apply_executor_env  # noqa: E402
+
+apply_executor_env()
+
 from benchmarks.peers import llama_cpp  # noqa: E402
 from benchmarks.peers.build_llamacpp import installed_builds, say  # noqa: E402
 from benchmarks.peers.table import (Rates, bandwidth_fractions, model_table, plot, spread,  # noqa: E402

@@ -1,11 +1,9 @@
 """``python -m services.executor --help``"""
 from __future__ import annotations
 
-import os
+from services.executor.process_env import apply_executor_env
 
-# Before torch loads OpenMP: idle OpenMP workers must sleep, not spin, or they starve the
-# event loops of co-located processes (and this one's gRPC loop) on small machines.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+apply_executor_env()  # OpenMP wait policy, bounded spin, huge pages: before torch loads (process_env.py)
 
 from services.mesh.onednn_caches import bound_onednn_caches  # noqa: E402
 

@@ -117,10 +117,11 @@ SERVICES: tuple[ServiceSpec, ...] = (
         settings={**_COMMON, "WEFT_NATS_URL": "{nats_url}", "WEFT_EXECUTOR_HOST": "{bind_host}",
                   "WEFT_EXECUTOR_PORT": "{executor_port}", "WEFT_EXECUTOR_METRICS_PORT": "{executor_metrics_port}",
                   "WEFT_EXECUTOR_MODEL_DIR": "{model_dir}", "WEFT_EXECUTOR_NAME": "{executor_name}",
-                  # Idle OpenMP workers sleep instead of spinning: executors share cores with
-                  # each other and with the router / scheduler, and spinning workers starve
-                  # their event loops (40 ms stalls in token streams on 2 cores).
-                  "OMP_WAIT_POLICY": "PASSIVE",
+                  # torch's CPU runtime as services/executor/process_env.py says why: idle
+                  # OpenMP workers sleep (spinning ones starved co-located event loops), after
+                  # a bounded spin (pure PASSIVE made a decode step ~1.6x slower), and
+                  # weights on transparent huge pages.
+                  "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000", "THP_MEM_ALLOC_ENABLE": "1",
                   "WEFT_EXECUTOR_CACHESTORE_ADDRESS": "{cachestore_addr}", **_nats_login("executor")},
         health=Health("grpc", "executor_port"),
         depends_on=("nats",),
