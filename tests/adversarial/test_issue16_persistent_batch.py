@@ -235,16 +235,13 @@ def test_greedy_rows_in_a_crowded_batch_equal_each_request_decoded_alone(checkpo
         assert want == hf_out[0, len(prompt):].tolist(), rid
 
 
-@pytest.mark.parametrize("prefix_caching", [
-    True,
-    # the fix lies in batch_scheduler.py (not this part's to edit): see issue 16's attack report
-    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason="outgrown request recomputed for ever")),
-])
+@pytest.mark.parametrize("prefix_caching", [True, False])
 def test_a_request_that_outgrows_the_pool_finishes_without_prefix_caching(checkpoint, prefix_caching):
     """8 blocks of 4 tokens; the request grows past 32 tokens. With prefix caching it ends
-    as a length stop once it no longer fits; without, the scheduler re-admits it by its
-    first chunk, recomputes it up to the whole pool, preempts it and starts again, for
-    ever (found in the hostile mix with prefix caching off; predates issue 16)."""
+    as a length stop once it no longer fits; without, the scheduler re-admitted it by its
+    first chunk, recomputed it up to the whole pool, preempted it and started again, for
+    ever (found in the hostile mix with prefix caching off; predated issue 16; fixed by
+    the scheduler's can_ever_hold check)."""
     engine = LLMEngine(checkpoint, EngineConfig(block_size=BS, num_threads=1, num_kv_blocks=8, max_prefill_chunk=8,
                                                 max_num_batched_tokens=32, enable_prefix_caching=prefix_caching))
     engine.add_request("big", [5, 6, 7, 8, 9], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))

@@ -34,9 +34,12 @@ class BatchScheduler:
         max_prefill_chunk: int,
         eos_token_ids: Iterable[int] = (),
         on_finish: Callable[[Sequence], None] | None = None,
+        kv_compression: bool = False,
     ) -> None:
         """``on_finish`` sees each sequence that stops in ``update`` while it still holds
-        its blocks (the engine pins a session's blocks there)."""
+        its blocks (the engine pins a session's blocks there). ``kv_compression``: the
+        engine drops blocks of long sequences, so a sequence longer than the pool may
+        still run (it is then never judged unservable by its length)."""
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -44,6 +47,7 @@ class BatchScheduler:
         self.max_prefill_chunk = max_prefill_chunk
         self.eos_token_ids = frozenset(eos_token_ids)
         self.on_finish = on_finish
+        self.kv_compression = kv_compression
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -125,6 +129,15 @@ class BatchScheduler:
             self.policy.order_waiting(self.waiting)
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                if seq.num_preemptions and not self.kv_compression and not self.kv.can_ever_hold(seq):
+                    # It outgrew its partition (or the pool) and preempted itself; its first
+                    # chunk would still fit, so without this it would be recomputed up to the
+                    # cap and preempted again, for ever (with prefix hits, allocation fails
+                    # below instead).
+                    self.waiting.popleft()
+                    self.kv.free(seq)
+                    unservable.append(seq)
+                    continue
                 hits = self.kv.match_prefix(seq)
                 cached = len(hits) * self.kv.block_size
                 n = min(seq.num_tokens - cached, budget, self.max_prefill_chunk)

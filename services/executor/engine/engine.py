@@ -95,6 +95,7 @@ class LLMEngine:
             max_prefill_chunk=config.max_prefill_chunk,
             eos_token_ids=self.eos_token_ids,
             on_finish=self._finish_session,
+            kv_compression=config.kv_compress_budget_blocks > 0,
         )
         # scores only feed the attention policy; "oldest" needs none (all-equal scores)
         track_block_scores = (config.kv_compress_budget_blocks > 0

@@ -57,6 +57,12 @@ class KVCacheManager:
         fitting at all: its tokens' blocks plus one for the tokens it will generate."""
         return self.num_blocks_for(num_tokens) + 1
 
+    def can_ever_hold(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s tokens fit in its partition's cap (or the pool) even when nothing
+        else holds a block: one that has outgrown it can never take another step."""
+        cap = min(self.pool.num_blocks, self.pool.spec(seq.partition).limit_blocks)
+        return self.num_blocks_for(seq.num_tokens) <= cap
+
     def partition_allows(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether ``seq``'s partition quota (not the free pool) leaves room for the
         blocks ``num_new_tokens`` more tokens need."""
