@@ -26,6 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# the torch runtime settings `weft up` gives executors, before torch loads (process_env.py)
+from services.executor.process_env import apply_executor_env  # noqa: E402
+
+apply_executor_env()
+
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
