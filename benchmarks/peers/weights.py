@@ -67,13 +67,21 @@ def bench_f32_gguf(model_dir: Path, cache: Path | None = None, *, force: bool = 
     if not builds:
         raise SystemExit("no llama.cpp build: run benchmarks/peers/build_llamacpp.py first")
     src = builds[-1] / "src" / "vendor" / "llama.cpp"
-    partial = out.with_suffix(".gguf.partial")
-    cmd = [sys.executable, str(Path(__file__).with_name("hf_to_gguf.py")), str(src), str(model_dir), str(partial)]
     say(f"writing {out.name} with {builds[-1].name}/src/vendor/llama.cpp/convert_hf_to_gguf.py")
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return _write_with(
+        lambda partial: [sys.executable, str(Path(__file__).with_name("hf_to_gguf.py")), str(src), str(model_dir),
+                         str(partial)],
+        out, "convert_hf_to_gguf")
+
+
+def _write_with(command, out: Path, what: str) -> Path:
+    """Run ``command(partial_path)`` and move its output to ``out`` only when it succeeds
+    (an interrupted or failed write never leaves a file that looks complete)."""
+    partial = out.with_suffix(".gguf.partial")
+    done = subprocess.run(command(partial), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise SystemExit(f"convert_hf_to_gguf failed (exit {done.returncode}):\n{done.stdout[-2000:]}")
+        raise SystemExit(f"{what} failed (exit {done.returncode}):\n{done.stdout[-2000:]}")
     partial.replace(out)
     return out
 
@@ -101,15 +109,10 @@ def f32_gguf(cache: Path | None = None, *, force: bool = False) -> Path:
     if out.exists() and not force:
         return out
     src = shipped_gguf(cache)
-    partial = out.with_suffix(".gguf.partial")
-    cmd = [str(find_binary("llama-quantize", cache)), "--allow-requantize", str(src), str(partial), "F32"]
-    say(f"writing {out.name}: {' '.join(cmd)}")
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise SystemExit(f"llama-quantize failed (exit {done.returncode}):\n{done.stdout[-2000:]}")
-    partial.replace(out)
-    return out
+    quantize = str(find_binary("llama-quantize", cache))
+    say(f"writing {out.name}: llama-quantize --allow-requantize {src.name} F32")
+    return _write_with(lambda partial: [quantize, "--allow-requantize", str(src), str(partial), "F32"],
+                       out, "llama-quantize")
 
 
 def main(argv=None) -> int:
