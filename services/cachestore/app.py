@@ -5,6 +5,10 @@ tiers' changes as kv events (subject ``weft.kv.<name>``, ``tier`` = sleeping or
 archived), so the scheduler's index sees the whole hierarchy. On (re)connect to NATS
 the full contents of each tier are announced again (a subscriber resyncs on the new
 epoch / gap anyway).
+
+Readiness: gRPC health stays NOT_SERVING until the embedding model is loaded
+(``serve_when_ready``), so ``weft up`` and probes wait for it instead of the semantic
+cache missing every lookup of a fresh mesh. Tier RPCs are answered meanwhile.
 """
 from __future__ import annotations
 
@@ -62,6 +66,15 @@ async def sweep_forever(store: TieredStore, interval_s: float, bus: EventBus | N
         await asyncio.sleep(interval_s)
 
 
+async def serve_when_ready(grpc_server: GrpcServer, semantic: SemanticService) -> None:
+    """Report NOT_SERVING, load the embedding model, then report SERVING (unless draining).
+    A model that fails to load is a fatal start error (the exception propagates)."""
+    await grpc_server.set_serving(False)
+    await semantic.warm_up()
+    if not grpc_server.draining:
+        await grpc_server.set_serving(True)
+
+
 async def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(CacheStoreConfig, "cachestore", DESCRIPTION, sys.argv[1:] if argv is None else argv)
     configure_logging("cachestore", config.log_level, config.log_format)
@@ -91,12 +104,20 @@ async def main(argv: Sequence[str] | None = None) -> None:
     catalogue.watch_cachestore(store)
     await metrics_server.start()
     port = await grpc_server.start()
+    await grpc_server.set_serving(False)  # start() said SERVING; no request ran in between
+    warm = asyncio.create_task(serve_when_ready(grpc_server, semantic), name="embedder-warm-up")
     sweeper = asyncio.create_task(sweep_forever(store, config.sweep_interval_s, bus), name="tier-sweep")
-    log.info("cachestore_ready", port=port, disk_dir=config.disk_dir or None, tier_policy=config.tier_policy,
+    log.info("cachestore_listening", port=port, disk_dir=config.disk_dir or None, tier_policy=config.tier_policy,
              demotion_policy=config.demotion_policy)
     try:
-        await grpc_server.serve_until_signal()
+        stop = asyncio.create_task(grpc_server.serve_until_signal(), name="serve")
+        await asyncio.wait({warm, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if warm.done() and warm.exception() is not None:
+            stop.cancel()
+            raise warm.exception()
+        await stop
     finally:
+        warm.cancel()
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper

@@ -3,8 +3,9 @@
 The package bundles the checkpoint (``get_model_path()``); we load it with plain
 ``transformers`` (mean pooling over real tokens, then L2 normalisation, the model
 card's recipe) rather than ``sentence-transformers``, whose import alone costs seconds.
-The model loads on first use, never at import, and ``HF_HUB_OFFLINE`` is set so
-nothing ever reaches for the network.
+The model loads when ``load()`` is called (the cachestore calls it at start, and
+reports NOT_SERVING until it returns) or else on first use, never at import;
+``HF_HUB_OFFLINE`` is set so nothing ever reaches for the network.
 """
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ class MiniLmEmbedder:
         self._lock = threading.Lock()
         self._tokenizer = None
         self._model = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    def load(self) -> None:
+        """Load the checkpoint now (blocking; idempotent, thread-safe)."""
+        with self._lock:
+            if self._model is None:
+                self._load()
 
     def _load(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,15 +1,23 @@
 """The embedder and the semantic index together, for asyncio callers: embedding runs in
-a worker thread (tens of milliseconds on CPU), never on the event loop."""
+a worker thread (tens of milliseconds on CPU), never on the event loop.
+
+``warm_up`` loads the model at start (seconds on CPU): until it returns the cachestore
+reports NOT_SERVING, so a fresh mesh does not answer semantic lookups with misses while
+the model is still loading."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
+import structlog
 import torch
 
 from services.cachestore.embedder import EMBEDDING_DIM, MODEL_NAME, MiniLmEmbedder
 from services.cachestore.errors import InvalidQueryError
 from services.cachestore.semantic import DEFAULT_THRESHOLD, SemanticHit, SemanticIndex, SemanticKind
+
+log = structlog.get_logger(__name__)
 
 MAX_TEXTS = 256  # per Embed call
 MAX_TEXT_CHARS = 64 * 1024
@@ -21,6 +29,20 @@ class SemanticService:
         self.index = index or SemanticIndex(DEFAULT_THRESHOLD)
         self.dim = EMBEDDING_DIM
         self.model_name = MODEL_NAME
+
+    @property
+    def ready(self) -> bool:
+        """Whether the embedding model is loaded (lookups will not wait for it)."""
+        return self.embedder.loaded
+
+    async def warm_up(self) -> float:
+        """Load the embedding model in a worker thread; returns the seconds it took and
+        logs ``embedding_model_loaded``. Idempotent."""
+        start = time.perf_counter()
+        await asyncio.to_thread(self.embedder.load)
+        load_s = time.perf_counter() - start
+        log.info("embedding_model_loaded", model=self.model_name, load_ms=round(load_s * 1000, 1))
+        return load_s
 
     @staticmethod
     def _check(texts: Sequence[str]) -> None:
