@@ -159,3 +159,21 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class EndSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class EndSessionResponse(_message.Message):
+    __slots__ = ("session_id", "ended_now", "num_executors_released", "num_running_hops")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDED_NOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXECUTORS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_HOPS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ended_now: bool
+    num_executors_released: int
+    num_running_hops: int
+    def __init__(self, session_id: _Optional[str] = ..., ended_now: _Optional[bool] = ..., num_executors_released: _Optional[int] = ..., num_running_hops: _Optional[int] = ...) -> None: ...

@@ -45,6 +45,11 @@ class RouterStub:
                 request_serializer=weft_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=weft_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.EndSession = channel.unary_unary(
+                '/weft.v1.Router/EndSession',
+                request_serializer=weft_dot_v1_dot_router__pb2.EndSessionRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_router__pb2.EndSessionResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -65,6 +70,14 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndSession(self, request, context):
+        """End one of the caller's sessions: its pinned KV is released on every executor at once.
+        Idempotent; NOT_FOUND for an id the caller's tenant never used (another tenant's included).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=weft_dot_v1_dot_router__pb2.ListModelsRequest.FromString,
                     response_serializer=weft_dot_v1_dot_router__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'EndSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSession,
+                    request_deserializer=weft_dot_v1_dot_router__pb2.EndSessionRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_router__pb2.EndSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +152,33 @@ class Router:
             '/weft.v1.Router/ListModels',
             weft_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
             weft_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.Router/EndSession',
+            weft_dot_v1_dot_router__pb2.EndSessionRequest.SerializeToString,
+            weft_dot_v1_dot_router__pb2.EndSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

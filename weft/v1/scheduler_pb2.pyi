@@ -68,6 +68,24 @@ class ListExecutorsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SchedulerEndSessionRequest(_message.Message):
+    __slots__ = ("tenant", "session_id")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    session_id: str
+    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class SchedulerEndSessionResponse(_message.Message):
+    __slots__ = ("ended_now", "num_executors_released", "num_running_hops")
+    ENDED_NOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXECUTORS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_HOPS_FIELD_NUMBER: _ClassVar[int]
+    ended_now: bool
+    num_executors_released: int
+    num_running_hops: int
+    def __init__(self, ended_now: _Optional[bool] = ..., num_executors_released: _Optional[int] = ..., num_running_hops: _Optional[int] = ...) -> None: ...
+
 class ExecutorInfo(_message.Message):
     __slots__ = ("heartbeat", "load", "num_indexed_blocks", "last_seen_ago_ms")
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]

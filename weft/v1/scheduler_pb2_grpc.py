@@ -45,6 +45,11 @@ class SchedulerStub:
                 request_serializer=weft_dot_v1_dot_scheduler__pb2.ListExecutorsRequest.SerializeToString,
                 response_deserializer=weft_dot_v1_dot_scheduler__pb2.ListExecutorsResponse.FromString,
                 _registered_method=True)
+        self.EndSession = channel.unary_unary(
+                '/weft.v1.Scheduler/EndSession',
+                request_serializer=weft_dot_v1_dot_scheduler__pb2.SchedulerEndSessionRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_scheduler__pb2.SchedulerEndSessionResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -65,6 +70,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndSession(self, request, context):
+        """End one tenant's session: release its pins on every executor and forget its context.
+        NOT_FOUND when the tenant has no such session (another tenant's id included).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ListExecutors,
                     request_deserializer=weft_dot_v1_dot_scheduler__pb2.ListExecutorsRequest.FromString,
                     response_serializer=weft_dot_v1_dot_scheduler__pb2.ListExecutorsResponse.SerializeToString,
+            ),
+            'EndSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSession,
+                    request_deserializer=weft_dot_v1_dot_scheduler__pb2.SchedulerEndSessionRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_scheduler__pb2.SchedulerEndSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +152,33 @@ class Scheduler:
             '/weft.v1.Scheduler/ListExecutors',
             weft_dot_v1_dot_scheduler__pb2.ListExecutorsRequest.SerializeToString,
             weft_dot_v1_dot_scheduler__pb2.ListExecutorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.Scheduler/EndSession',
+            weft_dot_v1_dot_scheduler__pb2.SchedulerEndSessionRequest.SerializeToString,
+            weft_dot_v1_dot_scheduler__pb2.SchedulerEndSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
