@@ -20,6 +20,7 @@ from pathlib import Path
 
 from weft.cli.model_cli import add_cache_dir_arg
 from weft.cli.state_dir import add_state_dir_arg, running_mesh
+from weft.cli.up_flags import add_setting_flags, settings_from_args, settings_lines
 from weft.launcher.mesh_state import pid_alive, read_state
 from weft.models.sources import DEFAULT_MODEL, SOURCES
 
@@ -29,7 +30,10 @@ def register_up(subparsers) -> None:
         "up", help="start NATS and every service locally and wait until they are healthy",
         description="Start nats-server, cachestore, scheduler, N executors and the router as local "
                     "processes on loopback; wait until all are healthy; print the endpoints; stop "
-                    "everything on Ctrl-C / SIGTERM.")
+                    "everything on Ctrl-C / SIGTERM. The `settings:` sections set the services' policies, KV pool, "
+                    "quotas and limits (each flag goes to the services that read it as the WEFT_* variable shown; "
+                    "a flag not given keeps the service's default or that variable from the environment; "
+                    "docs/configuration.md); a bad value fails before anything starts.")
     up.add_argument("--model", default=DEFAULT_MODEL, metavar="DIR|FILE.gguf|NAME",
                     help="a checkpoint directory, a .gguf file (imported into the cache once) or a named "
                          f"model ({', '.join(SOURCES)}; pulled into the cache once, see `weft model list`); "
@@ -53,6 +57,7 @@ def register_up(subparsers) -> None:
     up.add_argument("--crash-loop-window", type=float, default=60.0, metavar="S",
                     help="seconds of the crash-loop window; default: %(default)s")
     add_state_dir_arg(up)
+    add_setting_flags(up)
     up.set_defaults(handler=_up)
 
 
@@ -73,7 +78,8 @@ def _up(args: argparse.Namespace) -> int:
                             grpc_port=args.grpc_port, state_dir=Path(args.state_dir), keys_file=args.keys_file,
                             log_level=args.log_level, startup_timeout_s=args.startup_timeout,
                             extra_executors=tuple(args.extra_executors),
-                            restart=RestartConfig(max_deaths=args.crash_loop_deaths, window_s=args.crash_loop_window))
+                            restart=RestartConfig(max_deaths=args.crash_loop_deaths, window_s=args.crash_loop_window),
+                            settings=settings_from_args(args))  # checked by the services' own parsers
     except ValueError as exc:
         print(f"weft up failed: {exc}", file=sys.stderr)
         return 2
@@ -135,7 +141,9 @@ def register_ps(subparsers) -> None:
                                            "pid, ports, a live health probe, how often the launcher restarted "
                                            "it and its last exit status (-9: killed by SIGKILL). HEALTH "
                                            "crash-loop: it died too often and is no longer restarted; config-error: it "
-                                           "exited 78 (model files or NATS login unusable) and is not restarted.")
+                                           "exited 78 (model files or NATS login unusable) and is not restarted. "
+                                           "Then the settings (weft up flags or WEFT_* variables) that differ "
+                                           "from the defaults, per service.")
     add_state_dir_arg(ps)
     ps.set_defaults(handler=_ps)
 
@@ -160,6 +168,8 @@ def _ps(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6])
+    for line in settings_lines(state.settings):
+        print(line)
     return 0 if all(healthy) else 2
 
 

@@ -51,6 +51,7 @@ from weft.launcher.mesh_spec import BY_NAME, SERVICES, Context, ServiceSpec
 from weft.launcher.mesh_state import Instance, MeshState, remove_state, write_state
 from weft.launcher.options import UpOptions
 from weft.launcher.running import Running
+from weft.launcher.setting_flags import non_default, service_env
 from weft.launcher.startup_checks import check_model_dir, check_ports_free, last_log_line
 from weft.launcher.supervision import Supervision
 
@@ -99,6 +100,7 @@ class Launcher:
         self.model_dir = ""
         self.ports: dict[str, int] = {}
         self.running: dict[str, Running] = {}  # instance name -> process
+        self.service_env = service_env(options.settings)  # service -> its WEFT_* settings from `weft up` flags
         self.extra_argv: dict[str, list[str]] = {}  # executor name -> its own flags (--extra-executor)
         self.control_port = 0
         self.control_token = secrets.token_hex(16)
@@ -148,8 +150,7 @@ class Launcher:
         ctx = self._context({**self.ports, **own_ports}, executor_name=name if spec.scalable else "").mapping()
         argv = [a.format_map(ctx) for a in spec.command] + self.extra_argv.get(name, [])
         argv = [sys.executable, *argv] if spec.python else [str(nats_server_binary()), *argv[1:]]
-        env = {**os.environ, **self.options.extra_env, **spec.render(ctx), "WEFT_LOG_FORMAT": "json",
-               "PYTHONUNBUFFERED": "1"}
+        env = self.instance_env(spec, ctx)
         log_path = self.logs_dir / f"{name}.log"
         with open(log_path, "ab") as out:
             process = await asyncio.create_subprocess_exec(
@@ -164,6 +165,22 @@ class Launcher:
         self.supervision.watch(name, running)
         log.info("service_started", instance=name, pid=process.pid, ports=own_ports)
         return running
+
+    def instance_env(self, spec: ServiceSpec, ctx: dict[str, str]) -> dict[str, str]:
+        """The environment one instance of ``spec`` starts with: its settings (``_settings_env``)
+        and the table's rendered values (ports, addresses), which win."""
+        return {**self._settings_env(spec), **spec.render(ctx), "WEFT_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
+
+    def _settings_env(self, spec: ServiceSpec) -> dict[str, str]:
+        """This process's environment, the options' extra variables, then the ``weft up``
+        settings this service reads (weft/launcher/setting_flags.py), which win over both."""
+        return {**os.environ, **self.options.extra_env, **self.service_env.get(spec.name, {})}
+
+    def effective_settings(self) -> dict[str, dict[str, str]]:
+        """service -> {flag: value}: the settings its instances run with that are not the
+        default (what ``weft ps`` shows), read from the environment ``spawn`` gives them."""
+        changed = {spec.name: non_default(spec.name, self._settings_env(spec)) for spec in SERVICES}
+        return {name: flags for name, flags in changed.items() if flags}
 
     async def wait_healthy(self, names: list[str], deadline: float) -> None:
         """Until every instance in ``names`` passes its health probe; MeshStartError naming the
@@ -298,6 +315,7 @@ class Launcher:
             grpc_address=f"{host}:{self.ports['router_grpc_port']}",
             nats_url=f"nats://{host}:{self.ports['nats_port']}",
             instances=sorted((self.supervision.view(r.instance) for r in self.running.values()), key=_table_order),
+            settings=self.effective_settings(),
         )
 
     async def scale(self, service: str, replicas: int) -> list[str]:

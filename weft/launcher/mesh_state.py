@@ -45,6 +45,9 @@ class MeshState:
     grpc_address: str
     nats_url: str
     instances: list[Instance] = field(default_factory=list)
+    # service -> {weft up flag: value} of the settings (weft/launcher/setting_flags.py) its
+    # processes run with that differ from the default, from a flag or the environment.
+    settings: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def by_service(self, service: str) -> list[Instance]:
         return [i for i in self.instances if i.service == service]

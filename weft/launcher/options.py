@@ -28,6 +28,10 @@ class UpOptions:
     # over the mesh's env): e.g. "--serves-rung kv_int8 --kv-cache-dtype int8", a degraded pool.
     extra_executors: tuple[str, ...] = ()
     restart: RestartConfig = RestartConfig()  # supervision of unplanned deaths (weft/launcher/restart_policy.py)
+    # Services' settings by `weft up` flag dest (``{"policy": "fcfs", "num_kv_blocks": "128"}``),
+    # handed only to the services that read them (weft/launcher/setting_flags.py); they win over
+    # ``extra_env``. Validated here with the services' own parsers (loads torch when non-empty).
+    settings: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_executors < 0:
@@ -38,3 +42,7 @@ class UpOptions:
         for name in ("http_port", "grpc_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65536)")
+        if self.settings:
+            from weft.launcher.setting_checks import check_settings
+
+            check_settings(self.settings)
