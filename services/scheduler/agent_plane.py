@@ -74,6 +74,7 @@ class HopPlan:
     num_cached_tokens: int = 0
     num_chunks: int = 0
     executor: str = ""  # where it runs (first chunk)
+    session_ended: bool = False  # its session was ended while it ran (dispatch/agent_steps.py)
 
     @property
     def pauses_after(self) -> bool:
@@ -135,7 +136,10 @@ class AgentPlane:
 
     def fallback(self, plan: HopPlan, num_ahead: int, num_slots: int, offered: Iterable[Rung] = ()) -> FallbackChoice:
         """Contract check at admission; raises OverloadedError for FAIL_FAST. ``offered``:
-        the degradation rungs live executors serve (a DEGRADE fallback may use one)."""
+        the degradation rungs live executors serve (a DEGRADE fallback may use one; never
+        for a DETERMINISTIC hop, which is served at full quality or not at all)."""
+        if plan.request_class is RequestClass.DETERMINISTIC:
+            offered = ()
         plan.fallback = self.contracts.choose_fallback(
             plan.request.terms, plan.request_class is RequestClass.INTERACTIVE, num_ahead, num_slots,
             len(plan.prompt_token_ids), offered)
@@ -198,6 +202,11 @@ class AgentPlane:
         for sid in [s for s, (_, until) in table.items() if until <= now]:
             del table[sid]
         return sum(b for b, _ in table.values())
+
+    def forget_pins(self, session_id: str) -> None:
+        """The session ended: its kept blocks no longer count against any executor."""
+        for table in self._pinned.values():
+            table.pop(session_id, None)
 
     def _unpin(self, executor: str, session_id: str) -> None:
         self._pinned.get(executor, {}).pop(session_id, None)

@@ -7,6 +7,11 @@
     observe(plan, chunk)  stamp class / fallback / pause on the stream; record the hop
                           when it ends (and demote its KV when the pause policy said so)
     reprioritize_forever  push re-estimated priorities of running hops to executors
+    end_session(…)        release a session's pins on every executor and forget it
+
+One hop of a session runs at a time: ``begin`` claims the session (a second hop is
+refused with SessionBusyError) and the claim ends with the hop's last chunk, so the next
+hop may follow the instant the client has the previous answer.
 
 Priority is higher-runs-first everywhere here (services/shared/vocabulary.py): the plan's
 priority goes to the executor unchanged; only admission, an ascending queue, is handed
@@ -28,11 +33,22 @@ from services.scheduler.policy.contracts import Fallback
 from services.scheduler.policy.pause import PauseDecision
 from services.scheduler.policy.placement import InflightTracker, Placement
 from services.scheduler.state.membership import ExecutorLoad, ExecutorRecord, Membership
+from dataclasses import dataclass
+
 from services.scheduler.state.sessions import SessionState, executor_session_id
 from services.shared.block_hash import extra_keys_for, hash_block_chain
 from services.shared.vocabulary import queue_order_key
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionEnd:
+    """What ending a session did (None from ``end_session``: the tenant has no such session)."""
+
+    ended_now: bool  # False: it had already been ended (idempotent)
+    num_executors_released: int
+    num_running_hops: int
 
 
 class AgentSteps:
@@ -50,13 +66,20 @@ class AgentSteps:
         """Plan ``job``'s hop; raises InvalidScheduleRequest naming the field, or
         OverloadedError for a FAIL_FAST contract that cannot be met. Until ``end``, the
         plan is live (its priority is re-pushed to the executor)."""
-        pool = max((r.num_blocks for r in self.membership.placeable(job.model_id)), default=0)
-        plan = self.plane.begin(job.hop, pool)
-        a = self.admission
-        ahead = a.num_ahead(queue_order_key(plan.priority(a.clock()))) + (1 if a.num_in_flight >= a.max_in_flight
-                                                                           else 0)
-        # FAIL_FAST raises OverloadedError; DEGRADE may use a rung a live executor pool serves.
-        self.plane.fallback(plan, ahead, a.max_in_flight, self.membership.offered_rungs(job.model_id))
+        hop = job.hop
+        sessions = self.plane.sessions
+        sessions.claim(hop.tenant, hop.session_id, job.request_id)  # SessionBusyError: one hop at a time
+        try:
+            pool = max((r.num_blocks for r in self.membership.placeable(job.model_id)), default=0)
+            plan = self.plane.begin(hop, pool)
+            a = self.admission
+            ahead = a.num_ahead(queue_order_key(plan.priority(a.clock()))) + (
+                1 if a.num_in_flight >= a.max_in_flight else 0)
+            # FAIL_FAST raises OverloadedError; DEGRADE may use a rung a live executor pool serves.
+            self.plane.fallback(plan, ahead, a.max_in_flight, self.membership.offered_rungs(job.model_id))
+        except BaseException:
+            sessions.release_claim(hop.tenant, hop.session_id, job.request_id)
+            raise
         self._plans[job.request_id] = plan
         return plan
 
@@ -65,7 +88,47 @@ class AgentSteps:
         return lambda now: queue_order_key(plan.priority(now))
 
     def end(self, request_id: str) -> None:
-        self._plans.pop(request_id, None)
+        """The job left the path (finished, failed, cancelled): its plan and claim go."""
+        plan = self._plans.pop(request_id, None)
+        if plan is not None:
+            self.plane.sessions.release_claim(plan.request.tenant, plan.request.session_id, request_id)
+
+    async def end_session(self, tenant: str, session_id: str) -> SessionEnd | None:
+        """End ``tenant``'s session now: forget its context and pin accounting, and ask
+        every known executor to release its pins (pins are keyed by the tenant-scoped id,
+        so no other tenant's blocks can be touched). A hop still running is left to finish;
+        its KV is released when it does (``observe``). None when this tenant never had the
+        session (another tenant's id included); a repeated end is a no-op that succeeds."""
+        sessions = self.plane.sessions
+        running = [p for p in self._plans.values()
+                   if p.request.tenant == tenant and p.request.session_id == session_id]
+        already = sessions.was_ended(tenant, session_id)
+        ses = sessions.end(tenant, session_id)
+        if ses is None and not running and not already:
+            return None
+        if ses is not None:
+            ses.demoted = False  # a pending prefetch promotion must not bring it back
+            ses.pause_started_s = None
+        for plan in running:
+            plan.session_ended = True
+        self.plane.forget_pins(session_id)
+        released = await self._release_everywhere(tenant, session_id)
+        log.info("session_ended", session_id=session_id, num_executors_released=released,
+                 num_running_hops=len(running), ended_now=not already)
+        return SessionEnd(not already, released, len(running))
+
+    async def _release_everywhere(self, tenant: str, session_id: str) -> int:
+        records = self.membership.all()
+        sid = executor_session_id(tenant, session_id)
+
+        async def release(rec: ExecutorRecord) -> bool:
+            try:
+                await self.port.release_session(rec.address, sid, [])
+                return True
+            except ExecutorCallError as exc:
+                log.warning("session_release_failed", executor=rec.name, details=exc.details)
+                return False
+        return sum(await asyncio.gather(*(release(r) for r in records)))
 
     # -- at placement -----------------------------------------------------------------
     async def place(self, plan: HopPlan, job: Job, prompt: list[int], ranked: list[Placement]) -> list[Placement]:
@@ -129,9 +192,16 @@ class AgentSteps:
         if not chunk.finished:
             return
         chunk.pause = plan.pause.decision
+        r = plan.request
         ses = self.plane.finish(plan, chunk.executor, plan.output_token_ids, plan.num_cached_tokens,
                                 chunk.mean_entropy,
                                 (time.monotonic() - t0) * 1000.0)
+        self.plane.sessions.release_claim(r.tenant, r.session_id, r.request_id)  # the next hop may come
+        if plan.session_ended:  # ended while this hop ran: forget what it recorded, free what it pinned
+            self.plane.sessions.end(r.tenant, r.session_id)
+            self.plane.forget_pins(r.session_id)
+            asyncio.get_running_loop().create_task(self._release_everywhere(r.tenant, r.session_id))
+            return
         if ses is not None and plan.pause.decision is not PauseDecision.NONE:
             log.info("session_paused", session_id=ses.session_id, decision=plan.pause.decision.value,
                      pin_ttl_ms=plan.pause.pin_ttl_ms, executor=chunk.executor, reason=plan.pause.reason)

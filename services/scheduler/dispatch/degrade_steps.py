@@ -8,7 +8,9 @@ before admission:
               DEGRADE fallback's rung when the contract's ceilings could not be met
 
 ``shed`` refuses the job (OverloadedError: RESOURCE_EXHAUSTED + retry hint); any other
-served rung limits placement to the executors serving exactly that rung.
+served rung limits placement to the executors serving exactly that rung. A
+``deterministic`` job is never served on a degraded rung (its output must reproduce): it
+runs at full quality, or is shed like any other.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from services.scheduler.dispatch.job import Job
 from services.scheduler.errors import OverloadedError
 from services.scheduler.policy.contracts import FallbackChoice
 from services.scheduler.policy.degradation import DegradationLadder, LoadSignal, Rung, served_rung
+from services.shared.vocabulary import RequestClass
 
 
 class DegradeSteps:
@@ -37,6 +40,8 @@ class DegradeSteps:
         rung = served_rung(class_rung, job.contract, offered)
         if rung is Rung.SHED:
             raise OverloadedError("shed by the degradation ladder", retry_after_ms=retry_after_ms())
+        if job.request_class is RequestClass.DETERMINISTIC:
+            return Rung.NONE
         if fallback is not None and fallback.rung in offered:
             rung = max(rung, fallback.rung)  # the contract's DEGRADE fallback asks at least this
         return rung

@@ -13,6 +13,11 @@ Validation (bad input names the field):
     stateful hop, unknown session   → session.session_id
     hop_index not last + 1          → session.hop_index
     stateful hop_index 0            → session.stateful
+
+One hop at a time: ``claim`` marks a session's hop running until ``release_claim``; a
+second hop meanwhile is refused (SessionBusyError, names the session and the running
+hop), so two branches can never race to overwrite one context. ``end`` forgets a
+session at once and remembers, bounded, that it was ended (a repeated end is a no-op).
 """
 from __future__ import annotations
 
@@ -22,7 +27,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.scheduler.errors import InvalidScheduleRequest
+from services.scheduler.errors import InvalidScheduleRequest, SchedulerError
+
+
+class SessionBusyError(SchedulerError):
+    """A hop arrived while another hop of the same session runs (gRPC ABORTED, HTTP 409)."""
+
+    def __init__(self, session_id: str, running_request_id: str) -> None:
+        super().__init__(f"session {session_id!r} already has a running hop (request {running_request_id!r}); "
+                         "send the next hop after it ends")
+        self.session_id = session_id
+        self.running_request_id = running_request_id
 
 
 @dataclass
@@ -72,6 +87,8 @@ class SessionTable:
         self.clock = clock
         self._sessions: OrderedDict[tuple[str, str], SessionState] = OrderedDict()
         self._programs: OrderedDict[tuple[str, str], ProgramState] = OrderedDict()
+        self._running: dict[tuple[str, str], str] = {}  # (tenant, session) -> request id of its running hop
+        self._ended: OrderedDict[tuple[str, str], None] = OrderedDict()  # recently ended, for idempotent ends
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -151,6 +168,42 @@ class SessionTable:
 
     def forget(self, tenant: str, session_id: str) -> SessionState | None:
         return self._sessions.pop((tenant, session_id), None)
+
+    # -- one hop at a time ------------------------------------------------------------
+    def claim(self, tenant: str, session_id: str, request_id: str) -> None:
+        """Mark ``request_id`` as the session's running hop; raises SessionBusyError when
+        another hop runs. A session-less request claims nothing. A new hop of an ended
+        session id starts a new session (the id is no longer "ended")."""
+        if not session_id:
+            return
+        key = (tenant, session_id)
+        running = self._running.get(key)
+        if running is not None and running != request_id:
+            raise SessionBusyError(session_id, running)
+        self._running[key] = request_id
+        self._ended.pop(key, None)
+
+    def release_claim(self, tenant: str, session_id: str, request_id: str) -> None:
+        """The hop ended (finished, failed or refused); a no-op unless it holds the claim."""
+        key = (tenant, session_id)
+        if self._running.get(key) == request_id:
+            del self._running[key]
+
+    def running_hop(self, tenant: str, session_id: str) -> str | None:
+        return self._running.get((tenant, session_id))
+
+    # -- end of a session -------------------------------------------------------------
+    def was_ended(self, tenant: str, session_id: str) -> bool:
+        return (tenant, session_id) in self._ended
+
+    def end(self, tenant: str, session_id: str) -> SessionState | None:
+        """Forget the session and remember that it ended (bounded). Returns its state,
+        None when this tenant has no recorded context for it."""
+        key = (tenant, session_id)
+        self._ended[key] = None
+        self._ended.move_to_end(key)
+        _trim(self._ended, self.max_sessions)
+        return self._sessions.pop(key, None)
 
 
 def executor_session_id(tenant: str, session_id: str) -> str:
