@@ -39,10 +39,11 @@ class SchedulerConfig(ServiceOptions):
     missed_heartbeats: int = option("Heartbeats an executor may miss before it is dropped.", default=3)
     placement_attempts: int = option("Executors tried when one is unreachable before the first token.", default=2)
     max_in_flight_per_tenant: int = option(
-        "Requests of one tenant streaming at once (keep below max_in_flight so one tenant cannot fill it).",
+        "Requests of one tenant streaming at once; while other tenants wait, slots are shared equally among "
+        "waiting tenants anyway (one scored queue, fair across tenants).",
         default=128)
     max_queue_per_tenant: int = option(
-        "Requests of one tenant waiting for a slot; beyond it that tenant gets RESOURCE_EXHAUSTED.", default=512)
+        "Requests of one tenant waiting in the scored queue; beyond it that tenant gets RESOURCE_EXHAUSTED.", default=512)
     migration_attempts: int = option(
         "Executors a stream may use in all when executors die or stall mid-stream (1 = no migration).", default=3)
     migration_stall_factor: float = option(

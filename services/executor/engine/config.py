@@ -40,8 +40,11 @@ class EngineConfig:
     max_prefill_chunk: int = option("Longest prefill chunk one request gets per step.", default=512)
     max_model_len: int | None = option("Context limit in tokens; none: the model's.", default=None)
     enable_prefix_caching: bool = option("Reuse KV blocks across requests by block hash.", default=True)
-    preemption_policy: str = option("Who loses blocks under pressure: fcfs (newest) or priority (borrowers, then "
-                                    "lowest priority).", default="fcfs", choices=PREEMPTION_POLICIES)
+    preemption_policy: str = option(
+        "Waiting order and who loses blocks under pressure: priority (the scheduler's priority, the order its "
+        "scored queue uses: borrowers lose first, then the lowest priority, then the newest; equal priorities "
+        "are arrival order) or fcfs (arrival order, newest loses: the vLLM-like ablation).",
+        default="priority", choices=PREEMPTION_POLICIES)
     model_id: str = option("Model id hashed into block hashes; empty: the checkpoint directory's name.", default="")
     num_threads: int | None = option("Torch CPU threads; none: torch's choice.", default=None)
     # Degradation-ladder mechanisms (a degraded executor profile; see docs/architecture.md).

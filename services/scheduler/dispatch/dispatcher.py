@@ -64,8 +64,8 @@ class Dispatcher:
         self.placer = placer
         self.admission = admission
         self.port = port
-        self.tenant_admission = tenant_admission or TenantAdmission(
-            admission, admission.max_in_flight, admission.max_queue)  # default: no tighter per-tenant cap
+        self.tenant_admission = tenant_admission or TenantAdmission(  # default: the admission's own caps
+            admission, admission.max_in_flight_per_tenant, admission.max_queue_per_tenant)
         self.degrade = degrade or DegradeSteps()
         self.agent = agent
         self.inflight = inflight or InflightTracker()

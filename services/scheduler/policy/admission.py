@@ -1,13 +1,23 @@
-"""Admission: at most ``max_in_flight`` requests stream at once; up to ``max_queue``
-more wait; beyond that a request is refused at once with a retry hint.
+"""Admission: one scored queue in front of the executors, fair across tenants.
 
-Waiters are served in FIFO order unless they bring a ``score`` (a function of the
-current time; lower goes first): then each freed slot goes to the waiter with the
-lowest score *at that moment*, so dynamic priorities are re-estimated at every
-scheduling decision (``priority.py``). A score is an ascending sort key: the
-dispatcher hands ``queue_order_key(priority)`` (services/shared/vocabulary.py), the one
-place a priority (higher runs first) changes sign. O(queue) per hand-off: queues here
-are small.
+At most ``max_in_flight`` requests stream at once (each tenant at most
+``max_in_flight_per_tenant``); up to ``max_queue`` more wait (each tenant at most
+``max_queue_per_tenant``); beyond that a request is refused at once with a retry hint.
+
+NOTE (one queue, two levels of order). Every waiter of every tenant sits in the one
+queue. When a slot frees, it goes to
+
+    tenant  = argmin over tenants with an eligible waiter of  (in_flight[t], best key of t)
+    waiter  = argmin over that tenant's waiters of            (key(now), arrival)
+
+where a waiter is eligible while its tenant is under its in-flight cap, and ``key`` is
+the waiter's ``score`` (a function of now; lower first) or −inf when it brought none
+(then arrival order). So slots are shared equally among the tenants that are waiting
+(a flood of one tenant cannot take more than its share from another), and within a
+tenant the scheduling policy's score decides: the dispatcher hands
+``queue_order_key(priority)`` (services/shared/vocabulary.py), re-estimated at every
+hand-off, so dynamic priority and its aging act on every decision. With one tenant
+this is exactly the policy's order. O(queue) per hand-off: queues here are small.
 
 A waiter that is cancelled (client gone, deadline) leaves the queue; a slot handed to
 a waiter that was cancelled in the same instant is passed on, never leaked.
@@ -15,110 +25,180 @@ a waiter that was cancelled in the same instant is passed on, never leaked.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 from services.scheduler.errors import OverloadedError
 
+Score = Callable[[float], float]
+
+
+@dataclass(eq=False)
+class _Waiter:
+    tenant: str
+    score: Score | None
+    seq: int  # arrival order
+    future: asyncio.Future = field(repr=False)
+
+    def key(self, now: float) -> tuple[float, int]:
+        return (self.score(now) if self.score is not None else float("-inf"), self.seq)
+
 
 class Admission:
-    def __init__(self, max_in_flight: int, max_queue: int, retry_after_ms: int = 200) -> None:
+    """``enter`` / ``leave`` pairs (same tenant); both mutate the counts and the queue.
+    Read-only: ``num_in_flight``, ``num_queued``, ``num_ahead``, ``load_fraction``."""
+
+    def __init__(self, max_in_flight: int, max_queue: int, retry_after_ms: int = 200, *,
+                 max_in_flight_per_tenant: int | None = None, max_queue_per_tenant: int | None = None) -> None:
         if max_in_flight < 1 or max_queue < 0:
             raise ValueError("max_in_flight must be >= 1 and max_queue >= 0")
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
         self.base_retry_after_ms = retry_after_ms
+        self.limit_tenants(max_in_flight_per_tenant or max_in_flight,
+                           max_queue if max_queue_per_tenant is None else max_queue_per_tenant)
         self.num_in_flight = 0
-        self._waiters: deque[asyncio.Future] = deque()
-        self._scores: dict[asyncio.Future, Callable[[float], float]] = {}
+        self._waiters: list[_Waiter] = []
+        self._in_flight: dict[str, int] = {}  # per tenant; tenants with none are dropped
+        self._queued: dict[str, int] = {}
+        self._seq = itertools.count()
         self.clock = time.monotonic
+
+    def limit_tenants(self, max_in_flight_per_tenant: int, max_queue_per_tenant: int) -> None:
+        """Set the per-tenant caps (configuration, before requests arrive)."""
+        if max_in_flight_per_tenant < 1 or max_queue_per_tenant < 0:
+            raise ValueError("max_in_flight_per_tenant must be >= 1 and max_queue_per_tenant >= 0")
+        self.max_in_flight_per_tenant = max_in_flight_per_tenant
+        self.max_queue_per_tenant = max_queue_per_tenant
 
     @property
     def num_queued(self) -> int:
         return len(self._waiters)
+
+    @property
+    def num_tenants(self) -> int:
+        """Tenants with requests in flight or queued (does not modify)."""
+        return len(self._in_flight.keys() | self._queued.keys())
 
     def retry_after_ms(self) -> int:
         """Hint grows with how far over capacity the queue is (>= the base)."""
         backlog = (self.num_queued + self.num_in_flight) / self.max_in_flight
         return int(self.base_retry_after_ms * max(1.0, backlog))
 
-    def can_enter(self) -> bool:
+    def can_enter(self, tenant: str = "") -> bool:
         """Whether a request would be admitted (now or after queueing). Does not modify."""
-        return self.num_in_flight < self.max_in_flight or self.num_queued < self.max_queue
+        return self._refusal(tenant) is None
+
+    def load_fraction(self) -> float:
+        """Occupancy in [0, 1] of the capacity the tenants present can use: in flight and
+        queued over min(global caps, per-tenant caps × tenants present). With one tenant
+        whose caps are below the global ones, its own caps are the capacity, so a lone
+        tenant filling them reads 1 (the degradation ladder's admission signal)."""
+        n = max(1, self.num_tenants)
+        capacity = (min(self.max_in_flight, n * self.max_in_flight_per_tenant)
+                    + min(self.max_queue, n * self.max_queue_per_tenant))
+        return min(1.0, (self.num_in_flight + self.num_queued) / capacity)
 
     def num_ahead(self, score: float) -> int:
-        """Waiters that would be served before a request scoring ``score`` now."""
+        """Waiters that would be served before a request scoring ``score`` now (any tenant)."""
         now = self.clock()
-        return sum(1 for f in self._waiters if not f.done() and self._scores.get(f, lambda _: 0.0)(now) <= score)
+        return sum(1 for w in self._waiters if w.key(now)[0] <= score)
 
-    async def enter(self, score: Callable[[float], float] | None = None) -> None:
+    async def enter(self, score: Score | None = None, tenant: str = "") -> None:
         """Take an in-flight slot, waiting in the queue if needed; raises OverloadedError
-        when the queue is full. Cancellation while waiting leaves the queue. ``score``:
-        the waiter's priority as a function of now (lower first); None: FIFO."""
-        if self.num_in_flight < self.max_in_flight and not self._waiters:
-            self.num_in_flight += 1
+        when the tenant's or the global queue is full. Cancellation while waiting leaves
+        the queue. ``score``: the waiter's key as a function of now (lower first); None:
+        arrival order."""
+        if self.num_in_flight < self.max_in_flight and self._can_run(tenant):
+            self._take(tenant)  # a free slot means no eligible waiter: leave() hands them out
             return
-        if self.num_queued >= self.max_queue:
-            raise OverloadedError(
-                f"scheduler full: {self.num_in_flight} in flight, {self.num_queued} queued",
-                retry_after_ms=self.retry_after_ms(),
-            )
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        if score is not None:
-            self._scores[fut] = score
+        refusal = self._refusal(tenant)
+        if refusal is not None:
+            raise OverloadedError(refusal, retry_after_ms=self.retry_after_ms())
+        waiter = _Waiter(tenant, score, next(self._seq), asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        self._queued[tenant] = self._queued.get(tenant, 0) + 1
         try:
-            await fut  # resolved by leave(): the slot is handed over, num_in_flight unchanged
+            await waiter.future  # resolved by _hand_out(): the slot is already counted as ours
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.leave()  # we were handed a slot but will not use it
+            if waiter.future.done() and not waiter.future.cancelled():
+                self.leave(tenant)  # we were handed a slot but will not use it
             else:
-                try:
-                    self._waiters.remove(fut)
-                except ValueError:
-                    pass
+                self._dequeue(waiter)
             raise
-        finally:
-            self._scores.pop(fut, None)
 
-    def leave(self) -> None:
-        """Give back a slot: to the live waiter with the lowest score now (the oldest
-        when none is scored), else to the pool."""
-        if self._scores:
-            self._hand_to_best()
-            return
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
+    def leave(self, tenant: str = "") -> None:
+        """Give back a slot, then hand free slots to the waiters next in order."""
+        held = self._in_flight.get(tenant, 0)
+        if held <= 0 or self.num_in_flight <= 0:
+            raise ValueError(f"leave() without a matching enter() (tenant {tenant!r})")
+        self._decrement(self._in_flight, tenant)
+        self.num_in_flight -= 1
+        self._hand_out()
+
+    def _can_run(self, tenant: str) -> bool:
+        return self._in_flight.get(tenant, 0) < self.max_in_flight_per_tenant
+
+    def _refusal(self, tenant: str) -> str | None:
+        if self.num_in_flight < self.max_in_flight and self._can_run(tenant):
+            return None
+        if self._queued.get(tenant, 0) >= self.max_queue_per_tenant:
+            return (f"tenant {tenant!r} over its limit: {self._in_flight.get(tenant, 0)} in flight, "
+                    f"{self._queued.get(tenant, 0)} queued")
+        if self.num_queued >= self.max_queue:
+            return f"scheduler full: {self.num_in_flight} in flight, {self.num_queued} queued"
+        return None
+
+    def _take(self, tenant: str) -> None:
+        self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
+        self.num_in_flight += 1
+
+    def _hand_out(self) -> None:
+        while self.num_in_flight < self.max_in_flight:
+            waiter = self._next_waiter()
+            if waiter is None:
                 return
-        if self.num_in_flight <= 0:
-            raise ValueError("leave() without a matching enter()")
-        self.num_in_flight -= 1
+            self._dequeue(waiter)
+            self._take(waiter.tenant)
+            waiter.future.set_result(None)
 
-    def _hand_to_best(self) -> None:
+    def _next_waiter(self) -> _Waiter | None:
+        """The fair-share choice of the NOTE above. Does not modify."""
         now = self.clock()
-        live = [f for f in self._waiters if not f.done()]
-        if not live:
-            self._waiters.clear()
-            self._leave_to_pool()
-            return
-        # Unscored waiters keep FIFO among themselves and rank by arrival (-inf: first).
-        best = min(live, key=lambda f: self._scores[f](now) if f in self._scores else float("-inf"))
-        self._waiters.remove(best)
-        best.set_result(None)
+        best_of: dict[str, tuple[tuple[float, int], _Waiter]] = {}
+        for w in self._waiters:
+            if w.future.done() or not self._can_run(w.tenant):
+                continue
+            k = w.key(now)
+            if w.tenant not in best_of or k < best_of[w.tenant][0]:
+                best_of[w.tenant] = (k, w)
+        if not best_of:
+            return None
+        tenant = min(best_of, key=lambda t: (self._in_flight.get(t, 0), best_of[t][0]))
+        return best_of[tenant][1]
 
-    def _leave_to_pool(self) -> None:
-        if self.num_in_flight <= 0:
-            raise ValueError("leave() without a matching enter()")
-        self.num_in_flight -= 1
+    def _dequeue(self, waiter: _Waiter) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            return
+        self._decrement(self._queued, waiter.tenant)
+
+    @staticmethod
+    def _decrement(counts: dict[str, int], tenant: str) -> None:
+        left = counts[tenant] - 1
+        if left:
+            counts[tenant] = left
+        else:
+            del counts[tenant]
 
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self.enter()
+    async def slot(self, tenant: str = "") -> AsyncIterator[None]:
+        await self.enter(tenant=tenant)
         try:
             yield
         finally:
-            self.leave()
+            self.leave(tenant)
