@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 
@@ -167,6 +168,14 @@ def test_help_lists_every_flag_with_its_variable_and_default():
         for variable in f.envs.values():
             assert variable in text
     assert "default: weft]" in text and "settings: scheduling order" in text
+
+
+def test_configuration_doc_lists_every_flag_and_variable():
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "configuration.md").read_text()
+    for f in FLAGS:
+        assert f"`{f.flag}`" in doc
+        for variable in f.envs.values():
+            assert f"`{variable}`" in doc
 
 
 def test_defaults_given_explicitly_are_not_reported_as_changed():
