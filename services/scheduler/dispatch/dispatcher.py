@@ -14,6 +14,7 @@ extra_keys_for(its model id, tenant, KV dtype)), so the kv index answers for its
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
@@ -57,9 +58,14 @@ class Dispatcher:
                  tenant_admission: TenantAdmission | None = None, degrade: DegradeSteps | None = None,
                  agent: AgentSteps | None = None, inflight: InflightTracker | None = None,
                  placement_attempts: int = 2, migration: MigrationPolicy | None = None,
-                 suspects: SuspectRegistry | None = None) -> None:
+                 suspects: SuspectRegistry | None = None, executor_overcommit: float = 1.25) -> None:
         """``agent``: sessions, dynamic priority, contracts, pauses (None: plain requests);
-        built over the same ``inflight`` tracker as this dispatcher's."""
+        built over the same ``inflight`` tracker as this dispatcher's. ``executor_overcommit``:
+        requests kept in flight per batch slot of the serving executors (the rest waits in
+        the scored queue, see ``executor_slots``); 0: no bound but ``max_in_flight``."""
+        if executor_overcommit and executor_overcommit < 1:
+            raise ValueError(f"executor_overcommit must be 0 or >= 1, got {executor_overcommit}")
+        self.executor_overcommit = executor_overcommit
         self.view = view
         self.placer = placer
         self.admission = admission
@@ -96,6 +102,7 @@ class Dispatcher:
                 rung = self.degrade.serve_rung(
                     job, plan.fallback if plan is not None else None, self.load_signal(job.model_id),
                     self.view.membership.offered_rungs(job.model_id), self.admission.retry_after_ms)
+                self.admission.limit_in_flight(self.executor_slots())
                 await self.tenant_admission.enter(job.tenant, self.agent.order_key(plan) if plan is not None
                                                   else None)
             except OverloadedError:
@@ -135,10 +142,20 @@ class Dispatcher:
                 outcome = "error" if outcome == "cancelled" else outcome
                 raise
             finally:
+                self.admission.limit_in_flight(self.executor_slots())  # executors may have come or gone
                 self.tenant_admission.leave(job.tenant)
                 if plan is not None:
                     self.agent.end(rid)
                 REQUESTS.labels(outcome).inc()
+
+    def executor_slots(self) -> int:
+        """In-flight requests the serving executors can take now: their batch slots
+        (``max_num_seqs``) times ``executor_overcommit``, rounded up; 0 when unknown (no
+        executor reports its slots, or no bound asked). The margin over the slots keeps a
+        next request ready in each executor's queue; beyond it requests wait in admission,
+        in the policy's order and fair across tenants. Does not modify anything."""
+        num_seqs = sum(rec.max_num_seqs for rec in self.view.membership.placeable())
+        return math.ceil(num_seqs * self.executor_overcommit) if num_seqs and self.executor_overcommit else 0
 
     def load_signal(self, model_id: str = "") -> LoadSignal:
         """What the degradation ladder reads now. Does not modify anything."""

@@ -1,8 +1,11 @@
 """Admission: one scored queue in front of the executors, fair across tenants.
 
-At most ``max_in_flight`` requests stream at once (each tenant at most
+At most ``in_flight_cap`` requests stream at once (``max_in_flight``, lowered to what
+the executors can run by ``limit_in_flight``; each tenant at most
 ``max_in_flight_per_tenant``); up to ``max_queue`` more wait (each tenant at most
 ``max_queue_per_tenant``); beyond that a request is refused at once with a retry hint.
+Bounding in-flight by the executors' batch slots keeps the backlog *here*, where the
+order below applies, instead of in an executor's queue that knows no tenants.
 
 NOTE (one queue, two levels of order). Every waiter of every tenant sits in the one
 queue. When a slot frees, it goes to
@@ -60,6 +63,7 @@ class Admission:
         self.base_retry_after_ms = retry_after_ms
         self.limit_tenants(max_in_flight_per_tenant or max_in_flight,
                            max_queue if max_queue_per_tenant is None else max_queue_per_tenant)
+        self.in_flight_cap = max_in_flight
         self.num_in_flight = 0
         self._waiters: list[_Waiter] = []
         self._in_flight: dict[str, int] = {}  # per tenant; tenants with none are dropped
@@ -74,6 +78,12 @@ class Admission:
         self.max_in_flight_per_tenant = max_in_flight_per_tenant
         self.max_queue_per_tenant = max_queue_per_tenant
 
+    def limit_in_flight(self, num_slots: int | None) -> None:
+        """Lower the in-flight cap to ``num_slots`` (what the executors can run now; None
+        or 0: unknown, no lower cap), then hand any newly free slots to waiters."""
+        self.in_flight_cap = min(self.max_in_flight, num_slots) if num_slots else self.max_in_flight
+        self._hand_out()
+
     @property
     def num_queued(self) -> int:
         return len(self._waiters)
@@ -85,7 +95,7 @@ class Admission:
 
     def retry_after_ms(self) -> int:
         """Hint grows with how far over capacity the queue is (>= the base)."""
-        backlog = (self.num_queued + self.num_in_flight) / self.max_in_flight
+        backlog = (self.num_queued + self.num_in_flight) / self.in_flight_cap
         return int(self.base_retry_after_ms * max(1.0, backlog))
 
     def can_enter(self, tenant: str = "") -> bool:
@@ -94,11 +104,12 @@ class Admission:
 
     def load_fraction(self) -> float:
         """Occupancy in [0, 1] of the capacity the tenants present can use: in flight and
-        queued over min(global caps, per-tenant caps × tenants present). With one tenant
+        queued over min(global caps, per-tenant caps × tenants present), the in-flight
+        cap as lowered to the executors' slots. With one tenant
         whose caps are below the global ones, its own caps are the capacity, so a lone
         tenant filling them reads 1 (the degradation ladder's admission signal)."""
         n = max(1, self.num_tenants)
-        capacity = (min(self.max_in_flight, n * self.max_in_flight_per_tenant)
+        capacity = (min(self.in_flight_cap, n * self.max_in_flight_per_tenant)
                     + min(self.max_queue, n * self.max_queue_per_tenant))
         return min(1.0, (self.num_in_flight + self.num_queued) / capacity)
 
@@ -112,7 +123,7 @@ class Admission:
         when the tenant's or the global queue is full. Cancellation while waiting leaves
         the queue. ``score``: the waiter's key as a function of now (lower first); None:
         arrival order."""
-        if self.num_in_flight < self.max_in_flight and self._can_run(tenant):
+        if self.num_in_flight < self.in_flight_cap and self._can_run(tenant):
             self._take(tenant)  # a free slot means no eligible waiter: leave() hands them out
             return
         refusal = self._refusal(tenant)
@@ -143,7 +154,7 @@ class Admission:
         return self._in_flight.get(tenant, 0) < self.max_in_flight_per_tenant
 
     def _refusal(self, tenant: str) -> str | None:
-        if self.num_in_flight < self.max_in_flight and self._can_run(tenant):
+        if self.num_in_flight < self.in_flight_cap and self._can_run(tenant):
             return None
         if self._queued.get(tenant, 0) >= self.max_queue_per_tenant:
             return (f"tenant {tenant!r} over its limit: {self._in_flight.get(tenant, 0)} in flight, "
@@ -157,7 +168,7 @@ class Admission:
         self.num_in_flight += 1
 
     def _hand_out(self) -> None:
-        while self.num_in_flight < self.max_in_flight:
+        while self.num_in_flight < self.in_flight_cap:
             waiter = self._next_waiter()
             if waiter is None:
                 return

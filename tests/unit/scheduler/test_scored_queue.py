@@ -4,17 +4,19 @@ the ladder's ``shed`` rung is reachable with one tenant."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from services.scheduler.api.events import MeshView
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.dispatch.dispatcher import Dispatcher
+from services.scheduler.dispatch.job import Chunk, Job
 from services.scheduler.policy.admission import Admission
 from services.scheduler.policy.degradation import DegradationLadder, Rung
 from services.scheduler.policy.placement import PlacementPolicy, make_placer
 from services.scheduler.policy.priority import PriorityInputs, WeftPrioritizer
 from services.scheduler.policy.tenant_limits import TenantAdmission
 from services.scheduler.state.kv_index import KvIndex
-from services.scheduler.state.membership import Membership
+from services.scheduler.state.membership import ExecutorRecord, ExecutorState, Membership
 from services.shared.vocabulary import RequestClass, queue_order_key
 
 
@@ -35,6 +37,11 @@ def weft_key(clock: Clock, request_class: RequestClass, attained_tokens: int = 0
 
 async def settle() -> None:
     for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def until(condition) -> None:
+    while not condition():
         await asyncio.sleep(0)
 
 
@@ -151,4 +158,49 @@ def test_shed_is_reachable_with_one_tenant_filling_its_own_caps():
         for _ in range(2):
             dispatcher.tenant_admission.leave("only")
         assert admission.num_in_flight == 0 and admission.num_queued == 0
+    asyncio.run(main())
+
+
+class GatedPort:
+    """An executor port whose streams each yield one final chunk once ``gate`` opens."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.num_calls = 0
+
+    def generate(self, address, call, timeout_s, traceparent):
+        self.num_calls += 1
+        port = self
+
+        class Stream:
+            def cancel(self) -> None:
+                pass
+
+            async def __aiter__(self):
+                await port.gate.wait()
+                yield Chunk((7,), True, address, num_prompt_tokens=len(call.prompt_token_ids), num_output_tokens=1)
+        return Stream()
+
+
+def test_in_flight_is_bounded_by_the_executors_batch_slots_so_the_backlog_waits_in_the_scored_queue():
+    async def main():
+        membership = Membership()
+        membership.heartbeat(ExecutorRecord(name="a", address="a", model_id="m", block_size=4,
+                                            state=ExecutorState.SERVING, num_blocks=100, max_num_seqs=2))
+        port, admission = GatedPort(), Admission(max_in_flight=256, max_queue=64)
+        dispatcher = Dispatcher(SimpleNamespace(membership=membership, kv_index=KvIndex()),
+                                make_placer(PlacementPolicy("kv")), admission, port)
+        assert dispatcher.executor_slots() == 3  # 2 slots x 1.25, rounded up
+
+        async def one(i: int) -> list[Chunk]:
+            return [c async for c in dispatcher.generate(Job(f"r{i}", [1, 2, 3], "m", "t", max_tokens=1),
+                                                         lambda spans: None)]
+        tasks = [asyncio.create_task(one(i)) for i in range(6)]
+        await asyncio.wait_for(until(lambda: port.num_calls >= 3 and admission.num_queued == 3), 10)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert port.num_calls == 3 and admission.num_in_flight == 3 and admission.num_queued == 3
+        port.gate.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        assert all(r[-1].finished for r in results) and port.num_calls == 6 and admission.num_in_flight == 0
     asyncio.run(main())
