@@ -4,6 +4,8 @@
     InvalidRequestError  -> INVALID_ARGUMENT   / 400 invalid_request_error (names the field)
     AuthenticationError  -> UNAUTHENTICATED    / 401 authentication_error
     OverloadedError      -> RESOURCE_EXHAUSTED / 429 (retry hint)
+    SessionBusyError     -> ABORTED            / 409 (a hop of the session is running)
+    SessionNotFoundError -> NOT_FOUND          / 404
     UpstreamUnavailable  -> UNAVAILABLE        / 503
     anything else        -> INTERNAL           / 500
 """
@@ -42,6 +44,14 @@ class OverloadedError(RouterError):
     def __init__(self, message: str, retry_after_ms: int = 1000) -> None:
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
+
+
+class SessionBusyError(RouterError):
+    """A hop arrived while another hop of its session runs; the message names both."""
+
+
+class SessionNotFoundError(RouterError):
+    """The caller's tenant has no such session (another tenant's id reads the same)."""
 
 
 class UpstreamUnavailable(RouterError):

@@ -45,7 +45,7 @@ from services.router.attribution import ATTRIBUTION
 from services.router.auth import KeyStore, bearer_token
 from services.router.embeddings import EmbeddingsApi
 from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, RouterError,
-                                    UpstreamError, UpstreamUnavailable)
+                                    SessionBusyError, SessionNotFoundError, UpstreamError, UpstreamUnavailable)
 from services.router.choice_streams import ChatChoice, CompletionChoice
 from services.router.delta_streams import merge, name_grammar_errors, timed
 from services.router.generation import Generator, fan_out
@@ -58,7 +58,7 @@ from services.router.prepare import ChatPrompt, completion_prompt
 from services.router.schema import ServingNotes, TokenRequest
 from services.router.tool_grammar import with_tool_grammar
 from services.router.tool_parsers import ToolCallFormat, select_format
-from services.router.validation import parse_chat_request, parse_completion_request
+from services.router.validation import parse_chat_request, parse_completion_request, parse_session
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +77,10 @@ def error_response(exc: BaseException) -> web.Response:
         status, body = 400, error_body(400, str(exc), exc.field, "model_not_found" if exc.field == "model" else None)
     elif isinstance(exc, AuthenticationError):
         status, body = 401, error_body(401, str(exc), None, "invalid_api_key")
+    elif isinstance(exc, SessionBusyError):
+        status, body = 409, error_body(409, str(exc), "session_id", "session_busy")
+    elif isinstance(exc, SessionNotFoundError):
+        status, body = 404, error_body(404, str(exc), "session_id", "session_not_found")
     elif isinstance(exc, OverloadedError):
         status, body = 429, error_body(429, str(exc))
         headers["Retry-After"] = str(max(1, round(exc.retry_after_ms / 1000)))
@@ -112,8 +116,10 @@ class HttpApi:
     def __init__(self, generator: Generator, keys: KeyStore, model_name: str,
                  list_executors: Callable[[], Awaitable[list[dict]]] | None = None,
                  body_read_timeout_s: float = 30.0, tool_format: ToolCallFormat | None = None,
-                 embeddings: EmbeddingsApi | None = None) -> None:
+                 embeddings: EmbeddingsApi | None = None, end_session=None) -> None:
+        """``end_session``: async (tenant, session_id) -> scheduler_client.EndedSession."""
         self.generator = generator
+        self.end_session = end_session
         # How the served model writes tool calls: by default the format its chat template teaches.
         self.tool_format = tool_format or select_format(getattr(generator.tokenizer, "chat_template", None))
         self.embeddings = embeddings  # None: no cachestore, no embedding model
@@ -136,6 +142,7 @@ class HttpApi:
         app.router.add_get("/health/ready", self.ready)
         app.router.add_get("/v1/weft/verdict", self.verdict)
         app.router.add_get("/v1/weft/requests/{request_id}/timeline", self.timeline)
+        app.router.add_delete("/v1/weft/sessions/{session_id}", self.end_session_route)
         return app
 
     # -- plumbing -------------------------------------------------------------------
@@ -226,6 +233,17 @@ class HttpApi:
         if not spans or owner != tenant:
             raise web.HTTPNotFound(text=f"no recent timeline for request {rid!r}")
         return web.json_response(timeline_json(client_request_id(rid), spans))
+
+    async def end_session_route(self, request: web.Request) -> web.Response:
+        """``DELETE /v1/weft/sessions/{id}``: end one of the caller's sessions (docs/sessions.md)."""
+        tenant = self._tenant(request)
+        if self.end_session is None:
+            raise web.HTTPNotImplemented(text="this router has no scheduler to end sessions")
+        session_id = parse_session({"session_id": request.match_info["session_id"]}).session_id
+        end = await self.end_session(tenant, session_id)
+        return web.json_response({"id": session_id, "object": "weft.session", "ended": True,
+                                  "ended_now": end.ended_now, "num_executors_released": end.num_executors_released,
+                                  "num_running_hops": end.num_running_hops})
 
     def _model_cards(self) -> list[dict]:
         cards = [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "weft",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -23,7 +24,8 @@ from services.mesh.grpc_server import channel_options, error_origin_of
 from services.mesh.mesh_auth import mesh_channel
 from services.mesh.retry import is_retryable, rpc_retrying
 from services.mesh.timeline import CURRENT_TRACE, TRACEPARENT_KEY, downstream_spans
-from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
+from services.router.errors import (InvalidRequestError, OverloadedError, SessionBusyError, SessionNotFoundError,
+                                    UpstreamError, UpstreamUnavailable)
 from services.router.schema import ServingNotes, TokenChunk, TokenRequest
 from services.shared.vocabulary import RequestClass
 from weft.v1 import common_pb2, events_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -139,9 +141,23 @@ def _notes(resp: scheduler_pb2.ScheduleResponse) -> ServingNotes | None:
     )
 
 
+@dataclass(frozen=True)
+class EndedSession:
+    """What Scheduler.EndSession did."""
+
+    session_id: str
+    ended_now: bool  # False: already ended (the call is idempotent)
+    num_executors_released: int
+    num_running_hops: int
+
+
 def domain_error(err: grpc.aio.AioRpcError) -> Exception:
     """The router error for a failed scheduler call."""
     code, details = err.code(), err.details() or ""
+    if code == grpc.StatusCode.ABORTED and ("weft-error", "session_busy") in tuple(err.trailing_metadata() or ()):
+        return SessionBusyError(details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return SessionNotFoundError(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         m = _FIELD_PREFIX.match(details)
         return InvalidRequestError(m.group(1), m.group(2)) if m else InvalidRequestError("prompt", details)
@@ -254,6 +270,16 @@ class SchedulerClient:
             return True
         except grpc.aio.AioRpcError as err:
             return err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    async def end_session(self, tenant: str, session_id: str, timeout_s: float = 5.0) -> EndedSession:
+        """End ``tenant``'s session (Scheduler.EndSession); SessionNotFoundError when the
+        tenant has no such session."""
+        try:
+            resp = await self._stub.EndSession(
+                scheduler_pb2.SchedulerEndSessionRequest(tenant=tenant, session_id=session_id), timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise domain_error(err) from None
+        return EndedSession(session_id, resp.ended_now, resp.num_executors_released, resp.num_running_hops)
 
     async def list_executors(self, timeout_s: float = 2.0) -> list[dict]:
         resp = await self._stub.ListExecutors(scheduler_pb2.ListExecutorsRequest(), timeout=timeout_s)

@@ -39,8 +39,8 @@ from services.mesh.grpc_server import ErrorRule
 from services.mesh.logging import request_context
 from services.router import metrics as m
 from services.router.auth import KeyStore, bearer_token
-from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, UpstreamError,
-                                    UpstreamUnavailable)
+from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, SessionBusyError,
+                                    SessionNotFoundError, UpstreamError, UpstreamUnavailable)
 from services.router.chat_messages import parse_message
 from services.router.delta_streams import merge
 from services.router.generation import Generator, fan_out
@@ -51,7 +51,7 @@ from services.router.request_ids import grpc_request_id
 from services.router.schema import Delta, Sampling
 from services.router.structured_output import check_enforceable
 from services.router.tool_parsers import ToolCallFormat, select_format
-from services.router.validation import Limits, parse_sampling, parse_session, parse_stop
+from services.router.validation import Limits, deterministic_sampling, parse_sampling, parse_session, parse_stop
 from weft.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -60,6 +60,8 @@ ROUTER_ERROR_RULES = (
     ErrorRule(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     ErrorRule(AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
     ErrorRule(OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ErrorRule(SessionBusyError, grpc.StatusCode.ABORTED),
+    ErrorRule(SessionNotFoundError, grpc.StatusCode.NOT_FOUND),
     ErrorRule(UpstreamUnavailable, grpc.StatusCode.UNAVAILABLE),
     ErrorRule(UpstreamError, grpc.StatusCode.UNAVAILABLE),
 )
@@ -185,8 +187,11 @@ def _no_constant(name: str) -> None:
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, generator: Generator, keys: KeyStore, model_name: str, list_executors=None,
-                 tool_format: ToolCallFormat | None = None) -> None:
+                 tool_format: ToolCallFormat | None = None, end_session=None) -> None:
+        """``end_session``: async (tenant, session_id) -> scheduler_client.EndedSession
+        (None: this router cannot end sessions, EndSession is UNIMPLEMENTED)."""
         self.generator = generator
+        self.end_session = end_session
         self.keys = keys
         self.model_name = model_name
         self.list_executors = list_executors
@@ -218,6 +223,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             sampling = replace(sampling, semantic_cache=request.semantic_cache)
             stop = parse_stop(list(request.stop) or None, self.generator.limits)
             session = _session(request.session)
+            sampling = deterministic_sampling(sampling, session, request.sampling.HasField("temperature"),
+                                              "sampling.temperature")
             tools = tools_from_proto(request)
             choice = tool_choice_from_proto(request, tools)
             parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
@@ -254,6 +261,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if form == "token_ids":  # as /v1/completions: the ids decoded
             return self.generator.tokenizer.decode(request.token_ids.ids)
         raise InvalidRequestError("echo", "needs a text or token_ids prompt")
+
+    async def EndSession(self, request: router_pb2.EndSessionRequest, context: grpc.aio.ServicerContext):
+        """End one of the caller's sessions (docs/sessions.md); NOT_FOUND for an id its
+        tenant never used, another tenant's included."""
+        tenant = self.keys.authenticate(_api_key(context))
+        if self.end_session is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router has no scheduler to end sessions")
+        session_id = parse_session({"session_id": request.session_id}).session_id
+        if not session_id:
+            raise InvalidRequestError("session_id", "must not be empty")
+        end = await self.end_session(tenant, session_id)
+        m.REQUESTS.labels("grpc", "EndSession", "OK").inc()
+        return router_pb2.EndSessionResponse(session_id=session_id, ended_now=end.ended_now,
+                                             num_executors_released=end.num_executors_released,
+                                             num_running_hops=end.num_running_hops)
 
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):
         self.keys.authenticate(_api_key(context))

@@ -78,6 +78,8 @@ def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
     sampling = parse_sampling(body, limits, max_tokens, field, default_max_tokens=None)
     sampling = replace(sampling, logprobs=logprobs, top_logprobs=top_logprobs,
                        grammar=structured.grammar if structured else None)
+    session = _session(body)
+    sampling = deterministic_sampling(sampling, session, "temperature" in body)
     return ChatRequest(
         model=model,
         messages=parsed,
@@ -87,7 +89,7 @@ def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
         stop=parse_stop(body.get("stop"), limits),
         stream=stream,
         include_usage=include_usage,
-        session=_session(body),
+        session=session,
         return_token_ids=optional_field(body, "return_token_ids", bool, False),
         grammar_field=structured.field if structured else "",
         parallel_tool_calls=optional_field(body, "parallel_tool_calls", bool, True),
@@ -117,6 +119,8 @@ def parse_completion_request(body: Any, limits: Limits) -> CompletionRequest:
     sampling = replace(sampling, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
                        prompt_logprobs=logprobs if echo and logprobs is not None else None,
                        grammar=structured.grammar if structured else None)
+    session = _session(body)
+    sampling = deterministic_sampling(sampling, session, "temperature" in body)
     prompts = _prompts(body["prompt"], limits)
     if len(prompts) * sampling.n > limits.max_choices:
         raise InvalidRequestError("n", f"{len(prompts)} prompts x n={sampling.n} exceeds {limits.max_choices} "
@@ -128,7 +132,7 @@ def parse_completion_request(body: Any, limits: Limits) -> CompletionRequest:
         stop=parse_stop(body.get("stop"), limits),
         stream=stream,
         include_usage=include_usage,
-        session=_session(body),
+        session=session,
         return_token_ids=optional_field(body, "return_token_ids", bool, False),
         echo=echo,
         score_only=score_only,
@@ -240,6 +244,19 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
         return stream, False
     options = json_object(options, "stream_options")
     return stream, optional_field(options, "include_usage", bool, False)
+
+
+def deterministic_sampling(sampling: Sampling, session: Session, temperature_set: bool,
+                           field: str = "temperature") -> Sampling:
+    """What ``request_class: deterministic`` means: greedy decoding (temperature 0) unless a
+    ``seed`` makes sampling reproducible. An unset temperature becomes 0; a temperature
+    above 0 without a seed is refused naming ``field`` (it would silently sample)."""
+    if session.request_class != "deterministic" or sampling.seed is not None:
+        return sampling
+    if temperature_set and sampling.temperature > 0:
+        raise InvalidRequestError(field, f"request_class deterministic needs temperature 0 or a seed, "
+                                  f"got temperature {sampling.temperature} and no seed")
+    return replace(sampling, temperature=0.0)
 
 
 def _session(body: Mapping[str, Any]) -> Session:

@@ -32,15 +32,18 @@ from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, 
 
 
 class GatedExecutor(FakeExecutor):
-    """Sends one token, then waits for ``gate`` before the final one; records releases."""
+    """Sends one token, then waits for ``gate`` before the final one; records releases
+    and the sampling each request arrived with."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.gate = asyncio.Event()
         self.released: list[str] = []
+        self.samplings: list[common_pb2.SamplingParams] = []
 
     async def Generate(self, request, context):
         self.request_ids.append(request.request_id)
+        self.samplings.append(request.sampling)
         yield executor_pb2.ExecuteResponse(request_id=request.request_id, token_ids_delta=[7], executor=self.name)
         await self.gate.wait()
         yield executor_pb2.ExecuteResponse(
@@ -55,7 +58,8 @@ class GatedExecutor(FakeExecutor):
 
 async def start_mesh(fakes: dict[str, FakeExecutor], ladder: DegradationLadder | None = None,
                      rungs: dict[str, Rung] | None = None):
-    """Executors on in-process servers and a scheduler (agent plane on) served over gRPC."""
+    """Executors on in-process servers and a scheduler (agent plane on) served over gRPC:
+    (scheduler stub, async close, scheduler address)."""
     servers, records = [], []
     for name, fake in fakes.items():
         server = grpc.aio.server()
@@ -82,7 +86,7 @@ async def start_mesh(fakes: dict[str, FakeExecutor], ladder: DegradationLadder |
         await port.close()
         for s in servers:
             await s.stop(0)
-    return stub, close
+    return stub, close, f"127.0.0.1:{sched_port}"
 
 
 def hop(rid: str, tenant: str = "t", session_id: str = "s", hop_index: int = 0, stateful: bool = False,
@@ -109,7 +113,7 @@ def test_a_second_hop_while_one_runs_is_aborted_naming_both_and_the_next_hop_aft
     fake = GatedExecutor("e")
 
     async def main():
-        stub, close = await start_mesh({"e": fake})
+        stub, close, _ = await start_mesh({"e": fake})
         try:
             first = stub.Generate(hop("hop-a", hop_index=0))
             await first.read()  # hop-a runs
@@ -140,7 +144,7 @@ def test_ending_a_session_releases_it_on_every_executor_forgets_it_and_is_idempo
         f.gate.set()
 
     async def main():
-        stub, close = await start_mesh(fakes)
+        stub, close, _ = await start_mesh(fakes)
         try:
             await run_hop(stub, hop("h0"))
             first = await stub.EndSession(scheduler_pb2.SchedulerEndSessionRequest(tenant="t", session_id="s"))
@@ -163,7 +167,7 @@ def test_another_tenants_session_id_is_not_found_and_touches_nothing():
     fake.gate.set()
 
     async def main():
-        stub, close = await start_mesh({"e": fake})
+        stub, close, _ = await start_mesh({"e": fake})
         try:
             await run_hop(stub, hop("a0", tenant="a"))
             with pytest.raises(grpc.aio.AioRpcError) as theirs:
@@ -183,7 +187,7 @@ def test_a_session_ended_while_its_hop_runs_is_released_after_the_hop_and_not_re
     fake = GatedExecutor("e")
 
     async def main():
-        stub, close = await start_mesh({"e": fake})
+        stub, close, _ = await start_mesh({"e": fake})
         try:
             running = stub.Generate(hop("h0"))
             await running.read()
@@ -216,7 +220,7 @@ def test_a_deterministic_request_is_never_served_on_a_degraded_rung():
                                             thresholds=parse_thresholds("kv_int8=0:0")))  # pinned on kv_int8
 
     async def main():
-        stub, close = await start_mesh(fakes, ladder, {"int8": Rung.KV_INT8})
+        stub, close, _ = await start_mesh(fakes, ladder, {"int8": Rung.KV_INT8})
         try:
             batch = await run_hop(stub, hop("b", session_id="", request_class=common_pb2.REQUEST_CLASS_BATCH))
             det = await run_hop(stub, hop("d", session_id="", request_class=common_pb2.REQUEST_CLASS_DETERMINISTIC))
