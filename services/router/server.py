@@ -51,7 +51,8 @@ from services.router.request_ids import grpc_request_id
 from services.router.schema import Delta, Sampling
 from services.router.structured_output import check_enforceable
 from services.router.tool_parsers import ToolCallFormat, select_format
-from services.router.validation import Limits, deterministic_sampling, parse_sampling, parse_session, parse_stop
+from services.router.validation import (Limits, check_one_branch, deterministic_sampling, parse_sampling,
+                                        parse_session, parse_stop)
 from weft.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -225,6 +226,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             session = _session(request.session)
             sampling = deterministic_sampling(sampling, session, request.sampling.HasField("temperature"),
                                               "sampling.temperature")
+            check_one_branch(session, sampling.n, "sampling.n")
             tools = tools_from_proto(request)
             choice = tool_choice_from_proto(request, tools)
             parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True

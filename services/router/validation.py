@@ -80,6 +80,7 @@ def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
                        grammar=structured.grammar if structured else None)
     session = _session(body)
     sampling = deterministic_sampling(sampling, session, "temperature" in body)
+    check_one_branch(session, sampling.n, "n")
     return ChatRequest(
         model=model,
         messages=parsed,
@@ -125,6 +126,7 @@ def parse_completion_request(body: Any, limits: Limits) -> CompletionRequest:
     if len(prompts) * sampling.n > limits.max_choices:
         raise InvalidRequestError("n", f"{len(prompts)} prompts x n={sampling.n} exceeds {limits.max_choices} "
                                   "choices per request")
+    check_one_branch(session, len(prompts) * sampling.n, "n" if sampling.n > 1 else "prompt")
     return CompletionRequest(
         model=model,
         prompts=prompts,
@@ -257,6 +259,14 @@ def deterministic_sampling(sampling: Sampling, session: Session, temperature_set
         raise InvalidRequestError(field, f"request_class deterministic needs temperature 0 or a seed, "
                                   f"got temperature {sampling.temperature} and no seed")
     return replace(sampling, temperature=0.0)
+
+
+def check_one_branch(session: Session, num_choices: int, field: str) -> None:
+    """A session runs one hop at a time (a second is refused 409): a hop of a session that
+    asks several completions would race its own branches, so it is refused naming ``field``."""
+    if session.session_id and num_choices > 1:
+        raise InvalidRequestError(field, f"a hop of session {session.session_id!r} continues one branch: "
+                                  f"got {num_choices} completions (send them as separate sessions)")
 
 
 def _session(body: Mapping[str, Any]) -> Session:

@@ -210,3 +210,22 @@ def test_deterministic_is_greedy_unless_seeded_and_a_sampled_one_is_refused_nami
     assert (greedy, seeded) == (200, 200)
     assert grpc_refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.temperature" in grpc_refused.details()
     assert temperatures == [0.0, pytest.approx(0.7), 0.0]  # unset: greedy; seeded: as asked
+
+
+def test_a_session_hop_asking_several_completions_is_refused_naming_the_field(model_dir):
+    async def main():
+        doors = await open_doors(model_dir)
+        try:
+            n2 = await doors.http.post("/v1/completions", headers=A, json=completion(0, n=2))
+            prompts = await doors.http.post("/v1/completions", headers=A,
+                                            json={**completion(0), "prompt": [[1, 2], [3, 4]]})
+            with pytest.raises(grpc.aio.AioRpcError) as grpc_n2:
+                _ = [r async for r in doors.grpc.Generate(grpc_hop(0, "s", common_pb2.SamplingParams(n=2)),
+                                                          metadata=grpc_key("sk-a"))]
+            return (await n2.json())["error"]["param"], (await prompts.json())["error"]["param"], grpc_n2.value
+        finally:
+            await doors.close()
+
+    n2, prompts, grpc_n2 = asyncio.run(main())
+    assert (n2, prompts) == ("n", "prompt")
+    assert grpc_n2.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.n" in grpc_n2.details()
