@@ -178,7 +178,7 @@ class SessionTable:
             return
         key = (tenant, session_id)
         running = self._running.get(key)
-        if running is not None and running != request_id:
+        if running is not None and _hop_of(running) != _hop_of(request_id):
             raise SessionBusyError(session_id, running)
         self._running[key] = request_id
         self._ended.pop(key, None)
@@ -211,6 +211,14 @@ def executor_session_id(tenant: str, session_id: str) -> str:
     by this id alone, and two tenants may choose the same session id: scoped by tenant, B's
     hop or release can never replace or free A's pinned blocks. Empty stays empty."""
     return f"{tenant}/{session_id}" if session_id else ""
+
+
+def _hop_of(request_id: str) -> str:
+    """The hop a request id belongs to: the router resends a hop whose scheduler stream was
+    lost as ``<id>.c<k>`` (services/router/continuation.py), possibly before this scheduler
+    saw the old stream end; that continuation takes the claim over instead of being refused."""
+    base, sep, k = request_id.rpartition(".c")
+    return base if sep and base and k.isdigit() else request_id
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

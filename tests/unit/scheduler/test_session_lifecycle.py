@@ -244,3 +244,15 @@ def test_a_claim_is_per_tenant_and_session_and_released_only_by_its_holder():
     assert table.running_hop("a", "s") == "r1"
     table.release_claim("a", "s", "r1")
     table.claim("a", "s", "r4")
+
+
+def test_a_routers_continuation_of_the_running_hop_takes_its_claim_over():
+    table = SessionTable()
+    table.claim("a", "s", "hop-7")
+    table.claim("a", "s", "hop-7.c1")  # the router resent the hop whose stream it lost
+    assert table.running_hop("a", "s") == "hop-7.c1"
+    table.release_claim("a", "s", "hop-7")  # the old stream's late end does not free it
+    with pytest.raises(SessionBusyError):
+        table.claim("a", "s", "hop-8")
+    with pytest.raises(SessionBusyError):
+        table.claim("a", "s", "hop-7x.c1")  # only the same hop's continuation
