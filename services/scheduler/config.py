@@ -43,7 +43,8 @@ class SchedulerConfig(ServiceOptions):
         "waiting tenants anyway (one scored queue, fair across tenants).",
         default=128)
     max_queue_per_tenant: int = option(
-        "Requests of one tenant waiting in the scored queue; beyond it that tenant gets RESOURCE_EXHAUSTED.", default=512)
+        "Requests of one tenant that may wait beyond its in-flight cap (it holds at most both caps' sum in "
+        "flight or waiting in the scored queue); beyond it that tenant gets RESOURCE_EXHAUSTED.", default=512)
     migration_attempts: int = option(
         "Executors a stream may use in all when executors die or stall mid-stream (1 = no migration).", default=3)
     migration_stall_factor: float = option(

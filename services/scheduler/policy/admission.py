@@ -2,8 +2,9 @@
 
 At most ``in_flight_cap`` requests stream at once (``max_in_flight``, lowered to what
 the executors can run by ``limit_in_flight``; each tenant at most
-``max_in_flight_per_tenant``); up to ``max_queue`` more wait (each tenant at most
-``max_queue_per_tenant``); beyond that a request is refused at once with a retry hint.
+``max_in_flight_per_tenant``); up to ``max_queue`` more wait, and a tenant holds at most
+``max_in_flight_per_tenant + max_queue_per_tenant`` requests in flight or waiting; beyond
+that a request is refused at once with a retry hint.
 Bounding in-flight by the executors' batch slots keeps the backlog *here*, where the
 order below applies, instead of in an executor's queue that knows no tenants.
 
@@ -85,6 +86,11 @@ class Admission:
         self._hand_out()
 
     @property
+    def max_per_tenant(self) -> int:
+        """Requests one tenant may hold in flight or waiting."""
+        return self.max_in_flight_per_tenant + self.max_queue_per_tenant
+
+    @property
     def num_queued(self) -> int:
         return len(self._waiters)
 
@@ -104,13 +110,12 @@ class Admission:
 
     def load_fraction(self) -> float:
         """Occupancy in [0, 1] of the capacity the tenants present can use: in flight and
-        queued over min(global caps, per-tenant caps × tenants present), the in-flight
-        cap as lowered to the executors' slots. With one tenant
-        whose caps are below the global ones, its own caps are the capacity, so a lone
-        tenant filling them reads 1 (the degradation ladder's admission signal)."""
+        queued over min(in-flight cap + max_queue, tenants present × a tenant's total),
+        the in-flight cap as lowered to the executors' slots. With one tenant whose caps
+        are below the global ones, its own caps are the capacity, so a lone tenant filling
+        them reads 1 (the degradation ladder's admission signal)."""
         n = max(1, self.num_tenants)
-        capacity = (min(self.in_flight_cap, n * self.max_in_flight_per_tenant)
-                    + min(self.max_queue, n * self.max_queue_per_tenant))
+        capacity = min(self.in_flight_cap + self.max_queue, n * self.max_per_tenant)
         return min(1.0, (self.num_in_flight + self.num_queued) / capacity)
 
     def num_ahead(self, score: float) -> int:
@@ -156,7 +161,7 @@ class Admission:
     def _refusal(self, tenant: str) -> str | None:
         if self.num_in_flight < self.in_flight_cap and self._can_run(tenant):
             return None
-        if self._queued.get(tenant, 0) >= self.max_queue_per_tenant:
+        if self._in_flight.get(tenant, 0) + self._queued.get(tenant, 0) >= self.max_per_tenant:
             return (f"tenant {tenant!r} over its limit: {self._in_flight.get(tenant, 0)} in flight, "
                     f"{self._queued.get(tenant, 0)} queued")
         if self.num_queued >= self.max_queue:

@@ -4,8 +4,9 @@
                a slot goes to the waiting tenant with the fewest in flight (fair share),
                and within it to the waiter the scheduling policy ranks first
 
-A tenant that floods fills *its own* share of the queue (``max_queue_per_tenant``) and
-then gets RESOURCE_EXHAUSTED with a retry hint, while its in-flight count stays at its
+A tenant that floods fills *its own* allowance (``max_in_flight_per_tenant +
+max_queue_per_tenant`` requests in flight or waiting, as when its queue stood in front)
+and then gets RESOURCE_EXHAUSTED with a retry hint, while its in-flight count stays at its
 cap (``max_in_flight_per_tenant``) and, whenever others wait, at its fair share; another
 tenant's requests are admitted in their policy order, unaffected by the flood. There is
 no per-tenant FIFO in front of the scored queue, so the policy's order holds for one
