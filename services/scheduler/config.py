@@ -44,7 +44,9 @@ class SchedulerConfig(ServiceOptions):
         default=128)
     max_queue_per_tenant: int = option(
         "Requests of one tenant that may wait beyond its in-flight cap (it holds at most both caps' sum in "
-        "flight or waiting in the scored queue); beyond it that tenant gets RESOURCE_EXHAUSTED.", default=512)
+        "flight or waiting in the scored queue); beyond it that tenant gets RESOURCE_EXHAUSTED. The default lets "
+        "a lone tenant fill the queue, so the ladder's shed rung is reachable with one tenant; lower it to keep "
+        "queue space for other tenants (slots are shared fairly either way).", default=1024)
     migration_attempts: int = option(
         "Executors a stream may use in all when executors die or stall mid-stream (1 = no migration).", default=3)
     migration_stall_factor: float = option(

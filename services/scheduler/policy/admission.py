@@ -109,14 +109,11 @@ class Admission:
         return self._refusal(tenant) is None
 
     def load_fraction(self) -> float:
-        """Occupancy in [0, 1] of the capacity the tenants present can use: in flight and
-        queued over min(in-flight cap + max_queue, tenants present × a tenant's total),
-        the in-flight cap as lowered to the executors' slots. With one tenant whose caps
-        are below the global ones, its own caps are the capacity, so a lone tenant filling
-        them reads 1 (the degradation ladder's admission signal)."""
-        n = max(1, self.num_tenants)
-        capacity = min(self.in_flight_cap + self.max_queue, n * self.max_per_tenant)
-        return min(1.0, (self.num_in_flight + self.num_queued) / capacity)
+        """Occupancy in [0, 1]: in flight and queued over the in-flight cap (as lowered to
+        the executors' slots) plus ``max_queue``; the degradation ladder's admission signal.
+        The whole mesh's, not a tenant's: a tenant at its own caps is refused by them, and
+        must not shed other tenants' requests of its class. Does not modify."""
+        return min(1.0, (self.num_in_flight + self.num_queued) / (self.in_flight_cap + self.max_queue))
 
     def num_ahead(self, score: float) -> int:
         """Waiters that would be served before a request scoring ``score`` now (any tenant)."""

@@ -139,23 +139,30 @@ def test_aging_serves_a_batch_request_under_a_steady_stream_of_interactive_ones(
     asyncio.run(main())
 
 
-def test_shed_is_reachable_with_one_tenant_filling_its_own_caps():
+def test_shed_is_reachable_with_one_tenant_under_the_default_caps():
     async def main():
-        admission = Admission(max_in_flight=256, max_queue=1024)
-        dispatcher = Dispatcher(MeshView(Membership(), KvIndex()), make_placer(PlacementPolicy("kv")), admission,
-                                port=None, tenant_admission=TenantAdmission(admission, 2, 18))
-        ladder = DegradationLadder(SchedulerConfig().ladder_config)  # every rung enabled, default thresholds
-        tasks = [asyncio.create_task(dispatcher.tenant_admission.enter("only")) for _ in range(20)]
-        await settle()
-        assert admission.num_in_flight == 2 and admission.num_queued == 18
-        signal = dispatcher.load_signal()
-        assert signal.admission_fraction == 1.0
-        rungs = [ladder.observe(RequestClass.INTERACTIVE.value, signal) for _ in range(len(Rung))]
-        assert rungs[-1] is Rung.SHED
-        for task in tasks[2:]:
+        config = SchedulerConfig()
+        membership = Membership()
+        membership.heartbeat(ExecutorRecord(name="a", address="a", model_id="m", block_size=4,
+                                            state=ExecutorState.SERVING, num_blocks=100, max_num_seqs=4))
+        admission = Admission(config.max_in_flight, config.max_queue)
+        dispatcher = Dispatcher(SimpleNamespace(membership=membership, kv_index=KvIndex()),
+                                make_placer(PlacementPolicy("kv")), admission, port=None,
+                                tenant_admission=TenantAdmission(admission, config.max_in_flight_per_tenant,
+                                                                 config.max_queue_per_tenant))
+        admission.limit_in_flight(dispatcher.executor_slots())  # what generate() does before admission
+        ladder = DegradationLadder(config.ladder_config)  # every rung enabled, default thresholds
+        tasks, rungs = [], []
+        for _ in range(admission.in_flight_cap + config.max_queue):  # one tenant's burst fills the queue
+            rungs.append(ladder.observe(RequestClass.INTERACTIVE.value, dispatcher.load_signal()))
+            tasks.append(asyncio.create_task(dispatcher.tenant_admission.enter("only")))
+            await asyncio.sleep(0)
+        assert admission.num_in_flight == 5 and admission.num_queued == config.max_queue
+        assert Rung.SHED in rungs  # before: its backlog sat in a per-tenant FIFO the signal never counted
+        for task in tasks[5:]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for _ in range(2):
+        for _ in range(5):
             dispatcher.tenant_admission.leave("only")
         assert admission.num_in_flight == 0 and admission.num_queued == 0
     asyncio.run(main())
