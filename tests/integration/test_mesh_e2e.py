@@ -292,9 +292,11 @@ def test_weft_ps_lists_every_service_healthy_and_scale_adds_and_drains_executors
 
     ps = weft("ps")
     assert ps.returncode == 0, ps.stdout + ps.stderr
-    names = [line.split()[0] for line in ps.stdout.splitlines()[1:]]
+    table, settings = ps.stdout.split("\n\n", 1)  # instances, then the non-default settings
+    names = [line.split()[0] for line in table.splitlines()[1:]]
     assert names == ["nats", "cachestore", "scheduler", "executor-0", "executor-1", "router"]
-    assert all(" healthy " in line for line in ps.stdout.splitlines()[1:])
+    assert all(" healthy " in line for line in table.splitlines()[1:])
+    assert settings.startswith("settings")
 
     assert weft("scale", "executor=3").stdout.strip() == "executors: executor-0, executor-1, executor-2"
     assert "executor-2" in mesh.scheduler_executors()  # placed on from the moment scale returns

@@ -168,6 +168,7 @@ def _ps(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6])
+    print()  # the instance table ends at the first blank line
     for line in settings_lines(state.settings):
         print(line)
     return 0 if all(healthy) else 2

@@ -89,8 +89,9 @@ FLAGS: tuple[SettingFlag, ...] = (
        "requests waiting for an in-flight slot; beyond it RESOURCE_EXHAUSTED / 429", metavar="N"),
     _s("--max-in-flight-per-tenant", SCHEDULING, "max_in_flight_per_tenant", "128",
        "requests of one tenant streaming at once", metavar="N"),
-    _s("--max-queue-per-tenant", SCHEDULING, "max_queue_per_tenant", "512",
-       "requests of one tenant waiting for a slot", metavar="N"),
+    _s("--max-queue-per-tenant", SCHEDULING, "max_queue_per_tenant", "1024",
+       "requests of one tenant that may wait beyond its in-flight cap (the default lets one tenant reach "
+       "the ladder's shed rung)", metavar="N"),
     _s("--retry-after-ms", SCHEDULING, "retry_after_ms", "200", "retry hint sent with an overload refusal",
        metavar="MS"),
     _s("--priority-interval-s", SCHEDULING, "priority_interval_s", "0.5",
