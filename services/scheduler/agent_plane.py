@@ -96,7 +96,7 @@ class AgentPlane:
         self.sessions = sessions or SessionTable(clock=clock)
         self.block_size_of = block_size_of
         self.clock = clock
-        self._pinned: dict[str, dict[str, tuple[int, float]]] = {}  # executor -> session -> (blocks, until)
+        self._pinned: dict[str, dict[tuple[str, str], tuple[int, float]]] = {}  # executor -> (tenant, session) -> (blocks, until)
         self.can_demote = can_demote
 
     # -- before admission -------------------------------------------------------------
@@ -121,7 +121,7 @@ class AgentPlane:
             if fresh and self.intent.shifted(ses.context_token_ids, new_turn):
                 release = StaleRelease(ses.executor, ses.session_id, tuple(ses.context_token_ids),
                                        tuple(ctx.prompt_token_ids))
-                self._unpin(ses.executor, ses.session_id)
+                self._unpin(ses.executor, ses.tenant, ses.session_id)
                 ses.pinned_until_s = 0.0
                 log.info("intent_shift_release", session_id=ses.session_id, executor=ses.executor)
         inputs = PriorityInputs(
@@ -179,10 +179,10 @@ class AgentPlane:
         if plan.pause.decision is PauseDecision.KEEP:
             until = self.clock() + plan.pause.pin_ttl_ms / 1000.0
             blocks = num_full_blocks(len(ses.context_token_ids), self.block_size_of(executor))
-            self._pinned.setdefault(executor, {})[ses.session_id] = (blocks, until)
+            self._pinned.setdefault(executor, {})[(ses.tenant, ses.session_id)] = (blocks, until)
             ses.pinned_until_s, ses.pinned_blocks = until, blocks
         else:
-            self._unpin(executor, ses.session_id)
+            self._unpin(executor, ses.tenant, ses.session_id)
             ses.pinned_until_s, ses.pinned_blocks = 0.0, 0
         ses.demoted = plan.pause.decision is PauseDecision.DEMOTE
         return ses
@@ -203,10 +203,11 @@ class AgentPlane:
             del table[sid]
         return sum(b for b, _ in table.values())
 
-    def forget_pins(self, session_id: str) -> None:
-        """The session ended: its kept blocks no longer count against any executor."""
+    def forget_pins(self, tenant: str, session_id: str) -> None:
+        """The session ended: its kept blocks no longer count against any executor. Keyed by
+        tenant too: two tenants may use the same session id."""
         for table in self._pinned.values():
-            table.pop(session_id, None)
+            table.pop((tenant, session_id), None)
 
-    def _unpin(self, executor: str, session_id: str) -> None:
-        self._pinned.get(executor, {}).pop(session_id, None)
+    def _unpin(self, executor: str, tenant: str, session_id: str) -> None:
+        self._pinned.get(executor, {}).pop((tenant, session_id), None)

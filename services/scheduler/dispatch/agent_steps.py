@@ -111,7 +111,7 @@ class AgentSteps:
             ses.pause_started_s = None
         for plan in running:
             plan.session_ended = True
-        self.plane.forget_pins(session_id)
+        self.plane.forget_pins(tenant, session_id)
         released = await self._release_everywhere(tenant, session_id)
         log.info("session_ended", session_id=session_id, num_executors_released=released,
                  num_running_hops=len(running), ended_now=not already)
@@ -199,7 +199,7 @@ class AgentSteps:
         self.plane.sessions.release_claim(r.tenant, r.session_id, r.request_id)  # the next hop may come
         if plan.session_ended:  # ended while this hop ran: forget what it recorded, free what it pinned
             self.plane.sessions.end(r.tenant, r.session_id)
-            self.plane.forget_pins(r.session_id)
+            self.plane.forget_pins(r.tenant, r.session_id)
             asyncio.get_running_loop().create_task(self._release_everywhere(r.tenant, r.session_id))
             return
         if ses is not None and plan.pause.decision is not PauseDecision.NONE:

@@ -228,3 +228,18 @@ def test_agent_plane_releases_kept_kv_early_on_intent_shift():
     assert nxt.release is not None and nxt.release.executor == "ex"
     assert plane.pinned_blocks("ex") == 0
     assert nxt.prompt_token_ids == ctx + [1, 2] + other
+
+
+def test_pinned_block_accounting_keeps_two_tenants_with_one_session_id_apart():
+    """Two tenants may both call their session "s": ending one's pins must not forget the
+    other's (the table was keyed by session id alone)."""
+    clock = Clock()
+    plane = AgentPlane(make_prioritizer("weft"), make_pause_policy("keep"), ContractBook(), clock=clock)
+    ctx = [i % 50 for i in range(64)]
+    for tenant in ("acme", "globex"):
+        plan = plane.begin(HopRequest(f"r-{tenant}", tenant, ctx, session_id="s", expected_tool_ms=1000), 1000)
+        assert plane.pause(plan, "ex", 10, 1000).decision is PauseDecision.KEEP
+        plane.finish(plan, "ex", [1, 2], 0, 0.0, 50.0)
+    assert plane.pinned_blocks("ex") == 8
+    plane.forget_pins("acme", "s")
+    assert plane.pinned_blocks("ex") == 4  # globex's "s" still holds its blocks
