@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
@@ -63,6 +64,7 @@ from services.router.validation import parse_chat_request, parse_completion_requ
 log = structlog.get_logger(__name__)
 
 EXECUTOR_HEADER = "x-weft-executor"
+_CONTINUATION_ID = re.compile(r"\.c[0-9]+$")  # continuation.py's resend of a hop
 CLIENT_CLOSED = "499"  # nginx's status for a client that closed the connection first
 # aiohttp >= 3.12 wants typed request-storage keys; older ones take a string.
 _CLIENT_CLOSED_KEY = (web.RequestKey("weft_client_closed", bool) if hasattr(web, "RequestKey")
@@ -187,7 +189,12 @@ class HttpApi:
 
     @staticmethod
     def _request_id(request: web.Request, prefix: str) -> str:
-        return http_request_id(request.headers.get("x-request-id"), prefix)
+        """The client's ``x-request-id``, unless it is shaped like the router's own resend of
+        a hop (``<id>.c<k>``, continuation.py): the scheduler lets such an id take over the
+        running hop's session claim, so a client choosing "job" then "job.c1" ran two hops
+        of one session at once. Such an id is replaced, as a malformed one is."""
+        given = request.headers.get("x-request-id")
+        return http_request_id(None if given and _CONTINUATION_ID.search(given) else given, prefix)
 
     @staticmethod
     def _client_closed(request: web.Request, rid: str) -> None:

@@ -178,7 +178,7 @@ class SessionTable:
             return
         key = (tenant, session_id)
         running = self._running.get(key)
-        if running is not None and _hop_of(running) != _hop_of(request_id):
+        if running is not None and not _continues(request_id, running):
             raise SessionBusyError(session_id, running)
         self._running[key] = request_id
         self._ended.pop(key, None)
@@ -213,12 +213,21 @@ def executor_session_id(tenant: str, session_id: str) -> str:
     return f"{tenant}/{session_id}" if session_id else ""
 
 
-def _hop_of(request_id: str) -> str:
-    """The hop a request id belongs to: the router resends a hop whose scheduler stream was
-    lost as ``<id>.c<k>`` (services/router/continuation.py), possibly before this scheduler
-    saw the old stream end; that continuation takes the claim over instead of being refused."""
+def _continues(request_id: str, running: str) -> bool:
+    """Whether ``request_id`` is a later attempt of the running hop: the router resends a
+    hop whose scheduler stream was lost as ``<id>.c<k>`` (services/router/continuation.py),
+    possibly before this scheduler saw the old stream end; that continuation takes the
+    claim over instead of being refused. The same id again is not one (clients choose ids:
+    a client sending two hops under one id ran both at once)."""
+    base, k = _attempt(request_id)
+    running_base, running_k = _attempt(running)
+    return base == running_base and k > running_k
+
+
+def _attempt(request_id: str) -> tuple[str, int]:
+    """(the hop's id, its attempt): ``<id>.c<k>`` is attempt k of ``<id>``, attempt 0."""
     base, sep, k = request_id.rpartition(".c")
-    return base if sep and base and k.isdigit() else request_id
+    return (base, int(k)) if sep and base and k.isdigit() else (request_id, 0)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -1,0 +1,126 @@
+"""Issue 17, hostile client against session lifecycle: one hop of a session at a time must
+hold against ids a client chooses (the same request id twice, an id shaped like the router's
+own resend ``<id>.c<k>``) and against a hop cancelled while it waits in the scored queue;
+DELETE /v1/weft/sessions/{id} must end exactly the caller's session whatever the id holds
+(an encoded slash, unicode, path traversal, NUL)."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.scheduler.policy.admission import Admission
+from services.scheduler.state.sessions import SessionBusyError, SessionTable
+from tests.unit.router.test_session_lifecycle_doors import A, B, completion, open_doors
+from tests.unit.scheduler import test_session_lifecycle as lifecycle
+from tests.unit.scheduler.test_session_lifecycle import GatedExecutor, hop, start_mesh
+from weft.testing.tiny_model import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    make_tiny_checkpoint(path)
+    return path
+
+
+async def until(condition, what: str) -> None:
+    """Wait on a condition (never a fixed sleep as synchronisation)."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_one_request_id_sent_twice_cannot_run_two_hops_of_a_session():
+    table = SessionTable()
+    table.claim("t", "s", "t/job")
+    with pytest.raises(SessionBusyError):
+        table.claim("t", "s", "t/job")
+    table.claim("t", "s", "t/job.c1")  # the router's resend of the running hop takes over
+    with pytest.raises(SessionBusyError):
+        table.claim("t", "s", "t/job.c1")
+    with pytest.raises(SessionBusyError):
+        table.claim("t", "s", "t/job")  # an older attempt never takes the claim back
+
+
+def test_scheduler_refuses_a_second_stream_under_the_running_hops_request_id():
+    fake = GatedExecutor("e")
+
+    async def main():
+        stub, close, _ = await start_mesh({"e": fake})
+        try:
+            first = stub.Generate(hop("t/job", hop_index=0))
+            await first.read()
+            with pytest.raises(grpc.aio.AioRpcError) as busy:
+                _ = [r async for r in stub.Generate(hop("t/job", hop_index=0))]
+            fake.gate.set()
+            while await first.read() is not grpc.aio.EOF:
+                pass
+            return busy.value.code(), len(fake.request_ids)
+        finally:
+            await close()
+
+    code, num_executed = asyncio.run(main())
+    assert code == grpc.StatusCode.ABORTED
+    assert num_executed == 1
+
+
+def test_http_client_id_shaped_like_a_resend_cannot_take_the_running_hops_claim(model_dir):
+    async def main():
+        doors = await open_doors(model_dir)
+        try:
+            first = asyncio.ensure_future(doors.http.post(
+                "/v1/completions", json=completion(0), headers={**A, "x-request-id": "job"}))
+            await until(lambda: doors.executor.request_ids, "the first hop reached the executor")
+            second = await doors.http.post("/v1/completions", json=completion(0),
+                                           headers={**A, "x-request-id": "job.c1"})
+            doors.executor.gate.set()
+            await first
+            return second.status, second.headers.get("x-request-id"), len(doors.executor.request_ids)
+        finally:
+            await doors.close()
+
+    status, used_id, num_executed = asyncio.run(main())
+    assert status == 409
+    assert used_id != "job.c1"  # replaced, as a malformed id is
+    assert num_executed == 1
+
+
+@pytest.mark.xfail(strict=True, reason="dispatcher.generate ends the hop's plan and claim only on OverloadedError "
+                   "before admission; a hop cancelled while queued keeps its session's claim (fix: "
+                   "services/scheduler/dispatch/dispatcher.py, see the issue-17 attack report)")
+def test_a_hop_cancelled_while_queued_leaves_its_session_free(monkeypatch):
+    admissions = []
+
+    def recorded(*args, **kwargs):
+        admissions.append(Admission(*args, **kwargs))
+        return admissions[-1]
+    monkeypatch.setattr(lifecycle, "Admission", recorded)
+    fake = GatedExecutor("e")
+
+    async def main():
+        stub, close, _ = await start_mesh({"e": fake})
+        try:
+            running = [stub.Generate(hop(f"t/fill-{i}", session_id=f"fill-{i}")) for i in range(8)]  # 8 slots
+            for call in running:
+                await call.read()
+            queued = stub.Generate(hop("t/waits", session_id="s"))
+            queued_read = asyncio.ensure_future(queued.read())
+            await until(lambda: admissions[0].num_queued == 1, "the hop waits in the scored queue")
+            queued.cancel()
+            await until(lambda: admissions[0].num_queued == 0, "the cancelled waiter left the queue")
+            fake.gate.set()
+            for call in running:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            after = [r async for r in stub.Generate(hop("t/next", session_id="s"))]
+            queued_read.cancel()
+            return after
+        finally:
+            await close()
+
+    after = asyncio.run(main())
+    assert after and after[-1].finish_reason
