@@ -12,6 +12,7 @@ loads torch: this runs when a mesh is about to start, never for ``--help``.
 """
 from __future__ import annotations
 
+import math
 import re
 import tempfile
 from collections.abc import Mapping
@@ -42,6 +43,8 @@ def check_settings(settings: Mapping[str, str]) -> None:
     unknown = unknown_settings(settings)
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown}; known: {sorted(BY_DEST)}")
+    for dest, value in settings.items():
+        _check_text(BY_DEST[dest], value)
     from services.mesh.env_config import resolve
 
     with tempfile.TemporaryDirectory(prefix="weft-settings-") as placeholder:
@@ -54,6 +57,46 @@ def check_settings(settings: Mapping[str, str]) -> None:
             except (ValueError, TypeError) as exc:
                 given = [BY_DEST[d] for d in settings if service in BY_DEST[d].envs]
                 raise ValueError(f"{_blame(given, service, str(exc))}: {exc}") from None
+
+
+MAX_NUMBER = 2**63 - 1  # what an int64 field (protos, torch sizes) holds
+
+
+def _check_text(f: SettingFlag, value: str) -> None:
+    """What no service parser refuses but none can use: control characters (a NUL reached
+    the environment of every process), and for a number-valued flag (its default is a
+    number) NaN or infinity (``x < 0`` checks pass NaN: a NaN timeout or period) and
+    integers past int64."""
+    if not value.isprintable():
+        raise ValueError(f"{f.flag}: must be printable text, got {value!r}")
+    if f.flag == "--device":
+        _check_device(value)
+    if not (_is_number(f.default) or f.default == "none") or not _is_number(value):
+        return
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{f.flag}: must be a finite number, got {value.strip()!r}")
+    if abs(number) > MAX_NUMBER:
+        raise ValueError(f"{f.flag}: must be at most {MAX_NUMBER}, got {value.strip()!r}")
+
+
+def _check_device(value: str) -> None:
+    """A torch device name ("cpu", "cuda", "cuda:1"): the executor parses it only once its
+    process started, so "" or "gpu" took down every executor instead of failing here."""
+    import torch
+
+    try:
+        torch.device(value)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device: must be a torch device such as cpu, cuda or cuda:0, got {value!r}") from None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _blame(given: list[SettingFlag], service: str, message: str) -> str:
