@@ -10,12 +10,14 @@ import asyncio
 import grpc
 import pytest
 
+from services.scheduler.dispatch.agent_steps import AgentSteps
 from services.scheduler.policy.admission import Admission
 from services.scheduler.state.sessions import SessionBusyError, SessionTable
 from tests.unit.router.test_session_lifecycle_doors import A, B, completion, open_doors
 from tests.unit.scheduler import test_session_lifecycle as lifecycle
 from tests.unit.scheduler.test_session_lifecycle import GatedExecutor, hop, start_mesh
 from weft.testing.tiny_model import make_tiny_checkpoint
+from weft.v1 import common_pb2, executor_pb2
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +126,61 @@ def test_a_hop_cancelled_while_queued_leaves_its_session_free(monkeypatch):
 
     after = asyncio.run(main())
     assert after and after[-1].finish_reason
+
+
+class SilentExecutor(GatedExecutor):
+    """Waits for ``gate`` before its first token; with ``die`` set it then fails UNAVAILABLE."""
+
+    def __init__(self, name: str, die: bool = False) -> None:
+        super().__init__(name)
+        self.die = die
+
+    async def Generate(self, request, context):
+        self.request_ids.append(request.request_id)
+        await self.gate.wait()
+        if self.die:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "executor died")
+        yield executor_pb2.ExecuteResponse(
+            request_id=request.request_id, token_ids_delta=[8], finish_reason=common_pb2.FINISH_REASON_LENGTH,
+            usage=common_pb2.Usage(num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=1),
+            executor=self.name)
+
+
+@pytest.mark.parametrize("how", ["cancel_mid_stream", "cancel_before_first_token", "executor_dies"])
+def test_a_hop_that_ends_badly_frees_its_session_for_the_next_hop(monkeypatch, how):
+    agents = []
+
+    def recorded(*args, **kwargs):
+        agents.append(AgentSteps(*args, **kwargs))
+        return agents[-1]
+    monkeypatch.setattr(lifecycle, "AgentSteps", recorded)
+    fake = GatedExecutor("e") if how == "cancel_mid_stream" else SilentExecutor("e", die=how == "executor_dies")
+
+    async def main():
+        stub, close, _ = await start_mesh({"e": fake})
+        sessions = agents[0].plane.sessions
+        try:
+            first = stub.Generate(hop("t/first", session_id="s"))
+            if how == "cancel_mid_stream":
+                await first.read()
+                first.cancel()
+            else:
+                read = asyncio.ensure_future(first.read())
+                await until(lambda: fake.request_ids, "the hop reached the executor")
+                if how == "executor_dies":
+                    fake.gate.set()
+                    with pytest.raises(grpc.aio.AioRpcError):
+                        await read
+                else:
+                    first.cancel()
+            await until(lambda: sessions.running_hop("t", "s") is None, "the hop's claim was released")
+            fake.gate.set()
+            fake.die = False
+            after = [r async for r in stub.Generate(hop("t/next", session_id="s"))]
+            return after, dict(agents[0]._plans)
+        finally:
+            await close()
+
+    after, live_plans = asyncio.run(main())
+    assert after[-1].finish_reason
+    assert live_plans == {}
