@@ -305,6 +305,8 @@ def _session_key(body: Mapping[str, Any], name: str, prefix: str) -> str:
     if len(value) > MAX_SESSION_KEY_CHARS or not value.isprintable():
         raise InvalidRequestError(f"{prefix}{name}", f"must be at most {MAX_SESSION_KEY_CHARS} printable characters "
                                   f"(got {len(value)} characters)")
+    if value in (".", ".."):  # URLs normalise these away: DELETE /v1/weft/sessions/{id} could never end it
+        raise InvalidRequestError(f"{prefix}{name}", f"must not be {value!r}")
     return value
 
 

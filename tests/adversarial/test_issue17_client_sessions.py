@@ -12,7 +12,7 @@ import pytest
 
 from services.scheduler.dispatch.agent_steps import AgentSteps
 from services.scheduler.policy.admission import Admission
-from services.scheduler.state.sessions import SessionBusyError, SessionTable
+from services.scheduler.state.sessions import SessionBusyError, SessionTable, executor_session_id
 from tests.unit.router.test_session_lifecycle_doors import A, B, completion, open_doors
 from tests.unit.scheduler import test_session_lifecycle as lifecycle
 from tests.unit.scheduler.test_session_lifecycle import GatedExecutor, hop, start_mesh
@@ -184,3 +184,34 @@ def test_a_hop_that_ends_badly_frees_its_session_for_the_next_hop(monkeypatch, h
     after, live_plans = asyncio.run(main())
     assert after[-1].finish_reason
     assert live_plans == {}
+
+
+def test_http_delete_ends_exactly_the_callers_session_whatever_its_id_holds(model_dir):
+    async def main():
+        doors = await open_doors(model_dir)
+        doors.executor.gate.set()
+        try:
+            for sid in ("a/b", "é", "../health"):
+                assert (await doors.http.post("/v1/completions", json=completion(0, sid), headers=A)).status == 200
+            dots = [(await doors.http.post("/v1/completions", json=completion(0, sid), headers=A)).status
+                    for sid in (".", "..")]
+            theirs = await doors.http.delete("/v1/weft/sessions/a%2Fb", headers=B)
+            ended = {path: (await doors.http.delete(f"/v1/weft/sessions/{path}", headers=A)).status
+                     for path in ("a%2Fb", "%C3%A9", "..%2Fhealth")}
+            nul = await doors.http.delete("/v1/weft/sessions/%00", headers=A)
+            return dots, theirs.status, ended, (await nul.json())["error"]["param"], list(doors.executor.released)
+        finally:
+            await doors.close()
+
+    dots, theirs, ended, nul_param, released = asyncio.run(main())
+    assert dots == [400, 400]  # a URL cannot name them, so no session may be called so
+    assert theirs == 404
+    assert ended == {"a%2Fb": 200, "%C3%A9": 200, "..%2Fhealth": 200}
+    assert nul_param == "session_id"
+    assert released == ["lifecycle-a/a/b", "lifecycle-a/é", "lifecycle-a/../health"]
+
+
+def test_a_tenant_named_with_a_slash_cannot_reach_another_tenants_pins_through_a_session_id():
+    assert executor_session_id("acme", "x/y") != executor_session_id("acme/x", "y")
+    assert executor_session_id("acme", "s") == "acme/s"  # plain tenant names keep their form
+    assert executor_session_id("a%2Fb", "s") != executor_session_id("a/b", "s")

@@ -209,8 +209,12 @@ class SessionTable:
 def executor_session_id(tenant: str, session_id: str) -> str:
     """The id an executor pins and releases a session's blocks under. Executors key pins
     by this id alone, and two tenants may choose the same session id: scoped by tenant, B's
-    hop or release can never replace or free A's pinned blocks. Empty stays empty."""
-    return f"{tenant}/{session_id}" if session_id else ""
+    hop or release can never replace or free A's pinned blocks. Empty stays empty. Session
+    ids may hold "/", tenant names too (the keys file): a "/" or "%" in the tenant is
+    escaped so the first "/" always ends it (tenants "acme" with session "x/y" and
+    "acme/x" with "y" were both "acme/x/y")."""
+    scope = tenant.replace("%", "%25").replace("/", "%2F")
+    return f"{scope}/{session_id}" if session_id else ""
 
 
 def _continues(request_id: str, running: str) -> bool:
