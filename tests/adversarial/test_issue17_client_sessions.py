@@ -13,11 +13,11 @@ import pytest
 from services.scheduler.dispatch.agent_steps import AgentSteps
 from services.scheduler.policy.admission import Admission
 from services.scheduler.state.sessions import SessionBusyError, SessionTable, executor_session_id
-from tests.unit.router.test_session_lifecycle_doors import A, B, completion, open_doors
+from tests.unit.router.test_session_lifecycle_doors import A, B, completion, grpc_key, open_doors
 from tests.unit.scheduler import test_session_lifecycle as lifecycle
 from tests.unit.scheduler.test_session_lifecycle import GatedExecutor, hop, start_mesh
 from weft.testing.tiny_model import make_tiny_checkpoint
-from weft.v1 import common_pb2, executor_pb2
+from weft.v1 import common_pb2, executor_pb2, router_pb2
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +215,34 @@ def test_a_tenant_named_with_a_slash_cannot_reach_another_tenants_pins_through_a
     assert executor_session_id("acme", "x/y") != executor_session_id("acme/x", "y")
     assert executor_session_id("acme", "s") == "acme/s"  # plain tenant names keep their form
     assert executor_session_id("a%2Fb", "s") != executor_session_id("a/b", "s")
+
+
+@pytest.mark.xfail(strict=True, reason="the gRPC door accepts a request_id shaped like the router's resend "
+                   "(<id>.c<k>), which takes the running hop's claim over; fix: refuse such ids in "
+                   "services/router/request_ids.py (see the issue-17 attack report)")
+def test_grpc_client_id_shaped_like_a_resend_cannot_take_the_running_hops_claim(model_dir):
+    async def main():
+        doors = await open_doors(model_dir)
+        try:
+            first = doors.grpc.Generate(router_pb2.GenerateRequest(
+                model="tiny", request_id="job", token_ids=router_pb2.TokenIds(ids=[1, 2, 3]),
+                session=common_pb2.SessionInfo(session_id="s")), metadata=grpc_key("sk-a"))
+            await first.read()
+            second = doors.grpc.Generate(router_pb2.GenerateRequest(
+                model="tiny", request_id="job.c1", token_ids=router_pb2.TokenIds(ids=[1, 2, 3]),
+                session=common_pb2.SessionInfo(session_id="s")), metadata=grpc_key("sk-a"))
+            try:
+                await second.read()  # admitted: the executor's first token comes at once
+                code = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+            doors.executor.gate.set()
+            for call in (first, second) if code == grpc.StatusCode.OK else (first,):
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            return code, len(doors.executor.request_ids)
+        finally:
+            await doors.close()
+
+    code, num_executed = asyncio.run(main())
+    assert code != grpc.StatusCode.OK and num_executed == 1
