@@ -20,8 +20,11 @@ import uuid
 from services.router.errors import InvalidRequestError
 
 MAX_CLIENT_ID_CHARS = 64
-CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,%d}$" % MAX_CLIENT_ID_CHARS)
-_RULE = f"1-{MAX_CLIENT_ID_CHARS} characters of A-Z a-z 0-9 . _ : -"
+# A client id may not end like a router resend (``<id>.c<k>``, continuation.py): a resend
+# takes over its hop's running-session claim, so a client id of that shape could take over
+# another hop of the same session.
+CLIENT_ID = re.compile(r"^(?!.*\.c[0-9]+$)[A-Za-z0-9._:-]{1,%d}$" % MAX_CLIENT_ID_CHARS)
+_RULE = f"1-{MAX_CLIENT_ID_CHARS} characters of A-Z a-z 0-9 . _ : -, not ending in .c<digits>"
 
 
 def new_request_id(prefix: str) -> str:

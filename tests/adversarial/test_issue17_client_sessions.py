@@ -91,9 +91,6 @@ def test_http_client_id_shaped_like_a_resend_cannot_take_the_running_hops_claim(
     assert num_executed == 1
 
 
-@pytest.mark.xfail(strict=True, reason="dispatcher.generate ends the hop's plan and claim only on OverloadedError "
-                   "before admission; a hop cancelled while queued keeps its session's claim (fix: "
-                   "services/scheduler/dispatch/dispatcher.py, see the issue-17 attack report)")
 def test_a_hop_cancelled_while_queued_leaves_its_session_free(monkeypatch):
     admissions = []
 
@@ -217,9 +214,6 @@ def test_a_tenant_named_with_a_slash_cannot_reach_another_tenants_pins_through_a
     assert executor_session_id("a%2Fb", "s") != executor_session_id("a/b", "s")
 
 
-@pytest.mark.xfail(strict=True, reason="the gRPC door accepts a request_id shaped like the router's resend "
-                   "(<id>.c<k>), which takes the running hop's claim over; fix: refuse such ids in "
-                   "services/router/request_ids.py (see the issue-17 attack report)")
 def test_grpc_client_id_shaped_like_a_resend_cannot_take_the_running_hops_claim(model_dir):
     async def main():
         doors = await open_doors(model_dir)

@@ -36,10 +36,6 @@ def test_sensible_settings_still_pass(dest, value):
     check_settings({dest: value})
 
 
-@pytest.mark.xfail(strict=True, reason="the services' config parsers accept these; fixes: "
-                   "services/executor/engine/config.py __post_init__ (num_threads >= 1 or none: torch refuses -1 "
-                   "when the executor starts) and services/scheduler/policy/pause.py PauseCosts.__post_init__ "
-                   "(default_pause_ms >= 0), see the issue-17 attack report")
 @pytest.mark.parametrize(("dest", "flag"), [("num_threads", "--num-threads"), ("default_tool_ms", "--default-tool-ms")])
 def test_a_negative_count_or_pause_fails_before_start_naming_its_flag(dest, flag):
     with pytest.raises(ValueError) as err:

@@ -83,6 +83,8 @@ class EngineConfig:
                      "grammar_cache_entries", "grammar_max_bytes", "grammar_compile_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 or unset, got {self.num_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         if self.max_prefill_chunk > self.max_num_batched_tokens:

@@ -105,11 +105,12 @@ class Dispatcher:
                 self.admission.limit_in_flight(self.executor_slots())
                 await self.tenant_admission.enter(job.tenant, self.agent.order_key(plan) if plan is not None
                                                   else None)
-            except OverloadedError:
-                REQUESTS.labels("rejected").inc()
+            except BaseException as exc:  # refused, or cancelled / timed out while queued
                 if plan is not None:
-                    self.agent.end(rid)
-                catalogue.count_admission_rejection(self.degrade.rejection_reason(job))
+                    self.agent.end(rid)  # else its plan and session claim leak: the session answers 409 for ever
+                if isinstance(exc, OverloadedError):
+                    REQUESTS.labels("rejected").inc()
+                    catalogue.count_admission_rejection(self.degrade.rejection_reason(job))
                 raise
             outcome = "cancelled"
             try:

@@ -66,8 +66,9 @@ class PauseCosts:
     max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
-        if min(self.prefill_ms_per_token, self.block_second_ms, self.transfer_ms_per_block) < 0:
-            raise ValueError("costs must be >= 0")
+        if min(self.prefill_ms_per_token, self.block_second_ms, self.transfer_ms_per_block,
+               self.default_pause_ms) < 0:
+            raise ValueError("costs and default_pause_ms must be >= 0")
         if not 0 < self.max_pinned_fraction <= 1 or self.ttl_factor < 1:
             raise ValueError("max_pinned_fraction must be in (0, 1] and ttl_factor >= 1")
 
