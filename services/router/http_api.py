@@ -9,6 +9,7 @@
     GET  /health/ready          readiness: 200 once an executor serves, else 503 (``readiness.py``)
     GET  /v1/weft/verdict       the rolling p99 attribution of the caller's tenant (``attribution.py``)
     GET  /v1/weft/requests/{id}/timeline   a recent request's spans across the mesh (own tenant only)
+    DELETE /v1/weft/sessions/{id}         end an agent session: its pins and plans go at once (docs/sessions.md)
 
 Prometheus ``/metrics`` is not served here: its series carry per-tenant labels, so it
 has its own listener (``--metrics-port``, loopback by default; ``services/mesh/metrics.py``)
@@ -33,8 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 from aiohttp import web
@@ -45,8 +45,8 @@ from services.router import metrics as m
 from services.router.attribution import ATTRIBUTION
 from services.router.auth import KeyStore, bearer_token
 from services.router.embeddings import EmbeddingsApi
-from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, RouterError,
-                                    SessionBusyError, SessionNotFoundError, UpstreamError, UpstreamUnavailable)
+from services.router.errors import InvalidRequestError, RouterError, UpstreamUnavailable
+from services.router.http_responses import error_response, notes_headers
 from services.router.choice_streams import ChatChoice, CompletionChoice
 from services.router.delta_streams import merge, name_grammar_errors, timed
 from services.router.generation import Generator, fan_out
@@ -56,7 +56,7 @@ from services.router.request_ids import client_request_id, http_request_id, mesh
 from services.router.logprobs_format import CompletionLogprobs, TokenText
 from services.router.openai_format import ChatFormatter, CompletionFormatter, choices_usage, error_body, sse
 from services.router.prepare import ChatPrompt, completion_prompt
-from services.router.schema import ServingNotes, TokenRequest
+from services.router.schema import TokenRequest
 from services.router.tool_grammar import with_tool_grammar
 from services.router.tool_parsers import ToolCallFormat, select_format
 from services.router.validation import parse_chat_request, parse_completion_request, parse_session
@@ -64,54 +64,11 @@ from services.router.validation import parse_chat_request, parse_completion_requ
 log = structlog.get_logger(__name__)
 
 EXECUTOR_HEADER = "x-weft-executor"
-_CONTINUATION_ID = re.compile(r"\.c[0-9]+$")  # continuation.py's resend of a hop
 CLIENT_CLOSED = "499"  # nginx's status for a client that closed the connection first
 # aiohttp >= 3.12 wants typed request-storage keys; older ones take a string.
 _CLIENT_CLOSED_KEY = (web.RequestKey("weft_client_closed", bool) if hasattr(web, "RequestKey")
                       else "weft_client_closed")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def error_response(exc: BaseException) -> web.Response:
-    """OpenAI-shaped error for a domain error or an aiohttp HTTP exception."""
-    headers: dict[str, str] = {}
-    if isinstance(exc, InvalidRequestError):
-        status, body = 400, error_body(400, str(exc), exc.field, "model_not_found" if exc.field == "model" else None)
-    elif isinstance(exc, AuthenticationError):
-        status, body = 401, error_body(401, str(exc), None, "invalid_api_key")
-    elif isinstance(exc, SessionBusyError):
-        status, body = 409, error_body(409, str(exc), "session_id", "session_busy")
-    elif isinstance(exc, SessionNotFoundError):
-        status, body = 404, error_body(404, str(exc), "session_id", "session_not_found")
-    elif isinstance(exc, OverloadedError):
-        status, body = 429, error_body(429, str(exc))
-        headers["Retry-After"] = str(max(1, round(exc.retry_after_ms / 1000)))
-        headers["retry-after-ms"] = str(exc.retry_after_ms)
-    elif isinstance(exc, (UpstreamUnavailable, UpstreamError)):
-        status, body = 503, error_body(503, str(exc))
-    elif isinstance(exc, web.HTTPException):
-        status, body = exc.status, error_body(exc.status, exc.reason if exc.text is None else exc.text)
-    else:
-        status, body = 500, error_body(500, f"internal error ({type(exc).__name__})")
-    return web.json_response(body, status=status, headers=headers)
-
-
-def notes_headers(first: ServingNotes | None, last: ServingNotes | None) -> dict[str, str]:
-    """The scheduler's decisions as response headers: ``x-weft-request-class``,
-    ``x-weft-fallback`` (+ ``-reason``) and ``x-weft-degradation-rung`` from the first chunk,
-    ``x-weft-pause`` from the last (non-streaming responses only: a stream's headers leave
-    before it ends)."""
-    out = {}
-    if first is not None and first.request_class:
-        out["x-weft-request-class"] = first.request_class
-    if first is not None and first.fallback:
-        out["x-weft-fallback"] = first.fallback
-        out["x-weft-fallback-reason"] = first.fallback_reason
-    if first is not None and first.degradation_rung:  # the ladder rung it was served on
-        out["x-weft-degradation-rung"] = first.degradation_rung
-    if last is not None and last.pause_decision:
-        out["x-weft-pause"] = last.pause_decision
-    return out
 
 
 class HttpApi:
@@ -189,12 +146,9 @@ class HttpApi:
 
     @staticmethod
     def _request_id(request: web.Request, prefix: str) -> str:
-        """The client's ``x-request-id``, unless it is shaped like the router's own resend of
-        a hop (``<id>.c<k>``, continuation.py): the scheduler lets such an id take over the
-        running hop's session claim, so a client choosing "job" then "job.c1" ran two hops
-        of one session at once. Such an id is replaced, as a malformed one is."""
-        given = request.headers.get("x-request-id")
-        return http_request_id(None if given and _CONTINUATION_ID.search(given) else given, prefix)
+        """The client's ``x-request-id`` when well-formed (``request_ids.CLIENT_ID``, which
+        also refuses the shape of the router's own resends), else a fresh id."""
+        return http_request_id(request.headers.get("x-request-id"), prefix)
 
     @staticmethod
     def _client_closed(request: web.Request, rid: str) -> None:
