@@ -39,7 +39,9 @@ log = structlog.get_logger(__name__)
 
 Publish = Callable[[str, object], Awaitable[bool]]
 
-KV_PUBLISH_DELAY_S = 0.002  # a few decode steps of a small model; far below the kv index's useful staleness
+# 0: the task still yields once, so the step's streams get the loop first. A 2 ms delay made
+# the scheduler's index lag far longer on a loaded 2-core box (a chaos test saw it); kept settable.
+KV_PUBLISH_DELAY_S = 0.0
 KV_FLUSH_TIMEOUT_S = 1.0  # what stop() gives the events still waiting (NATS may be down)
 
 

@@ -57,7 +57,8 @@ def build_dispatcher(config: SchedulerConfig, view: MeshView, channels: ChannelP
         tenant_admission=TenantAdmission(admission, config.max_in_flight_per_tenant, config.max_queue_per_tenant),
         degrade=DegradeSteps(DegradationLadder(config.ladder_config)),
         agent=AgentSteps(plane, view.membership, channels, admission, inflight), inflight=inflight,
-        placement_attempts=config.placement_attempts, migration=config.migration_policy)
+        placement_attempts=config.placement_attempts, migration=config.migration_policy,
+        executor_overcommit=config.executor_overcommit)
 
 
 async def main(argv: Sequence[str] | None = None) -> None:

@@ -35,6 +35,9 @@ class SchedulerConfig(ServiceOptions):
         default=1.0)
     max_in_flight: int = option("Requests streaming at once through this scheduler.", default=256)
     max_queue: int = option("Requests waiting for an in-flight slot; beyond it: RESOURCE_EXHAUSTED.", default=1024)
+    executor_overcommit: float = option(
+        "In-flight requests allowed per executor batch slot (max_num_seqs); the rest wait in the "
+        "scheduler's scored queue. 0: no cap by slots (requests queue at the executors).", default=1.25)
     retry_after_ms: int = option("Retry hint sent with RESOURCE_EXHAUSTED.", default=200)
     missed_heartbeats: int = option("Heartbeats an executor may miss before it is dropped.", default=3)
     placement_attempts: int = option("Executors tried when one is unreachable before the first token.", default=2)
@@ -103,6 +106,8 @@ class SchedulerConfig(ServiceOptions):
                      "max_in_flight_per_tenant", "migration_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.executor_overcommit != 0 and not 1 <= self.executor_overcommit < float("inf"):
+            raise ValueError(f"executor_overcommit must be 0 or >= 1, got {self.executor_overcommit}")
         for name in ("max_queue", "retry_after_ms", "kv_overlap_weight", "max_queue_per_tenant",
                      "degradation_min_dwell_s"):
             if getattr(self, name) < 0:

@@ -94,6 +94,9 @@ def mesh(tmp_path_factory):
            "WEFT_EXECUTOR_NUM_KV_BLOCKS": str(NUM_KV_BLOCKS), "WEFT_SCHEDULER_MAX_IN_FLIGHT": str(MAX_IN_FLIGHT),
            "WEFT_SCHEDULER_MAX_QUEUE": "8", "WEFT_SCHEDULER_MAX_IN_FLIGHT_PER_TENANT": "8",
            "WEFT_SCHEDULER_MAX_QUEUE_PER_TENANT": "0", "WEFT_SCHEDULER_DEGRADATION_RUNGS": "none,kv_int8,shed",
+           # The executor queue gauge must move: requests queue at the executor, not only in the
+           # scheduler's scored queue (whose default cap, 1.25 x slots, leaves at most one there).
+           "WEFT_SCHEDULER_EXECUTOR_OVERCOMMIT": "0",
            # Each prefill's cachestore lookup waits for a step boundary: on a loaded 2-core box
            # that adds tens of ms of tier time at random, which the verdict tests must not see.
            "WEFT_EXECUTOR_PROMOTE_BEFORE_PREFILL": "false"}
