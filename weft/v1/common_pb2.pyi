@@ -15,6 +15,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
     FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
+    FINISH_REASON_KV_QUOTA: _ClassVar[FinishReason]
 
 class RequestClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -61,6 +62,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
+FINISH_REASON_KV_QUOTA: FinishReason
 REQUEST_CLASS_UNSPECIFIED: RequestClass
 REQUEST_CLASS_INTERACTIVE: RequestClass
 REQUEST_CLASS_DETERMINISTIC: RequestClass
@@ -189,6 +191,36 @@ class SessionInfo(_message.Message):
     contract: Contract
     stateful: bool
     def __init__(self, session_id: _Optional[str] = ..., program_id: _Optional[str] = ..., hop_index: _Optional[int] = ..., expected_tool_ms: _Optional[int] = ..., request_class: _Optional[_Union[RequestClass, str]] = ..., contract: _Optional[_Union[Contract, _Mapping]] = ..., stateful: _Optional[bool] = ...) -> None: ...
+
+class SchedulingDecisions(_message.Message):
+    __slots__ = ("request_class", "priority", "queue_ms", "fallback_taken", "fallback_reason", "degradation_rung", "intent_shift", "intent_distance", "ttft_estimate_ms", "ttft_ceiling_ms", "ttft_achieved_ms", "pause_decision", "expected_cached_tokens")
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    DEGRADATION_RUNG_FIELD_NUMBER: _ClassVar[int]
+    INTENT_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    INTENT_DISTANCE_FIELD_NUMBER: _ClassVar[int]
+    TTFT_ESTIMATE_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_CEILING_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_ACHIEVED_MS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_DECISION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_class: RequestClass
+    priority: float
+    queue_ms: int
+    fallback_taken: FallbackPath
+    fallback_reason: str
+    degradation_rung: DegradationRung
+    intent_shift: bool
+    intent_distance: float
+    ttft_estimate_ms: int
+    ttft_ceiling_ms: int
+    ttft_achieved_ms: int
+    pause_decision: PauseDecision
+    expected_cached_tokens: int
+    def __init__(self, request_class: _Optional[_Union[RequestClass, str]] = ..., priority: _Optional[float] = ..., queue_ms: _Optional[int] = ..., fallback_taken: _Optional[_Union[FallbackPath, str]] = ..., fallback_reason: _Optional[str] = ..., degradation_rung: _Optional[_Union[DegradationRung, str]] = ..., intent_shift: _Optional[bool] = ..., intent_distance: _Optional[float] = ..., ttft_estimate_ms: _Optional[int] = ..., ttft_ceiling_ms: _Optional[int] = ..., ttft_achieved_ms: _Optional[int] = ..., pause_decision: _Optional[_Union[PauseDecision, str]] = ..., expected_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")

@@ -109,7 +109,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ..., return_logprobs: _Optional[bool] = ..., semantic_cache: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., echo: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text_delta", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "degradation_rung", "num_migrations", "index", "top_logprobs_delta", "prompt_logprobs", "prompt_top_logprobs", "tool_calls")
+    __slots__ = ("request_id", "text_delta", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "degradation_rung", "num_migrations", "index", "top_logprobs_delta", "prompt_logprobs", "prompt_top_logprobs", "tool_calls", "decisions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class GenerateResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text_delta: str
     token_ids_delta: _containers.RepeatedScalarFieldContainer[int]
@@ -138,7 +139,8 @@ class GenerateResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, request_id: _Optional[str] = ..., text_delta: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., degradation_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., num_migrations: _Optional[int] = ..., index: _Optional[int] = ..., top_logprobs_delta: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    decisions: _common_pb2.SchedulingDecisions
+    def __init__(self, request_id: _Optional[str] = ..., text_delta: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., degradation_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., num_migrations: _Optional[int] = ..., index: _Optional[int] = ..., top_logprobs_delta: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., decisions: _Optional[_Union[_common_pb2.SchedulingDecisions, _Mapping]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -177,3 +179,43 @@ class EndSessionResponse(_message.Message):
     num_executors_released: int
     num_running_hops: int
     def __init__(self, session_id: _Optional[str] = ..., ended_now: _Optional[bool] = ..., num_executors_released: _Optional[int] = ..., num_running_hops: _Optional[int] = ...) -> None: ...
+
+class ForkSessionRequest(_message.Message):
+    __slots__ = ("session_id", "num_children", "child_session_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    CHILD_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_children: int
+    child_session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., num_children: _Optional[int] = ..., child_session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ForkSessionResponse(_message.Message):
+    __slots__ = ("session_id", "child_session_ids", "num_context_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    child_session_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_context_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., child_session_ids: _Optional[_Iterable[str]] = ..., num_context_tokens: _Optional[int] = ...) -> None: ...
+
+class JoinSessionRequest(_message.Message):
+    __slots__ = ("session_id", "from_session_id", "end_children")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    END_CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    from_session_id: str
+    end_children: bool
+    def __init__(self, session_id: _Optional[str] = ..., from_session_id: _Optional[str] = ..., end_children: _Optional[bool] = ...) -> None: ...
+
+class JoinSessionResponse(_message.Message):
+    __slots__ = ("session_id", "num_context_tokens", "ended_session_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_context_tokens: int
+    ended_session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., num_context_tokens: _Optional[int] = ..., ended_session_ids: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -50,6 +50,16 @@ class RouterStub:
                 request_serializer=weft_dot_v1_dot_router__pb2.EndSessionRequest.SerializeToString,
                 response_deserializer=weft_dot_v1_dot_router__pb2.EndSessionResponse.FromString,
                 _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/weft.v1.Router/ForkSession',
+                request_serializer=weft_dot_v1_dot_router__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_router__pb2.ForkSessionResponse.FromString,
+                _registered_method=True)
+        self.JoinSession = channel.unary_unary(
+                '/weft.v1.Router/JoinSession',
+                request_serializer=weft_dot_v1_dot_router__pb2.JoinSessionRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_router__pb2.JoinSessionResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -78,6 +88,21 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSession(self, request, context):
+        """Fork one of the caller's sessions into children (parallel sub-agents) that start from
+        its context and share its KV blocks by reference. NOT_FOUND as EndSession.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinSession(self, request, context):
+        """Continue a session from one of its children's context (or its own) and end the others.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +120,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.EndSession,
                     request_deserializer=weft_dot_v1_dot_router__pb2.EndSessionRequest.FromString,
                     response_serializer=weft_dot_v1_dot_router__pb2.EndSessionResponse.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=weft_dot_v1_dot_router__pb2.ForkSessionRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_router__pb2.ForkSessionResponse.SerializeToString,
+            ),
+            'JoinSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinSession,
+                    request_deserializer=weft_dot_v1_dot_router__pb2.JoinSessionRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_router__pb2.JoinSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +214,60 @@ class Router:
             '/weft.v1.Router/EndSession',
             weft_dot_v1_dot_router__pb2.EndSessionRequest.SerializeToString,
             weft_dot_v1_dot_router__pb2.EndSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.Router/ForkSession',
+            weft_dot_v1_dot_router__pb2.ForkSessionRequest.SerializeToString,
+            weft_dot_v1_dot_router__pb2.ForkSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.Router/JoinSession',
+            weft_dot_v1_dot_router__pb2.JoinSessionRequest.SerializeToString,
+            weft_dot_v1_dot_router__pb2.JoinSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,5 +1,6 @@
 from weft.v1 import common_pb2 as _common_pb2
 from weft.v1 import events_pb2 as _events_pb2
+from weft.v1 import router_pb2 as _router_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -29,7 +30,7 @@ class ScheduleRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., priority: _Optional[float] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "queue_ms", "fallback_taken", "fallback_reason", "request_class", "pause_decision", "degradation_rung", "num_migrations", "top_logprobs_delta", "prompt_logprobs", "prompt_top_logprobs")
+    __slots__ = ("request_id", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "queue_ms", "fallback_taken", "fallback_reason", "request_class", "pause_decision", "degradation_rung", "num_migrations", "top_logprobs_delta", "prompt_logprobs", "prompt_top_logprobs", "decisions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_DELTA_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +47,7 @@ class ScheduleResponse(_message.Message):
     TOP_LOGPROBS_DELTA_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids_delta: _containers.RepeatedScalarFieldContainer[int]
     logprobs_delta: _containers.RepeatedScalarFieldContainer[float]
@@ -62,7 +64,8 @@ class ScheduleResponse(_message.Message):
     top_logprobs_delta: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., queue_ms: _Optional[int] = ..., fallback_taken: _Optional[_Union[_common_pb2.FallbackPath, str]] = ..., fallback_reason: _Optional[str] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ..., pause_decision: _Optional[_Union[_common_pb2.PauseDecision, str]] = ..., degradation_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., num_migrations: _Optional[int] = ..., top_logprobs_delta: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    decisions: _common_pb2.SchedulingDecisions
+    def __init__(self, request_id: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., queue_ms: _Optional[int] = ..., fallback_taken: _Optional[_Union[_common_pb2.FallbackPath, str]] = ..., fallback_reason: _Optional[str] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ..., pause_decision: _Optional[_Union[_common_pb2.PauseDecision, str]] = ..., degradation_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., num_migrations: _Optional[int] = ..., top_logprobs_delta: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., decisions: _Optional[_Union[_common_pb2.SchedulingDecisions, _Mapping]] = ...) -> None: ...
 
 class ListExecutorsRequest(_message.Message):
     __slots__ = ()
@@ -85,6 +88,34 @@ class SchedulerEndSessionResponse(_message.Message):
     num_executors_released: int
     num_running_hops: int
     def __init__(self, ended_now: _Optional[bool] = ..., num_executors_released: _Optional[int] = ..., num_running_hops: _Optional[int] = ...) -> None: ...
+
+class SchedulerForkSessionRequest(_message.Message):
+    __slots__ = ("tenant", "fork")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    fork: _router_pb2.ForkSessionRequest
+    def __init__(self, tenant: _Optional[str] = ..., fork: _Optional[_Union[_router_pb2.ForkSessionRequest, _Mapping]] = ...) -> None: ...
+
+class SchedulerJoinSessionRequest(_message.Message):
+    __slots__ = ("tenant", "join")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    join: _router_pb2.JoinSessionRequest
+    def __init__(self, tenant: _Optional[str] = ..., join: _Optional[_Union[_router_pb2.JoinSessionRequest, _Mapping]] = ...) -> None: ...
+
+class SchedulerForkSessionResponse(_message.Message):
+    __slots__ = ("fork",)
+    FORK_FIELD_NUMBER: _ClassVar[int]
+    fork: _router_pb2.ForkSessionResponse
+    def __init__(self, fork: _Optional[_Union[_router_pb2.ForkSessionResponse, _Mapping]] = ...) -> None: ...
+
+class SchedulerJoinSessionResponse(_message.Message):
+    __slots__ = ("join",)
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    join: _router_pb2.JoinSessionResponse
+    def __init__(self, join: _Optional[_Union[_router_pb2.JoinSessionResponse, _Mapping]] = ...) -> None: ...
 
 class ExecutorInfo(_message.Message):
     __slots__ = ("heartbeat", "load", "num_indexed_blocks", "last_seen_ago_ms")

@@ -50,6 +50,16 @@ class SchedulerStub:
                 request_serializer=weft_dot_v1_dot_scheduler__pb2.SchedulerEndSessionRequest.SerializeToString,
                 response_deserializer=weft_dot_v1_dot_scheduler__pb2.SchedulerEndSessionResponse.FromString,
                 _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/weft.v1.Scheduler/ForkSession',
+                request_serializer=weft_dot_v1_dot_scheduler__pb2.SchedulerForkSessionRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_scheduler__pb2.SchedulerForkSessionResponse.FromString,
+                _registered_method=True)
+        self.JoinSession = channel.unary_unary(
+                '/weft.v1.Scheduler/JoinSession',
+                request_serializer=weft_dot_v1_dot_scheduler__pb2.SchedulerJoinSessionRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_scheduler__pb2.SchedulerJoinSessionResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -78,6 +88,21 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSession(self, request, context):
+        """Fork one tenant's session into children that start from its context (KV shared by
+        prefix reference on the executor that holds it). NOT_FOUND as EndSession.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinSession(self, request, context):
+        """Set a session's context to one of its children's (or keep its own) and end the others.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +120,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.EndSession,
                     request_deserializer=weft_dot_v1_dot_scheduler__pb2.SchedulerEndSessionRequest.FromString,
                     response_serializer=weft_dot_v1_dot_scheduler__pb2.SchedulerEndSessionResponse.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=weft_dot_v1_dot_scheduler__pb2.SchedulerForkSessionRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_scheduler__pb2.SchedulerForkSessionResponse.SerializeToString,
+            ),
+            'JoinSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinSession,
+                    request_deserializer=weft_dot_v1_dot_scheduler__pb2.SchedulerJoinSessionRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_scheduler__pb2.SchedulerJoinSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +214,60 @@ class Scheduler:
             '/weft.v1.Scheduler/EndSession',
             weft_dot_v1_dot_scheduler__pb2.SchedulerEndSessionRequest.SerializeToString,
             weft_dot_v1_dot_scheduler__pb2.SchedulerEndSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.Scheduler/ForkSession',
+            weft_dot_v1_dot_scheduler__pb2.SchedulerForkSessionRequest.SerializeToString,
+            weft_dot_v1_dot_scheduler__pb2.SchedulerForkSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.Scheduler/JoinSession',
+            weft_dot_v1_dot_scheduler__pb2.SchedulerJoinSessionRequest.SerializeToString,
+            weft_dot_v1_dot_scheduler__pb2.SchedulerJoinSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
