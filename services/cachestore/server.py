@@ -234,6 +234,17 @@ class CacheStoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
             PROMOTIONS.labels("archived", "sleeping").inc(warmed)
         return cachestore_pb2.PrefetchBlocksResponse(num_found_blocks=found, num_warmed_blocks=warmed)
 
+    async def ArchiveBlocks(self, request: cachestore_pb2.ArchiveBlocksRequest,
+                            context) -> cachestore_pb2.ArchiveBlocksResponse:
+        hashes = list(request.block_hashes)
+        r = await asyncio.to_thread(self.store.archive, hashes)  # disk writes off the event loop
+        export_tier_gauges(self.store)
+        log.info("blocks_archived", num_archived=r.num_archived, num_already_archived=r.num_already_archived,
+                 num_missing=r.num_missing, num_kept=r.num_kept)
+        return cachestore_pb2.ArchiveBlocksResponse(
+            num_archived_blocks=r.num_archived, num_already_archived_blocks=r.num_already_archived,
+            num_missing_blocks=r.num_missing, num_kept_blocks=r.num_kept)
+
 
 def _semantic_kind(value: int) -> SemanticKind:
     kind = _SEMANTIC_KINDS.get(value)

@@ -79,6 +79,16 @@ class TierChange:
     block_hashes: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class ArchiveResult:
+    """What ``archive`` did with the hashes it was given (each counted once)."""
+
+    num_archived: int  # moved RAM -> disk now
+    num_already_archived: int  # on disk and not in RAM
+    num_missing: int  # in neither tier
+    num_kept: int  # left in RAM: no disk tier, or the write failed
+
+
 @dataclass
 class TierCounters:
     """Movements between tiers since start (read by metrics and benchmarks)."""
@@ -231,6 +241,31 @@ class TieredStore:
                 else:
                     self.counters.num_dropped += 1
             return demoted
+
+    def archive(self, block_hashes) -> ArchiveResult:
+        """Move the named blocks out of RAM onto disk now (released KV: reachable, but no
+        longer worth RAM). A block on disk already just leaves RAM; without a disk tier, or
+        when the write fails, it stays in RAM (the lowest tier then), never dropped."""
+        archived = already = missing = kept = 0
+        with self._lock:
+            for h in dict.fromkeys(block_hashes):
+                on_disk = self.disk is not None and self.disk.contains(h)
+                if not self.host.contains(h):
+                    already, missing = already + on_disk, missing + (not on_disk)
+                    continue
+                if self.disk is None:
+                    kept += 1
+                    continue
+                block = self.host.remove(h)
+                if not on_disk and not self._disk_put(block):
+                    self.host.put(block)  # back where it was (it fitted): the failure is logged and counted
+                    kept += 1
+                    continue
+                self._forget_host(h)
+                self._note(Tier.SLEEPING, False, [h])
+                archived += 1
+                self.counters.num_demoted_to_disk += 1
+        return ArchiveResult(archived, already, missing, kept)
 
     def warm(self, block_hashes) -> tuple[int, int]:
         """Copy the leading run of ``block_hashes`` that the store holds up to RAM

@@ -220,3 +220,21 @@ class PrefetchBlocksResponse(_message.Message):
     num_found_blocks: int
     num_warmed_blocks: int
     def __init__(self, num_found_blocks: _Optional[int] = ..., num_warmed_blocks: _Optional[int] = ...) -> None: ...
+
+class ArchiveBlocksRequest(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ArchiveBlocksResponse(_message.Message):
+    __slots__ = ("num_archived_blocks", "num_already_archived_blocks", "num_missing_blocks", "num_kept_blocks")
+    NUM_ARCHIVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ALREADY_ARCHIVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MISSING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_archived_blocks: int
+    num_already_archived_blocks: int
+    num_missing_blocks: int
+    num_kept_blocks: int
+    def __init__(self, num_archived_blocks: _Optional[int] = ..., num_already_archived_blocks: _Optional[int] = ..., num_missing_blocks: _Optional[int] = ..., num_kept_blocks: _Optional[int] = ...) -> None: ...

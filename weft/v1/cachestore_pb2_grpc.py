@@ -80,6 +80,11 @@ class CacheStoreStub:
                 request_serializer=weft_dot_v1_dot_cachestore__pb2.PrefetchBlocksRequest.SerializeToString,
                 response_deserializer=weft_dot_v1_dot_cachestore__pb2.PrefetchBlocksResponse.FromString,
                 _registered_method=True)
+        self.ArchiveBlocks = channel.unary_unary(
+                '/weft.v1.CacheStore/ArchiveBlocks',
+                request_serializer=weft_dot_v1_dot_cachestore__pb2.ArchiveBlocksRequest.SerializeToString,
+                response_deserializer=weft_dot_v1_dot_cachestore__pb2.ArchiveBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class CacheStoreServicer:
@@ -149,6 +154,14 @@ class CacheStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ArchiveBlocks(self, request, context):
+        """Move blocks down to the archived tier (disk) now: KV its session released, which
+        stays reachable there (a prompt that uses it reads it back) but no longer takes RAM.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +209,11 @@ def add_CacheStoreServicer_to_server(servicer, server):
                     servicer.PrefetchBlocks,
                     request_deserializer=weft_dot_v1_dot_cachestore__pb2.PrefetchBlocksRequest.FromString,
                     response_serializer=weft_dot_v1_dot_cachestore__pb2.PrefetchBlocksResponse.SerializeToString,
+            ),
+            'ArchiveBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ArchiveBlocks,
+                    request_deserializer=weft_dot_v1_dot_cachestore__pb2.ArchiveBlocksRequest.FromString,
+                    response_serializer=weft_dot_v1_dot_cachestore__pb2.ArchiveBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +460,33 @@ class CacheStore:
             '/weft.v1.CacheStore/PrefetchBlocks',
             weft_dot_v1_dot_cachestore__pb2.PrefetchBlocksRequest.SerializeToString,
             weft_dot_v1_dot_cachestore__pb2.PrefetchBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ArchiveBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.v1.CacheStore/ArchiveBlocks',
+            weft_dot_v1_dot_cachestore__pb2.ArchiveBlocksRequest.SerializeToString,
+            weft_dot_v1_dot_cachestore__pb2.ArchiveBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
