@@ -53,6 +53,7 @@ from services.executor.process_env import apply_executor_env  # noqa: E402
 apply_executor_env()  # the executor processes' torch runtime settings, before torch loads
 
 from benchmarks.agentic_workload import TRACE, Chat, Program, make_workload, trace_workload  # noqa: E402
+from benchmarks.agentic_peer_report import BEGIN, END, splice_section  # noqa: E402
 from benchmarks.report import write_bar_chart, write_markdown  # noqa: E402
 
 # The executor's own tiering (issue 6 defaults): every session's blocks written to the
@@ -89,8 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace-requests", type=int, default=160, help="mooncake requests replayed (0: skip)")
     p.add_argument("--trace-block-tokens", type=int, default=16, help="tokens per trace hash block")
     p.add_argument("--trace-duration-s", type=float, default=30.0, help="time span the trace is scaled to")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="agentic.md and PNGs")
+    p.add_argument("--peer", choices=["llama-server"], default=None,
+                   help="compare with a peer engine instead (issue 17's workload; `--peer llama-server --help`)")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in CONFIGS]
@@ -329,16 +332,23 @@ async def bench(args) -> dict[str, dict[str, RunResult]]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--peer" or a.startswith("--peer=") for a in argv):  # issue 17's comparison: its own options
+        from benchmarks.agentic_peer import main as peer_main
+
+        return peer_main(argv)
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     results = asyncio.run(bench(args))
-    meta = {"command": "weft bench agentic " + " ".join(sys.argv[3:] if argv is None else argv),
+    meta = {"command": "weft bench agentic " + " ".join(argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{os.cpu_count()} CPUs (shared), no GPU"}
     text = report(args, results, meta)
     files = charts(args, results)
     text += "\n" + "\n".join(f"![{f}]({f})" for f in files) + "\n"
-    (args.out_dir / "agentic.md").write_text(text)
+    md = args.out_dir / "agentic.md"  # the peer comparison's section (agentic_peer.py) is kept
+    peer = md.read_text().split(BEGIN, 1)[1].split(END, 1)[0] if md.exists() and BEGIN in md.read_text() else ""
+    md.write_text(splice_section(text, peer) if peer else text)
     (args.out_dir / "agentic.json").write_text(json.dumps(
         {n: {w: summarize(r) for w, r in per.items()} for n, per in results.items()}, indent=1))
     print(text)

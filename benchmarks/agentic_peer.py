@@ -1,0 +1,340 @@
+"""``weft bench agentic --peer llama-server``: issue 17's agent workload against llama.cpp's
+server on the same GGUF weights, against a default ``weft up`` mesh with and without the
+agent hints, and against Weft's FCFS ablation.
+
+Workload (benchmarks/agentic_workload.py, ``PeerWorkloadSpec``): programs of 3–16 hops
+(Pareto-tailed), each hop sends the whole context as token ids (system prompt + tools +
+every earlier hop's task/tool result and output), then a log-normal tool pause (median
+0.5 s); a closed loop keeps 8 programs running at once; meanwhile interactive requests
+arrive as a Poisson stream (~1/s). Every request streams, so TTFT is the first token's
+arrival at the client.
+
+Engines (all started once per model, each with its own warm-up, then left running):
+
+  llama-server    ``llama-server -np 6`` (continuous batching, prompt cache on), the f32 GGUF
+                  of benchmarks/peers/weights.py; /completion with token-id prompts, stream
+  weft            a default ``weft up`` mesh (launcher processes on loopback); hops carry
+                  session_id, program_id, hop_index, expected_tool_ms and request_class
+                  agentic, chats request_class interactive
+  weft-no-hints   another default mesh; requests carry no session info at all
+  weft-fcfs       ``--policy fcfs --preemption-policy fcfs --no-demote``, hints sent
+
+Each seed's workload is replayed once per engine, engines in a rotated order per seed (the
+first slot moves), so no configuration always runs first. Results: a section of
+benchmarks/results/agentic.md (between its peer markers) and agentic_peer_*.png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import agentic_peer_report as rep  # noqa: E402
+from benchmarks.agentic_workload import Chat, PeerWorkloadSpec, Program, make_peer_workload  # noqa: E402
+
+WEFT_SETTINGS = {rep.HINTS: {}, rep.NO_HINTS: {},
+                 rep.FCFS: {"policy": "fcfs", "preemption_policy": "fcfs", "demote": "false"}}
+
+
+@dataclass(frozen=True)
+class Hints:
+    """What a hop or a chat tells Weft (None: nothing)."""
+
+    request_class: str  # "agentic" | "interactive"
+    session_id: str = ""
+    hop_index: int = 0
+    expected_tool_ms: int = 0
+
+
+class LlamaServer:
+    """``llama-server -np N`` as one engine; /completion, token-id prompts, streamed."""
+
+    def __init__(self, gguf: Path, *, slots: int, ctx_per_slot: int, threads: int) -> None:
+        from benchmarks.peers.build_llamacpp import find_binary
+        from benchmarks.peers.llama_cpp import _free_port
+
+        self.port = _free_port()
+        self.cmd = [str(find_binary("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port",
+                    str(self.port), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+                    "-c", str(slots * ctx_per_slot)]
+        self.proc = None
+        self.session = None
+
+    async def start(self) -> None:
+        import aiohttp
+
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        deadline = time.monotonic() + 180
+        while True:  # its own readiness endpoint answers 200 once the model is loaded
+            try:
+                async with self.session.get(f"http://127.0.0.1:{self.port}/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"llama-server did not come up (exit {self.proc.poll()}): {' '.join(self.cmd)}")
+            await asyncio.sleep(0.5)
+
+    async def generate(self, rid: str, prompt: list[int], max_tokens: int, hints: Hints | None):
+        body = {"prompt": prompt, "n_predict": max_tokens, "stream": True, "temperature": 0.0, "top_k": 1,
+                "ignore_eos": True, "cache_prompt": True, "return_tokens": True}
+        start, first, out = time.perf_counter(), None, []
+        async with self.session.post(f"http://127.0.0.1:{self.port}/completion", json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"llama-server {r.status}: {(await r.text())[:200]}")
+            async for line in r.content:
+                if not line.startswith(b"data: "):
+                    continue
+                tokens = json.loads(line[6:]).get("tokens") or []
+                if tokens and first is None:
+                    first = time.perf_counter()
+                out.extend(tokens)
+        return (first or time.perf_counter()) - start, out
+
+    async def stop(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+class WeftMesh:
+    """A default ``weft up`` mesh (the launcher's processes), driven through the router's gRPC API."""
+
+    def __init__(self, name: str, model_dir: Path, state_dir: Path, settings: dict[str, str]) -> None:
+        from weft.launcher.launcher import Launcher, UpOptions
+
+        self.launcher = Launcher(UpOptions(model_dir=str(model_dir), num_executors=1, http_port=0, grpc_port=0,
+                                           state_dir=state_dir / name, log_level="warning", settings=settings))
+        self.stub = self.channel = None
+
+    async def start(self) -> None:
+        import grpc
+
+        from weft.v1 import router_pb2_grpc
+
+        state = await self.launcher.start()
+        self.channel = grpc.aio.insecure_channel(state.grpc_address)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+
+    async def generate(self, rid: str, prompt: list[int], max_tokens: int, hints: Hints | None):
+        from weft.v1 import common_pb2, router_pb2
+
+        req = router_pb2.GenerateRequest(
+            request_id=rid, token_ids=router_pb2.TokenIds(ids=prompt),
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        if hints is not None:
+            cls = {"agentic": common_pb2.REQUEST_CLASS_AGENTIC, "interactive": common_pb2.REQUEST_CLASS_INTERACTIVE}
+            req.session.CopyFrom(common_pb2.SessionInfo(
+                session_id=hints.session_id, program_id=hints.session_id, hop_index=hints.hop_index,
+                expected_tool_ms=hints.expected_tool_ms, request_class=cls[hints.request_class]))
+        start, first, out = time.perf_counter(), None, []
+        async for chunk in self.stub.Generate(req, timeout=600):
+            if chunk.token_ids_delta and first is None:
+                first = time.perf_counter()
+            out.extend(chunk.token_ids_delta)
+        return (first or time.perf_counter()) - start, out
+
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+        await self.launcher.stop()
+
+
+@dataclass
+class RunLog:
+    jct_s: list[float] = field(default_factory=list)
+    ttft_int_s: list[float] = field(default_factory=list)
+    ttft_hop_s: list[float] = field(default_factory=list)
+    num_errors: int = 0
+
+
+async def replay(engine, config: str, tag: str, programs: list[Program], chats: list[Chat], spec: PeerWorkloadSpec,
+                 bar=None) -> rep.RunSummary:
+    """One closed-loop replay: ``spec.concurrency`` programs at once, chats due before the last
+    program ends. ``tag`` keeps request and session ids unique across runs."""
+    log, hinted = RunLog(), config != rep.NO_HINTS
+    queue = list(programs)
+    done = asyncio.Event()
+
+    async def program_worker() -> None:
+        while queue:
+            p = queue.pop(0)
+            context, start = list(p.prefix_token_ids), time.perf_counter()
+            try:
+                for h, hop in enumerate(p.hops):
+                    context.extend(hop.new_token_ids)
+                    hints = Hints("agentic", f"{tag}-{p.program_id}", h, hop.expected_tool_ms) if hinted else None
+                    ttft, out = await engine.generate(f"{tag}-{p.program_id}-h{h}", context, spec.output_tokens, hints)
+                    log.ttft_hop_s.append(ttft)
+                    context.extend(out)
+                    if bar is not None:
+                        bar.update(1)
+                    if hop.pause_s:
+                        await asyncio.sleep(hop.pause_s)  # the tool runs
+                log.jct_s.append(time.perf_counter() - start)
+            except Exception as exc:  # counted and reported, the run goes on
+                log.num_errors += 1
+                print(f"  [{config}] {p.program_id} failed: {exc!r}"[:300], flush=True)
+
+    async def one_chat(c: Chat) -> None:
+        try:
+            ttft, _ = await engine.generate(f"{tag}-{c.chat_id}", list(c.prompt_token_ids), spec.output_tokens,
+                                            Hints("interactive") if hinted else None)
+            log.ttft_int_s.append(ttft)
+        except Exception as exc:
+            log.num_errors += 1
+            print(f"  [{config}] {c.chat_id} failed: {exc!r}"[:300], flush=True)
+
+    async def chat_source(t0: float) -> None:
+        sent = []
+        for c in chats:
+            delay = t0 + c.start_s - time.perf_counter()
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(done.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+            if done.is_set():
+                break
+            sent.append(asyncio.create_task(one_chat(c)))
+        await asyncio.gather(*sent)
+
+    t0 = time.perf_counter()
+    chatter = asyncio.create_task(chat_source(t0))
+    await asyncio.gather(*(program_worker() for _ in range(spec.concurrency)))
+    done.set()
+    await chatter
+    return rep.summarize(config, 0, log.jct_s, log.ttft_int_s, log.ttft_hop_s, log.num_errors,
+                         time.perf_counter() - t0)
+
+
+def make_engine(config: str, model, args):
+    if config == rep.PEER:
+        return LlamaServer(model.gguf, slots=args.peer_slots, ctx_per_slot=args.ctx_per_slot, threads=args.threads)
+    return WeftMesh(config, model.model_dir, args.state_dir / model.name, WEFT_SETTINGS[config])
+
+
+async def run_model(args, model_name: str) -> list[rep.RunSummary]:
+    """Start every engine, warm each up, then the seeds, engines rotated per seed."""
+    from tqdm.auto import tqdm
+
+    from benchmarks.peers.weights import peer_model
+
+    model = peer_model(model_name)
+    config = json.loads((Path(model.model_dir) / "config.json").read_text())
+    max_context = min(config["max_position_embeddings"], args.ctx_per_slot) - args.spec.output_tokens - 8
+    engines = {c: make_engine(c, model, args) for c in args.configs}
+    runs: list[rep.RunSummary] = []
+    try:
+        for c, engine in engines.items():
+            print(f"[{model_name}] starting {c} ...", flush=True)
+            await engine.start()
+        warm_spec = PeerWorkloadSpec(num_programs=args.spec.concurrency, concurrency=args.spec.concurrency,
+                                     min_hops=2, max_hops=3, tool_median_s=0.1, output_tokens=args.spec.output_tokens)
+        warm = make_peer_workload(warm_spec, 10_000, config["vocab_size"], max_context)
+        for c, engine in engines.items():
+            print(f"[{model_name}] warm-up {c} ...", flush=True)
+            await replay(engine, c, f"warm-{c}", *warm, warm_spec)
+        for k, seed in enumerate(args.seeds):
+            programs, chats = make_peer_workload(args.spec, seed, config["vocab_size"], max_context)
+            order = args.configs[k % len(args.configs):] + args.configs[:k % len(args.configs)]
+            for c in order:
+                total = sum(len(p.hops) for p in programs)
+                with tqdm(total=total, desc=f"{model_name} seed {seed} {c}", unit="hop", leave=False) as bar:
+                    s = await replay(engines[c], c, f"{c}-s{seed}", programs, chats, args.spec, bar)
+                s = rep.RunSummary(**{**s.__dict__, "seed": seed})
+                runs.append(s)
+                print(f"[{model_name}] seed {seed} {c}: program p99 {s.jct_p99_s:.1f} s, interactive TTFT p99 "
+                      f"{s.ttft_int_p99_ms:.0f} ms ({s.num_chats} chats), {s.num_errors} errors, {s.wall_s:.0f} s",
+                      flush=True)
+    finally:
+        for engine in engines.values():
+            await engine.stop()
+    return runs
+
+
+def charts(args, model_name: str, runs: list[rep.RunSummary]) -> list[str]:
+    from benchmarks.report import write_bar_chart
+
+    med = lambda c, f: rep.statistics.median([getattr(r, f) for r in runs if r.config == c])  # noqa: E731
+    configs = [c for c in args.configs if any(r.config == c for r in runs)]
+    path = args.out_dir / f"agentic_peer_{model_name}.png"
+    write_bar_chart(path, f"{model_name}: median over seeds (program s x1000 / TTFT ms)",
+                    ["program p50 (ms)", "program p99 (ms)", "interactive TTFT p50", "interactive TTFT p99"],
+                    {c: [med(c, "jct_p50_s") * 1000, med(c, "jct_p99_s") * 1000, med(c, "ttft_int_p50_ms"),
+                         med(c, "ttft_int_p99_ms")] for c in configs}, ylabel="ms")
+    return [path.name]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="weft bench agentic --peer llama-server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peer", choices=["llama-server"], required=True, help="the peer engine compared with")
+    p.add_argument("--model", choices=["smollm2", "bench", "both"], default="both",
+                   help="SmolLM2-135M-Instruct, the 55 M bench preset, or both (default: both)")
+    p.add_argument("--configs", default=",".join(rep.CONFIGS),
+                   help=f"comma-separated configurations (default: all of {', '.join(rep.CONFIGS)})")
+    p.add_argument("--seeds", default="0,1,2", help="workload seeds, each replayed once per configuration")
+    p.add_argument("--num-programs", type=int, default=24, help="agent programs per seed (default: 24)")
+    p.add_argument("--concurrency", type=int, default=8, help="programs running at once (default: 8)")
+    p.add_argument("--max-hops", type=int, default=16, help="cap of the Pareto-tailed hop count (default: 16)")
+    p.add_argument("--tool-median-s", type=float, default=0.5, help="median log-normal tool pause (default: 0.5)")
+    p.add_argument("--output-tokens", type=int, default=16, help="tokens generated per hop and chat (default: 16)")
+    p.add_argument("--interactive-rate", type=float, default=1.0, help="interactive requests per second (default: 1)")
+    p.add_argument("--peer-slots", type=int, default=6, help="llama-server -np (default: 6)")
+    p.add_argument("--ctx-per-slot", type=int, default=4096, help="llama-server context per slot; prompts fit it")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server threads (default: all CPUs; "
+                   "Weft's executor takes torch's choice, also all CPUs)")
+    p.add_argument("--state-dir", type=Path, default=ROOT / ".weft" / "bench-agentic-peer", help="meshes' state")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="agentic.md and PNGs")
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if unknown := [c for c in args.configs if c not in rep.CONFIGS]:
+        p.error(f"unknown configs {unknown}; choose from {list(rep.CONFIGS)}")
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.spec = PeerWorkloadSpec(num_programs=args.num_programs, concurrency=args.concurrency,
+                                 max_hops=args.max_hops, tool_median_s=args.tool_median_s,
+                                 output_tokens=args.output_tokens, interactive_rate_per_s=args.interactive_rate)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    models = ["smollm2", "bench"] if args.model == "both" else [args.model]
+    s = args.spec
+    lines = ["## Against llama-server (issue 17's agent workload)", "",
+             f"Command: `weft bench agentic {' '.join(sys.argv[3:] if argv is None else argv)}`  ",
+             f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {os.cpu_count()} CPUs "
+             "(shared with other work), no GPU", "",
+             f"Workload per seed: {s.num_programs} programs of {s.min_hops}–{s.max_hops} hops (Pareto alpha "
+             f"{s.pareto_alpha}), {s.concurrency} at once, whole context as token ids every hop, {s.output_tokens} "
+             f"output tokens per hop, log-normal tool pauses (median {s.tool_median_s} s); interactive requests "
+             f"at {s.interactive_rate_per_s}/s while programs run. llama-server `-np {args.peer_slots}` "
+             f"`-t {args.threads}` on the same f32 weights (GGUF from benchmarks/peers). Seeds {args.seeds}, "
+             "engines rotated per seed after one warm-up each.", ""]
+    for m in models:
+        runs = asyncio.run(run_model(args, m))
+        lines += rep.model_section(m, runs, charts(args, m, runs))
+    section = "\n".join(lines)
+    md = args.out_dir / "agentic.md"
+    md.write_text(rep.splice_section(md.read_text() if md.exists() else "# Agentic benchmark\n", section))
+    print(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

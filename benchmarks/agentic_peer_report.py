@@ -1,0 +1,166 @@
+"""The peer comparison's numbers (pure: no processes, no clocks): one run's summary, median
+and range over seeds, per-seed ratios and their geometric mean, issue 17's targets, and
+the markdown section ``weft bench agentic --peer llama-server`` writes into
+benchmarks/results/agentic.md.
+
+A ratio is always ``other ÷ weft-config`` of a latency, so higher means the Weft
+configuration is faster; it is taken within one seed (the same workload, run minutes
+apart) and only then averaged across seeds, geometrically.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from benchmarks.report import write_markdown
+
+PEER = "llama-server"
+HINTS = "weft"
+NO_HINTS = "weft-no-hints"
+FCFS = "weft-fcfs"
+CONFIGS = (PEER, HINTS, NO_HINTS, FCFS)
+BEGIN, END = "<!-- peer:begin -->", "<!-- peer:end -->"
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One configuration's run of one seed's workload."""
+
+    config: str
+    seed: int
+    jct_p50_s: float  # program completion time (first hop sent -> last hop's last token)
+    jct_p99_s: float
+    ttft_int_p50_ms: float  # interactive requests' time to first token
+    ttft_int_p99_ms: float
+    ttft_hop_p99_ms: float  # agent hops' time to first token
+    num_programs: int
+    num_chats: int
+    num_errors: int
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """``numerator ÷ denominator`` of one latency, per seed and their geometric mean."""
+
+    numerator: str
+    denominator: str
+    metric: str  # a RunSummary field
+    per_seed: tuple[float, ...]
+
+    @property
+    def geomean(self) -> float:
+        return geomean(self.per_seed)
+
+
+@dataclass(frozen=True)
+class Target:
+    text: str
+    ratio: Ratio
+    at_least: float
+    every_seed: bool = False  # "never below": the worst seed must meet it, not the mean
+
+    @property
+    def value(self) -> float:
+        return min(self.ratio.per_seed) if self.every_seed else self.ratio.geomean
+
+    @property
+    def met(self) -> bool:
+        return self.value >= self.at_least
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (p99 of 24 programs is the slowest one); nan when empty."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def geomean(values) -> float:
+    values = [v for v in values if v > 0 and v == v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def summarize(config: str, seed: int, jct_s: list[float], ttft_int_s: list[float], ttft_hop_s: list[float],
+              num_errors: int, wall_s: float) -> RunSummary:
+    return RunSummary(config, seed, pct(jct_s, 50), pct(jct_s, 99), pct(ttft_int_s, 50) * 1000,
+                      pct(ttft_int_s, 99) * 1000, pct(ttft_hop_s, 99) * 1000, len(jct_s), len(ttft_int_s),
+                      num_errors, wall_s)
+
+
+def ratio(runs: list[RunSummary], numerator: str, denominator: str, metric: str) -> Ratio:
+    """Per seed (in seed order), ``numerator``'s metric over ``denominator``'s; seeds that
+    lack either configuration are skipped."""
+    by = {(r.config, r.seed): getattr(r, metric) for r in runs}
+    seeds = sorted({r.seed for r in runs})
+    return Ratio(numerator, denominator, metric, tuple(
+        by[numerator, s] / by[denominator, s] for s in seeds if (numerator, s) in by and (denominator, s) in by))
+
+
+def targets(runs: list[RunSummary]) -> list[Target]:
+    """Issue 17's targets on one model's runs."""
+    out = [Target("Weft with hints vs llama-server, program completion p99", ratio(runs, PEER, HINTS, "jct_p99_s"),
+                  1.5),
+           Target("Weft with hints vs llama-server, interactive TTFT p99", ratio(runs, PEER, HINTS, "ttft_int_p99_ms"),
+                  2.0),
+           Target("Weft with hints vs without, program completion p99", ratio(runs, NO_HINTS, HINTS, "jct_p99_s"),
+                  1.2)]
+    for metric, what in (("jct_p99_s", "program completion p99"), ("ttft_int_p99_ms", "interactive TTFT p99")):
+        out.append(Target(f"Weft without hints vs llama-server, {what} (worst seed)",
+                          ratio(runs, PEER, NO_HINTS, metric), 1.0, every_seed=True))
+    return out
+
+
+def median_range(values: list[float], fmt: str) -> str:
+    """``median [min–max]``."""
+    values = [v for v in values if v == v]
+    if not values:
+        return "-"
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}–{max(values):{fmt}}]"
+
+
+FIGURES = (("jct_p50_s", "program p50 s", ".1f"), ("jct_p99_s", "program p99 s", ".1f"),
+           ("ttft_int_p50_ms", "interactive TTFT p50 ms", ".0f"), ("ttft_int_p99_ms", "interactive TTFT p99 ms", ".0f"),
+           ("ttft_hop_p99_ms", "hop TTFT p99 ms", ".0f"))
+
+
+def model_section(model: str, runs: list[RunSummary], chart_files: list[str]) -> list[str]:
+    configs = [c for c in CONFIGS if any(r.config == c for r in runs)]
+    rows = [[c] + [median_range([getattr(r, f) for r in runs if r.config == c], fmt) for f, _, fmt in FIGURES]
+            + [str(sum(r.num_errors for r in runs if r.config == c))] for c in configs]
+    out = [f"### {model}", "", "Median [range] over seeds:", "",
+           write_markdown(["config"] + [h for _, h, _ in FIGURES] + ["errors"], rows), ""]
+    rows = []
+    for num, den in ((PEER, HINTS), (PEER, NO_HINTS), (PEER, FCFS), (NO_HINTS, HINTS), (FCFS, HINTS)):
+        for metric, what in (("jct_p99_s", "program p99"), ("ttft_int_p99_ms", "interactive TTFT p99")):
+            r = ratio(runs, num, den, metric)
+            if r.per_seed:
+                rows.append([f"{num} ÷ {den}", what, ", ".join(f"{v:.2f}" for v in r.per_seed), f"{r.geomean:.2f}x"])
+    out += ["Ratios of latencies (higher: the configuration after ÷ is faster), per seed and geometric mean:", "",
+            write_markdown(["ratio", "figure", "per seed", "geomean"], rows), ""]
+    out += ["Targets (issue 17):", ""]
+    for t in targets(runs):
+        if t.ratio.per_seed:
+            what = "worst seed" if t.every_seed else "geomean"
+            out.append(f"- {t.text}: {what} {t.value:.2f}x (target >= {t.at_least}x): "
+                       f"**{'met' if t.met else 'missed'}**")
+    rows = [[r.config, str(r.seed), f"{r.jct_p99_s:.1f}", f"{r.ttft_int_p99_ms:.0f}", str(r.num_chats),
+             str(r.num_errors), f"{r.wall_s:.0f}"] for r in runs]
+    out += ["", "<details><summary>Every run, in the order run</summary>", "",
+            write_markdown(["config", "seed", "program p99 s", "interactive TTFT p99 ms", "interactive requests",
+                            "errors", "wall s"], rows), "", "</details>", ""]
+    out += [f"![{f}]({f})" for f in chart_files] + [""]
+    return out
+
+
+def splice_section(document: str, section: str) -> str:
+    """``document`` with the text between BEGIN and END replaced by ``section`` (inserted
+    after the first line when the markers are absent); everything else is kept."""
+    block = f"{BEGIN}\n{section.strip()}\n{END}"
+    if BEGIN in document and END in document:
+        head, rest = document.split(BEGIN, 1)
+        return head + block + rest.split(END, 1)[1]
+    first, _, rest = document.partition("\n")
+    return f"{first}\n\n{block}\n{rest}" if document else block + "\n"
