@@ -24,6 +24,11 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TIERS = ("active", "sleeping", "archived")  # executor GPU/CPU pool, cachestore host RAM, cachestore disk
 KV_STATES = ("used", "reserved", "borrowed")
+# Priority is in "class levels" (services/scheduler/policy/priority.py): interactive 0,
+# agentic -1, batch -3, moved by the caller's field, program service, slack and aging.
+PRIORITY_BUCKETS = (-4.0, -3.0, -2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 4.0)
+RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0, 4.0, 10.0)
+INTENT_DECISIONS = ("shifted", "kept", "unavailable")
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,20 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "Tool-call pauses by what happened to the session's KV (keep, demote, drop).", "scheduler"),
     MetricSpec("weft_migrations_total", "counter", ("reason",),
                "Requests continued on another executor mid-stream (counted per move).", "scheduler"),
+    MetricSpec("weft_scheduler_priority", "histogram", ("request_class",),
+               "Priority a request was placed with (higher ran first; in class levels).", "scheduler",
+               buckets=PRIORITY_BUCKETS),
+    MetricSpec("weft_scheduler_intent_shift_total", "counter", ("decision",),
+               "Intent-shift checks of session hops by decision (shifted, kept, unavailable).", "scheduler"),
+    MetricSpec("weft_scheduler_fallbacks_total", "counter", ("path",),
+               "Contract fallbacks taken because a ceiling could not be met (degrade, reroute, fail_fast).",
+               "scheduler"),
+    MetricSpec("weft_scheduler_ttft_ceiling_total", "counter", ("request_class", "outcome"),
+               "Requests with a contract TTFT ceiling by whether the TTFT the scheduler observed met it.",
+               "scheduler"),
+    MetricSpec("weft_scheduler_ttft_ceiling_ratio", "histogram", ("request_class",),
+               "Observed TTFT divided by the contract's TTFT ceiling (above 1: missed).", "scheduler",
+               buckets=RATIO_BUCKETS),
     MetricSpec("weft_degradation_rung", "gauge", ("request_class",),
                "Current rung of the degradation ladder per class (0 = full quality, 4 = shed).", "scheduler"),
     # -- the verdict (router: it sees whole timelines)
@@ -218,6 +237,27 @@ def count_pause(action: str) -> None:
 
 def count_migration(reason: str, num: int = 1) -> None:
     metric("weft_migrations_total").labels(reason).inc(num)
+
+
+def observe_priority(request_class: str, priority: float) -> None:
+    metric("weft_scheduler_priority").labels(request_class_label(request_class)).observe(priority)
+
+
+def count_intent_shift(decision: str) -> None:
+    if decision not in INTENT_DECISIONS:
+        raise ValueError(f"intent-shift decision {decision!r} is not one of {INTENT_DECISIONS}")
+    metric("weft_scheduler_intent_shift_total").labels(decision).inc()
+
+
+def count_fallback(path: str) -> None:
+    metric("weft_scheduler_fallbacks_total").labels(path).inc()
+
+
+def observe_ttft_ceiling(request_class: str, met: bool, ratio: float) -> None:
+    """A request with a TTFT ceiling got its first token: ``ratio`` = observed / ceiling."""
+    label = request_class_label(request_class)
+    metric("weft_scheduler_ttft_ceiling_total").labels(label, "met" if met else "missed").inc()
+    metric("weft_scheduler_ttft_ceiling_ratio").labels(label).observe(ratio)
 
 
 def set_degradation_rung(request_class: str, rung: int) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from services.mesh.timeline import TraceContext, downstream_spans
 from services.scheduler.agent_plane import HopRequest
-from services.scheduler.dispatch.job import Chunk, ExecutorCall, Job
+from services.scheduler.dispatch.job import Chunk, Decisions, ExecutorCall, Job
 from services.scheduler.errors import InvalidScheduleRequest
 from services.scheduler.policy.contracts import ContractTerms, Fallback
 from services.scheduler.policy.degradation import DegradationContract, Rung
@@ -161,6 +161,28 @@ def schedule_response(request_id: str, chunk: Chunk) -> scheduler_pb2.ScheduleRe
         out.pause_decision = PAUSES_TO_PB[chunk.pause]
     if chunk.num_migrations:
         out.num_migrations = chunk.num_migrations
+    if chunk.decisions is not None:
+        out.decisions.CopyFrom(decisions_to_pb(chunk.decisions))
+    return out
+
+
+def decisions_to_pb(d: Decisions) -> common_pb2.SchedulingDecisions:
+    """The wire form of a chunk's decisions (unset fields stay at their zero: "not decided")."""
+    out = common_pb2.SchedulingDecisions(
+        priority=d.priority, queue_ms=d.queue_ms, intent_shift=d.intent_shift, intent_distance=d.intent_distance,
+        ttft_estimate_ms=max(0, d.ttft_estimate_ms), ttft_ceiling_ms=d.ttft_ceiling_ms,
+        ttft_achieved_ms=round(d.ttft_achieved_ms) if d.ttft_achieved_ms is not None else 0,
+        expected_cached_tokens=d.expected_cached_tokens,
+    )
+    if d.request_class is not None:
+        out.request_class = CLASSES_TO_PB[d.request_class]
+    if d.fallback is not None:
+        out.fallback_taken = FALLBACKS_TO_PB[d.fallback.path]
+        out.fallback_reason = d.fallback.reason
+    if d.rung is not None:
+        out.degradation_rung = rung_to_pb(d.rung)
+    if d.pause is not None:
+        out.pause_decision = PAUSES_TO_PB[d.pause]
     return out
 
 

@@ -8,6 +8,8 @@
                           when it ends (and demote its KV when the pause policy said so)
     reprioritize_forever  push re-estimated priorities of running hops to executors
     end_session(…)        release a session's pins on every executor and forget it
+    fork_session(…)       children that copy a session's context (its KV shared by reference)
+    join_session(…)       a parent continues from a child's context; the other children end
 
 One hop of a session runs at a time: ``begin`` claims the session (a second hop is
 refused with SessionBusyError) and the claim ends with the hop's last chunk, so the next
@@ -35,7 +37,7 @@ from services.scheduler.policy.placement import InflightTracker, Placement
 from services.scheduler.state.membership import ExecutorLoad, ExecutorRecord, Membership
 from dataclasses import dataclass
 
-from services.scheduler.state.sessions import SessionState, executor_session_id
+from services.scheduler.state.sessions import Forked, Joined, SessionState, executor_session_id
 from services.shared.block_hash import extra_keys_for, hash_block_chain
 from services.shared.vocabulary import queue_order_key
 
@@ -100,22 +102,54 @@ class AgentSteps:
         its KV is released when it does (``observe``). None when this tenant never had the
         session (another tenant's id included); a repeated end is a no-op that succeeds."""
         sessions = self.plane.sessions
-        running = [p for p in self._plans.values()
-                   if p.request.tenant == tenant and p.request.session_id == session_id]
         already = sessions.was_ended(tenant, session_id)
         ses = sessions.end(tenant, session_id)
-        if ses is None and not running and not already:
+        num_running = self._ended(tenant, session_id, ses)
+        if ses is None and not num_running and not already:
             return None
+        released = await self._release_everywhere(tenant, session_id)
+        log.info("session_ended", session_id=session_id, num_executors_released=released,
+                 num_running_hops=num_running, ended_now=not already)
+        return SessionEnd(not already, released, num_running)
+
+    def _ended(self, tenant: str, session_id: str, ses: SessionState | None) -> int:
+        """The session was just ended in the table: stop its prefetch, mark its running hops
+        (released again after they finish, ``observe``) and forget its pin accounting;
+        returns how many hops run. Synchronous, so no hop slips in before the release."""
         if ses is not None:
             ses.demoted = False  # a pending prefetch promotion must not bring it back
             ses.pause_started_s = None
+        running = [p for p in self._plans.values()
+                   if p.request.tenant == tenant and p.request.session_id == session_id]
         for plan in running:
             plan.session_ended = True
         self.plane.forget_pins(tenant, session_id)
-        released = await self._release_everywhere(tenant, session_id)
-        log.info("session_ended", session_id=session_id, num_executors_released=released,
-                 num_running_hops=len(running), ended_now=not already)
-        return SessionEnd(not already, released, len(running))
+        return len(running)
+
+    def fork_session(self, tenant: str, session_id: str, child_ids: list[str]) -> Forked:
+        """Fork ``tenant``'s idle session into ``child_ids`` (SessionTable.fork raises the
+        refusals). Nothing reaches an executor: each child's first stateful hop sends the
+        parent's context + its new tokens, placement by KV overlap picks the executor that
+        holds the parent's blocks and its prefix cache serves them by reference (one copy
+        of the blocks however many children). The parent's pins are left alone."""
+        forked = self.plane.sessions.fork(tenant, session_id, child_ids)
+        log.info("session_forked", session_id=session_id, child_session_ids=list(child_ids),
+                 num_context_tokens=len(forked.parent.context_token_ids), executor=forked.parent.executor)
+        return forked
+
+    async def join_session(self, tenant: str, session_id: str, from_id: str, end_children: bool) -> Joined:
+        """Join ``tenant``'s session: it continues from child ``from_id`` (or its own
+        context); with ``end_children`` its other children end as ``end_session`` ends a
+        session (pins released on every executor, running hops left to finish)."""
+        joined = self.plane.sessions.join(tenant, session_id, from_id, end_children)
+        if joined.absorbed is not None:  # its pins stay (the parent's next hop reads them) until their TTL
+            joined.absorbed.pause_started_s = None
+        for child in joined.ended:
+            self._ended(tenant, child.session_id, child)
+        await asyncio.gather(*(self._release_everywhere(tenant, cid) for cid in joined.ended_ids))
+        log.info("session_joined", session_id=session_id, from_session_id=from_id,
+                 ended_session_ids=list(joined.ended_ids), num_context_tokens=len(joined.parent.context_token_ids))
+        return joined
 
     async def _release_everywhere(self, tenant: str, session_id: str) -> int:
         records = self.membership.all()
@@ -133,7 +167,8 @@ class AgentSteps:
     # -- at placement -----------------------------------------------------------------
     async def place(self, plan: HopPlan, job: Job, prompt: list[int], ranked: list[Placement]) -> list[Placement]:
         """Reroute, pause decision, stale-KV release and promotion for one placed hop;
-        sets ``job.priority`` to the plan's (the executor orders its queue by it)."""
+        sets ``job.priority`` to the plan's (the executor orders its queue by it) and
+        records the hop's decisions in ``job.decisions`` (the relay reports them)."""
         if plan.fallback.path is Fallback.REROUTE and len(ranked) > 1:
             def active(p: Placement) -> int:
                 rec = self.membership.get(p.name)
@@ -148,11 +183,30 @@ class AgentSteps:
         if pause.decision.value != "none":
             catalogue.count_pause(pause.decision.value)
         job.priority = plan.priority(self.admission.clock())
+        self._record_decisions(plan, job, len(prompt), top, rec.block_size if rec else 16)
         if plan.release is not None:
             await self._release_stale(plan, job.tenant)
         if plan.resumes_demoted and rec is not None:
             await self._promote(rec, job.tenant, prompt)
         return ranked
+
+    def _record_decisions(self, plan: HopPlan, job: Job, num_prompt_tokens: int, top: Placement,
+                          block_size: int) -> None:
+        """The plan's decisions into ``job.decisions``; the TTFT estimate counts the
+        chosen executor's expected prefix overlap as cached."""
+        d = job.decisions
+        d.request_class, d.priority, d.fallback = plan.request_class, job.priority, plan.fallback
+        d.ttft_ceiling_ms = plan.request.terms.ttft_ceiling_ms
+        d.expected_cached_tokens = min(num_prompt_tokens, top.num_matched_blocks * block_size)
+        d.ttft_estimate_ms = round(self.plane.contracts.estimate_with_cached(
+            plan.fallback, num_prompt_tokens, d.expected_cached_tokens))
+        d.pause, d.pause_reason, d.pin_ttl_ms = plan.pause.decision, plan.pause.reason, plan.pause.pin_ttl_ms
+        intent = getattr(plan, "intent", None)  # agent_plane's IntentShiftDecision, when a check ran
+        if intent is not None:
+            d.intent_checked, d.intent_shift = True, intent.shifted
+            d.intent_distance, d.intent_signal = intent.distance, intent.signal
+        elif plan.release is not None:  # a plan that carries no decision: the release is the shift
+            d.intent_checked = d.intent_shift = True
 
     @staticmethod
     def exec_fields(plan: HopPlan) -> dict:
@@ -210,8 +264,32 @@ class AgentSteps:
             if rec is not None:
                 asyncio.get_running_loop().create_task(self._demote(rec, ses, plan))
 
+    # -- the intent check, awaited before ``begin`` -------------------------------------
+    async def judge_intent(self, job: Job) -> "IntentShiftDecision | None":
+        """Judge whether ``job``'s hop turns away from its session's kept or demoted
+        context, awaiting the embedding signal for at most the plane's ``intent_timeout_s``
+        (past it, or with the cachestore down, the bigram fallback decides and
+        ``fallback_reason`` says why). The verdict rides on ``job.hop`` into ``begin``.
+        None: nothing to judge (no agent hop, hop 0, no session context, KV dropped).
+        Modifies only ``job.hop``."""
+        if job.hop is None:
+            return None
+        inputs = self.plane.intent_inputs(job.hop)
+        if inputs is None:
+            return None
+        context, turn = inputs
+        decision = await self.plane.intent.decide_async(context, turn, self.plane.intent_timeout_s)
+        job.hop = job.hop.judged(decision, len(context))
+        return decision
+
     # -- executor calls ---------------------------------------------------------------
     async def _release_stale(self, plan: HopPlan, tenant: str) -> None:
+        """Released KV goes down, never back up: the executor unpins the session and
+        forgets the stale blocks (the old context's blocks the new prompt does not reuse),
+        and the cachestore moves its copies of them (written back when the hop finished,
+        or demoted for the pause) to its archive tier, in the background. Nothing promotes
+        them again for this session (``begin`` cleared its demoted state); a later prompt
+        that does reuse them still reads them back. Failures are logged, not raised."""
         rel = plan.release
         rec = self.membership.get(rel.executor)
         if rec is None:
@@ -219,11 +297,22 @@ class AgentSteps:
         keys = extra_keys_for(rec.model_id, tenant, rec.kv_cache_dtype)
         old = hash_block_chain(list(rel.stale_context_token_ids), rec.block_size, keys)
         keep = set(hash_block_chain(list(rel.new_prompt_token_ids), rec.block_size, keys))
+        stale = [h for h in old if h not in keep]
         try:
-            await self.port.release_session(rec.address, executor_session_id(tenant, rel.session_id),
-                                            [h for h in old if h not in keep])
+            await self.port.release_session(rec.address, executor_session_id(tenant, rel.session_id), stale)
         except ExecutorCallError as exc:
             log.warning("session_release_failed", executor=rec.name, details=exc.details)
+        archive = self.plane.kv_archive
+        if stale and archive is not None:
+            async def archive_stale() -> None:
+                try:
+                    n = await archive.archive_blocks(stale)
+                    log.info("stale_kv_archived", session_id=rel.session_id, num_stale_blocks=len(stale),
+                             num_archived_blocks=n)
+                except Exception as exc:  # any cachestore failure: the blocks age out of its RAM by LRU
+                    log.warning("stale_kv_archive_failed", session_id=rel.session_id,
+                                error=str(exc) or type(exc).__name__)
+            asyncio.get_running_loop().create_task(archive_stale())
 
     async def _demote(self, rec: ExecutorRecord, ses: SessionState, plan: HopPlan) -> None:
         try:
@@ -239,8 +328,11 @@ class AgentSteps:
             return
         expected_s = (plan.request.expected_tool_ms or ses.observed_pause_ms) / 1000.0
         if expected_s > 0:  # prefetch: promote shortly before the tool is expected back
+            last_hop = ses.last_hop
             await asyncio.sleep(0.8 * expected_s)
-            if ses.demoted and ses.pause_started_s is not None:
+            # Still this pause's demoted blocks: not resumed, not released by an intent shift
+            # (begin clears ``demoted``), not replaced by a later hop's context.
+            if ses.demoted and ses.pause_started_s is not None and ses.last_hop == last_hop:
                 await self._promote(rec, ses.tenant, ses.context_token_ids.tolist())
 
     async def _promote(self, rec: ExecutorRecord, tenant: str, token_ids: list[int]) -> None:

@@ -6,6 +6,10 @@ fills in what it decides (priority, stamps) and never sees protobuf. The api lay
 ``wire`` message rides along untouched for the port (sampling and session fields the
 scheduler passes through to the executor without reading them).
 
+``Decisions`` is what the scheduler decided for one job, as the response reports it: the
+agent plane fills its part at placement (``AgentSteps.place``), the relay the rest
+(rung, queue time, expected cached tokens, achieved TTFT) and stamps it on the stream.
+
 ``ExecutorPort`` is the executor as the dispatcher needs it: a token stream per call plus
 four session calls. Failures the path reacts to arrive as ``ExecutorCallError``; any
 other error of the executor passes through untouched (it reaches the client as the
@@ -22,6 +26,37 @@ from services.scheduler.policy.contracts import FallbackChoice
 from services.scheduler.policy.degradation import DegradationContract, Rung
 from services.scheduler.policy.pause import PauseDecision
 from services.shared.vocabulary import RequestClass
+
+
+@dataclass
+class Decisions:
+    """One job's scheduling decisions (``weft.v1.SchedulingDecisions``). Everything but
+    ``pause`` is reported on the first chunk; ``pause`` (the session's KV during the
+    coming tool call, decided at placement) on the last. None / 0: not decided."""
+
+    request_class: RequestClass | None = None
+    priority: float = 0.0  # higher ran first
+    queue_ms: int = 0
+    fallback: FallbackChoice | None = None
+    rung: Rung | None = None
+    intent_checked: bool = False  # an intent-shift check ran for this hop
+    intent_shift: bool = False
+    intent_distance: float = 0.0
+    intent_signal: str = ""  # "embedding", "bigram", "none" (no signal could judge it)
+    ttft_estimate_ms: int = 0  # counting the placement's expected cached prefix
+    ttft_ceiling_ms: int = 0  # 0: no contract ceiling
+    ttft_achieved_ms: float | None = None  # scheduler arrival to the first token chunk; None: none yet
+    expected_cached_tokens: int = 0  # prompt tokens the placement expected cached on its executor
+    pause: PauseDecision | None = None
+    pause_reason: str = ""
+    pin_ttl_ms: int = 0
+
+    @property
+    def ttft_met(self) -> bool | None:
+        """Whether the achieved TTFT met the contract ceiling (None: no ceiling or no token yet)."""
+        if not self.ttft_ceiling_ms or self.ttft_achieved_ms is None:
+            return None
+        return self.ttft_achieved_ms <= self.ttft_ceiling_ms
 
 
 @dataclass
@@ -45,6 +80,7 @@ class Job:
     time_remaining_s: Callable[[], float | None] = lambda: None  # the caller's own deadline
     trace_parent: TraceContext | None = None
     wire: object = None  # the api layer's request message, for the port only
+    decisions: Decisions = field(default_factory=Decisions)  # filled at placement and by the relay
 
     @property
     def class_label(self) -> str:
@@ -72,6 +108,9 @@ class Chunk:
     pause: PauseDecision | None = None
     rung: Rung | None = None
     num_migrations: int = 0
+    # The job's decisions (first chunk: all but the pause; last chunk: the pause). The
+    # relay stamps copies, so a chunk's stays as it was sent.
+    decisions: Decisions | None = None
 
 
 @dataclass(frozen=True)

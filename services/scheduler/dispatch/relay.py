@@ -11,6 +11,11 @@ cancelled and cancels the executor call, which aborts the request there.
                full-quality one, never the reverse), continuing from the shared resume
                point; usage is counted across attempts
 
+Decisions: the job's ``Decisions`` (filled at placement) are completed here with the
+queue time, rung, expected cached prefix and the TTFT observed at the first token chunk,
+stamped on the stream (first chunk: all but the pause; last chunk: the pause), recorded
+as ``scheduler.decision.*`` timeline events and counted in the metric catalogue.
+
 Bounded: after the migration policy's attempts, ExecutorLostError (UNAVAILABLE); a job
 aboard too many engine deaths ends SuspectedPoisonError (ABORTED) and is remembered.
 """
@@ -18,19 +23,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import structlog
 
 from services.mesh import metric_catalogue as catalogue
 from services.mesh import metrics
 from services.mesh.timeline import Trace
-from services.scheduler.dispatch.job import Chunk, ExecutorCall, ExecutorCallError, ExecutorPort, Job
+from services.scheduler.dispatch.job import Chunk, Decisions, ExecutorCall, ExecutorCallError, ExecutorPort, Job
 from services.scheduler.errors import DeadlineError, ExecutorLostError, SuspectedPoisonError
 from services.scheduler.migration import (
     Attempt, ExecutorFailed, MigrationExhausted, MigrationPolicy, NoReplacement, Piece, StreamProgress,
     migrating_stream, placement_marker,
 )
 from services.shared.vocabulary import Rung
+from services.scheduler.policy.contracts import Fallback
+from services.scheduler.policy.pause import PauseDecision
 from services.scheduler.policy.placement import InflightTracker, Placement
 from services.scheduler.policy.suspects import SuspectedPoison, SuspectRegistry
 from services.scheduler.state.blocks import num_blocks_spanned, num_full_blocks
@@ -64,6 +72,7 @@ class Relay:
         chunk and, after a migration, usage counted across attempts."""
         progress = StreamProgress(tuple(prompt), job.max_tokens, job.min_tokens, job.seed)
         cached: list[int] = []
+        decisions = self._decided(job, prompt, ranked, queue_ms, rung, trace)
 
         def open_attempt(attempt: Attempt) -> AsyncIterator[Piece]:
             placements = ranked
@@ -107,7 +116,16 @@ class Relay:
                 if first:
                     cached.append(chunk.num_cached_tokens)
                     chunk.rung = rung
+                    _first_token(decisions, trace)
+                    chunk.decisions = replace(decisions) if chunk.finished else replace(
+                        decisions, pause=None, pause_reason="", pin_ttl_ms=0)
                     first = False
+                elif chunk.finished:
+                    chunk.decisions = Decisions(pause=decisions.pause, pause_reason=decisions.pause_reason,
+                                                pin_ttl_ms=decisions.pin_ttl_ms)
+                if chunk.finished and decisions.pause not in (None, PauseDecision.NONE):
+                    trace.event("scheduler.decision.pause", decision=decisions.pause.value,
+                                reason=decisions.pause_reason, pin_ttl_ms=decisions.pin_ttl_ms)
                 if progress.num_migrations:
                     if hasattr(chunk.payload, "ClearField"):  # the prompt's logprobs went out with the first attempt
                         chunk.payload.ClearField("prompt_logprobs")
@@ -124,6 +142,33 @@ class Relay:
             self.suspects.add(job.request_id, str(exc))
             log.error("request_suspected_poison", request_id=job.request_id, reason=str(exc))
             raise SuspectedPoisonError(str(exc)) from exc
+
+    def _decided(self, job: Job, prompt: list[int], ranked: list[Placement], queue_ms: int, rung: Rung,
+                 trace: Trace) -> Decisions:
+        """Complete ``job.decisions`` with what is known at placement, and record each
+        decision once: a timeline event and its metric. Modifies ``job.decisions``."""
+        d = job.decisions
+        d.queue_ms, d.rung, d.priority = queue_ms, rung, job.priority
+        if d.request_class is None:  # no agent plane: the caller's class
+            d.request_class = job.request_class
+        if not d.expected_cached_tokens and ranked:
+            rec = self.membership.get(ranked[0].name)
+            d.expected_cached_tokens = min(len(prompt), ranked[0].num_matched_blocks * (rec.block_size if rec else 16))
+        label = d.request_class.value if d.request_class is not None else ""
+        catalogue.observe_priority(label, d.priority)
+        trace.event("scheduler.decision.admission", request_class=label or "unspecified",
+                    priority=round(d.priority, 4), queue_ms=queue_ms)
+        if d.fallback is not None and d.fallback.path is not Fallback.NONE:
+            catalogue.count_fallback(d.fallback.path.value)
+            trace.event("scheduler.decision.fallback", path=d.fallback.path.value, reason=d.fallback.reason,
+                        ttft_estimate_ms=round(d.fallback.ttft_estimate_ms, 1))
+        trace.event("scheduler.decision.rung", rung=rung.label)
+        if d.intent_checked:
+            outcome = "shifted" if d.intent_shift else "unavailable" if d.intent_signal == "none" else "kept"
+            catalogue.count_intent_shift(outcome)
+            trace.event("scheduler.decision.intent_shift", decision=outcome, distance=round(d.intent_distance, 4),
+                        signal=d.intent_signal)
+        return d
 
     async def _attempt(self, job: Job, call: ExecutorCall, ranked: list[Placement], queue_ms: int,
                        trace: Trace) -> AsyncIterator[Chunk]:
@@ -169,6 +214,19 @@ class Relay:
             finally:
                 stream.cancel()  # no-op when the call finished; aborts the executor's request otherwise
                 self.inflight.finish(placement.name, job.request_id)
+
+
+def _first_token(d: Decisions, trace: Trace) -> None:
+    """The first token chunk: the TTFT the scheduler observed (its arrival to now),
+    checked against the contract's ceiling. Modifies ``d``."""
+    d.ttft_achieved_ms = (time.time_ns() - trace.start_ns) / 1e6
+    attrs = dict(estimate_ms=d.ttft_estimate_ms, achieved_ms=round(d.ttft_achieved_ms, 1),
+                 expected_cached_tokens=d.expected_cached_tokens)
+    if d.ttft_met is not None:
+        label = d.request_class.value if d.request_class is not None else ""
+        catalogue.observe_ttft_ceiling(label, d.ttft_met, d.ttft_achieved_ms / d.ttft_ceiling_ms)
+        attrs.update(ceiling_ms=d.ttft_ceiling_ms, outcome="met" if d.ttft_met else "missed")
+    trace.event("scheduler.decision.ttft", **attrs)
 
 
 def _timeout_s(job: Job) -> float | None:

@@ -19,10 +19,16 @@ and when either passes the contract's ceiling it takes the contract's fallback p
                full quality, and says so
     (unset)    interactive → REROUTE, everything else → DEGRADE
 
+New prompt tokens are the prompt less what is expected cached. Admission runs before
+placement, so there the whole prompt counts (``choose_fallback``); once placed, the
+estimate reported with the response (``SchedulingDecisions.ttft_estimate_ms``) takes off
+the chosen executor's expected prefix overlap (``estimate_with_cached``), and the TTFT
+the scheduler then observes is checked against the ceiling (met / missed).
+
 The path taken is visible in the response (``fallback_taken``, ``fallback_reason``).
-The KV quota per task is enforced by the executor (the request ends with LENGTH at its
-quota); here it is checked against the tenant's quota (a task may not ask more than
-its tenant has).
+The KV quota per task is enforced by the executor (the request ends with KV_QUOTA at
+its quota, never LENGTH: the client must not read it as "ask for more"); here it is
+checked against the tenant's quota (a task may not ask more than its tenant has).
 """
 from __future__ import annotations
 
@@ -56,6 +62,7 @@ class FallbackChoice:
     reason: str = ""
     ttft_estimate_ms: float = 0.0
     rung: Rung = Rung.NONE  # DEGRADE: the rung it is served on (at least)
+    queue_estimate_ms: float = 0.0  # the estimate's queueing part (the rest is prefill)
 
 
 def parse_tenant_quotas(text: str) -> dict[str, int]:
@@ -99,9 +106,10 @@ class ContractBook:
                         num_new_tokens: int, offered: Iterable[Rung] = ()) -> FallbackChoice:
         """The path to take for this request now; raises OverloadedError for FAIL_FAST.
         ``offered``: degradation rungs live executors serve (for DEGRADE)."""
-        if not terms.ttft_ceiling_ms and not terms.tpot_ceiling_ms:
-            return FallbackChoice(Fallback.NONE)
         est = self.estimate_ttft_ms(num_ahead, num_slots, num_new_tokens)
+        queue_est = self.estimate_ttft_ms(num_ahead, num_slots, 0)
+        if not terms.ttft_ceiling_ms and not terms.tpot_ceiling_ms:
+            return FallbackChoice(Fallback.NONE, ttft_estimate_ms=est, queue_estimate_ms=queue_est)
         tpot = self.estimate_tpot_ms(num_ahead, num_slots)
         misses = []
         if terms.ttft_ceiling_ms and est > terms.ttft_ceiling_ms:
@@ -109,7 +117,7 @@ class ContractBook:
         if terms.tpot_ceiling_ms and tpot > terms.tpot_ceiling_ms:
             misses.append(f"tpot estimate {tpot:.1f} ms > ceiling {terms.tpot_ceiling_ms} ms")
         if not misses:
-            return FallbackChoice(Fallback.NONE, ttft_estimate_ms=est)
+            return FallbackChoice(Fallback.NONE, ttft_estimate_ms=est, queue_estimate_ms=queue_est)
         path = terms.fallback
         if path is Fallback.NONE:
             path = Fallback.REROUTE if interactive else Fallback.DEGRADE
@@ -124,7 +132,12 @@ class ContractBook:
             else:
                 rung = lowest
                 reason += f"; served on the {rung.label} rung"
-        return FallbackChoice(path, reason, est, rung)
+        return FallbackChoice(path, reason, est, rung, queue_est)
+
+    def estimate_with_cached(self, choice: FallbackChoice, num_prompt_tokens: int, num_cached_tokens: int) -> float:
+        """``choice``'s TTFT estimate with only the tokens not expected cached prefilled.
+        Does not modify anything."""
+        return choice.queue_estimate_ms + max(0, num_prompt_tokens - num_cached_tokens) * self.prefill_ms_per_token
 
     def observe_request_ms(self, ms: float, num_output_tokens: int = 0) -> None:
         """Fold a finished request into the EWMAs (its whole time spread over its tokens
