@@ -43,6 +43,7 @@ CHANNEL_OPTIONS = [
 _FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_KV_QUOTA: "kv_quota",  # final: the contract's KV quota, not max_tokens
     common_pb2.FINISH_REASON_ABORT: "abort",
     common_pb2.FINISH_REASON_ERROR: "error",
 }
@@ -129,16 +130,33 @@ def from_proto(resp: scheduler_pb2.ScheduleResponse) -> TokenChunk:
 
 
 def _notes(resp: scheduler_pb2.ScheduleResponse) -> ServingNotes | None:
-    if not (resp.request_class or resp.fallback_taken or resp.pause_decision or resp.degradation_rung):
+    """The chunk's decisions: ``decisions`` when the scheduler sent them, else its flat
+    fields (an older scheduler); None when it reports none."""
+    d = resp.decisions if resp.HasField("decisions") else None
+    if d is None and not (resp.request_class or resp.fallback_taken or resp.pause_decision or resp.degradation_rung):
         return None
     name = lambda enum, value, prefix: enum.Name(value).removeprefix(prefix).lower() if value else ""  # noqa: E731
-    return ServingNotes(
+    flat = ServingNotes(
         request_class=name(common_pb2.RequestClass, resp.request_class, "REQUEST_CLASS_"),
         fallback=name(common_pb2.FallbackPath, resp.fallback_taken, "FALLBACK_PATH_"),
         fallback_reason=resp.fallback_reason,
         pause_decision=name(common_pb2.PauseDecision, resp.pause_decision, "PAUSE_DECISION_"),
         degradation_rung=name(common_pb2.DegradationRung, resp.degradation_rung, "DEGRADATION_RUNG_"),
     )
+    if d is None:
+        return flat
+    first = bool(d.request_class or d.degradation_rung)  # the first chunk's: the pause-only last one has neither
+    return flat.merged(ServingNotes(
+        request_class=name(common_pb2.RequestClass, d.request_class, "REQUEST_CLASS_"),
+        fallback=name(common_pb2.FallbackPath, d.fallback_taken, "FALLBACK_PATH_"),
+        fallback_reason=d.fallback_reason,
+        pause_decision=name(common_pb2.PauseDecision, d.pause_decision, "PAUSE_DECISION_"),
+        degradation_rung=name(common_pb2.DegradationRung, d.degradation_rung, "DEGRADATION_RUNG_"),
+        priority=d.priority if first else None, queue_ms=d.queue_ms if first else None,
+        intent_shift=d.intent_shift, intent_distance=d.intent_distance, ttft_estimate_ms=d.ttft_estimate_ms,
+        ttft_ceiling_ms=d.ttft_ceiling_ms, ttft_achieved_ms=d.ttft_achieved_ms if first else None,
+        expected_cached_tokens=d.expected_cached_tokens,
+    ))
 
 
 @dataclass(frozen=True)
@@ -154,8 +172,8 @@ class EndedSession:
 def domain_error(err: grpc.aio.AioRpcError) -> Exception:
     """The router error for a failed scheduler call."""
     code, details = err.code(), err.details() or ""
-    if code == grpc.StatusCode.ABORTED and ("weft-error", "session_busy") in tuple(err.trailing_metadata() or ()):
-        return SessionBusyError(details)
+    if code == grpc.StatusCode.ABORTED and error_origin_of(err) in ("SessionBusyError", "session_busy"):
+        return SessionBusyError(details)  # the scheduler's ERROR_RULES ("session_busy": before issue 17's fork)
     if code == grpc.StatusCode.NOT_FOUND:
         return SessionNotFoundError(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:

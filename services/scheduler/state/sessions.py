@@ -18,6 +18,18 @@ One hop at a time: ``claim`` marks a session's hop running until ``release_claim
 second hop meanwhile is refused (SessionBusyError, names the session and the running
 hop), so two branches can never race to overwrite one context. ``end`` forgets a
 session at once and remembers, bounded, that it was ended (a repeated end is a no-op).
+
+Fork and join (docs/sessions.md)::
+
+    parent P (context c, next hop k)
+      fork ─▶ P.f0, P.f1, …   each a new session: a copy of c (token ids; the KV is shared
+                              by the executor's prefix cache), P's program, next hop k
+      join(from=P.f1) ─▶ P continues from P.f1's context and hop index; P.f1 is absorbed
+                              (forgotten, its pins left to their TTL: P's next hop reads
+                              them); with end_children the other children end
+
+Both refuse while P (or the child joined from) runs a hop (SessionBusyError), and only
+touch the calling tenant's sessions (another tenant's id: SessionNotFoundError).
 """
 from __future__ import annotations
 
@@ -27,17 +39,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.scheduler.errors import InvalidScheduleRequest, SchedulerError
+from services.scheduler.errors import (InvalidScheduleRequest, SessionBusyError, SessionExistsError,
+                                       SessionNotFoundError)
 
+__all__ = ["SessionBusyError", "SessionTable", "SessionState", "HopContext", "ProgramState", "Forked", "Joined",
+           "executor_session_id", "MAX_CHILDREN"]
 
-class SessionBusyError(SchedulerError):
-    """A hop arrived while another hop of the same session runs (gRPC ABORTED, HTTP 409)."""
-
-    def __init__(self, session_id: str, running_request_id: str) -> None:
-        super().__init__(f"session {session_id!r} already has a running hop (request {running_request_id!r}); "
-                         "send the next hop after it ends")
-        self.session_id = session_id
-        self.running_request_id = running_request_id
+MAX_CHILDREN = 16  # children one fork may create
 
 
 @dataclass
@@ -56,6 +64,30 @@ class SessionState:
     demoted: bool = False  # blocks sent to the cachestore's host tier
     mean_entropy: float = 0.0  # EWMA of the hops' mean token entropy (nats)
     observed_pause_ms: float = 0.0  # EWMA of real tool-call lengths (0: none seen yet)
+    parent_id: str = ""  # the session this one was forked from ("" for none)
+    child_ids: list[str] = field(default_factory=list)  # live children forked from this one
+
+
+@dataclass(frozen=True)
+class Forked:
+    """What ``fork`` created."""
+
+    parent: SessionState
+    children: tuple[SessionState, ...]
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What ``join`` did: the parent's new state, the child it absorbed ("" when it kept its
+    own context) and the children it ended (the caller releases their pins)."""
+
+    parent: SessionState
+    absorbed: SessionState | None
+    ended: tuple[SessionState, ...]
+
+    @property
+    def ended_ids(self) -> tuple[str, ...]:
+        return tuple(s.session_id for s in self.ended)
 
 
 @dataclass
@@ -103,7 +135,8 @@ class SessionTable:
                   prompt_token_ids: Sequence[int]) -> HopContext:
         """Validate a hop and resolve its full prompt. Creates nothing yet (a refused or
         failed hop leaves no trace); raises InvalidScheduleRequest naming the field."""
-        program = self._programs.get((tenant, program_id or session_id)) if (program_id or session_id) else None
+        pid = program_id or self._program_of(tenant, session_id)
+        program = self._programs.get((tenant, pid)) if pid else None
         if not session_id:
             if stateful:
                 raise InvalidScheduleRequest("session.session_id", "a stateful hop needs a session_id")
@@ -130,7 +163,7 @@ class SessionTable:
                 num_computed_tokens: int, expected_pause_ms: int, mean_entropy: float) -> SessionState | None:
         """Record a completed hop; returns the session (None for one-shot requests)."""
         now = self.clock()
-        pid = program_id or session_id
+        pid = program_id or self._program_of(tenant, session_id)
         if pid:
             key = (tenant, pid)
             prog = self._programs.get(key) or ProgramState(pid, now)
@@ -204,6 +237,87 @@ class SessionTable:
         self._ended.move_to_end(key)
         _trim(self._ended, self.max_sessions)
         return self._sessions.pop(key, None)
+
+    # -- fork and join ----------------------------------------------------------------
+    def fork(self, tenant: str, session_id: str, child_ids: Sequence[str]) -> Forked:
+        """Create ``child_ids`` as copies of the session (context, program, next hop,
+        executor). Raises SessionBusyError while it runs a hop, SessionNotFoundError when
+        the tenant has no recorded context for it, SessionExistsError for a child id in use,
+        InvalidScheduleRequest for bad ids (``child_session_ids[i]``). All or nothing."""
+        parent = self._checked(tenant, session_id)
+        if not 1 <= len(child_ids) <= MAX_CHILDREN:
+            raise InvalidScheduleRequest("num_children", f"must be 1..{MAX_CHILDREN}, got {len(child_ids)}")
+        for i, cid in enumerate(child_ids):
+            if not cid or cid == session_id or cid in child_ids[:i]:
+                why = "is empty" if not cid else "names the parent" if cid == session_id else "is repeated"
+                raise InvalidScheduleRequest(f"child_session_ids[{i}]", f"{cid!r} {why}")
+            if (tenant, cid) in self._sessions or (tenant, cid) in self._running:
+                raise SessionExistsError(cid)
+        children = []
+        for cid in child_ids:
+            child = SessionState(
+                tenant, cid, parent.program_id, last_hop=parent.last_hop,
+                context_token_ids=array("I", parent.context_token_ids), executor=parent.executor,
+                pause_started_s=parent.pause_started_s, expected_pause_ms=parent.expected_pause_ms,
+                demoted=parent.demoted, mean_entropy=parent.mean_entropy,
+                observed_pause_ms=parent.observed_pause_ms, parent_id=session_id)
+            # Not pinned_until_s: the pins are the parent's; a child's intent shift must not
+            # release (or evict) the prefix its siblings share.
+            self._sessions[(tenant, cid)] = child
+            self._ended.pop((tenant, cid), None)
+            children.append(child)
+        parent.child_ids.extend(child_ids)
+        self._sessions.move_to_end((tenant, session_id))
+        _trim(self._sessions, self.max_sessions)
+        return Forked(parent, tuple(children))
+
+    def join(self, tenant: str, session_id: str, from_id: str, end_children: bool) -> Joined:
+        """The parent continues from child ``from_id``'s context and hop index ("": its
+        own); that child is forgotten, and with ``end_children`` every other child ends
+        (``end``). Raises as ``fork`` does, SessionBusyError when the child runs a hop, and
+        InvalidScheduleRequest naming ``from_session_id`` for an id that is not a live child."""
+        parent = self._checked(tenant, session_id)
+        absorbed = None
+        if from_id:
+            child = self._sessions.get((tenant, from_id))
+            if from_id not in parent.child_ids or child is None or child.parent_id != session_id:
+                raise InvalidScheduleRequest("from_session_id",
+                                             f"{from_id!r} is not a live child of session {session_id!r}")
+            running = self._running.get((tenant, from_id))
+            if running is not None:
+                raise SessionBusyError(from_id, running)
+            absorbed = self.end(tenant, from_id)
+            parent.child_ids.remove(from_id)
+            parent.context_token_ids = array("I", child.context_token_ids)
+            parent.last_hop = child.last_hop
+            parent.executor, parent.demoted = child.executor, child.demoted
+            parent.pause_started_s, parent.expected_pause_ms = child.pause_started_s, child.expected_pause_ms
+            parent.mean_entropy, parent.observed_pause_ms = child.mean_entropy, child.observed_pause_ms
+            parent.pinned_until_s, parent.pinned_blocks = 0.0, 0  # its old pins no longer hold its context
+        ended: list[SessionState] = []
+        if end_children:
+            for cid in parent.child_ids:
+                child = self.end(tenant, cid)
+                if child is not None:
+                    ended.append(child)
+            parent.child_ids.clear()
+        return Joined(parent, absorbed, tuple(ended))
+
+    def _program_of(self, tenant: str, session_id: str) -> str:
+        """A hop that names no program belongs to its session's (a fork's children share
+        their parent's), else to a program named like the session."""
+        ses = self._sessions.get((tenant, session_id)) if session_id else None
+        return ses.program_id if ses is not None and ses.program_id else session_id
+
+    def _checked(self, tenant: str, session_id: str) -> SessionState:
+        """The tenant's session, idle and with a recorded context, for a fork or join."""
+        running = self._running.get((tenant, session_id))
+        if running is not None:
+            raise SessionBusyError(session_id, running)
+        ses = self._sessions.get((tenant, session_id))
+        if ses is None:
+            raise SessionNotFoundError(session_id, ": a fork or join needs a session with a completed hop")
+        return ses
 
 
 def executor_session_id(tenant: str, session_id: str) -> str:

@@ -132,7 +132,7 @@ def test_a_second_hop_while_one_runs_is_aborted_naming_both_and_the_next_hop_aft
     busy, rest, after = asyncio.run(main())
     assert busy.code() == grpc.StatusCode.ABORTED
     assert "'s'" in busy.details() and "hop-a" in busy.details()
-    assert ("weft-error", "session_busy") in tuple(busy.trailing_metadata())
+    assert ("weft-error", "SessionBusyError") in tuple(busy.trailing_metadata())  # ERROR_RULES
     assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH  # the first hop was unaffected
     assert after[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert "hop-b" not in fake.request_ids
