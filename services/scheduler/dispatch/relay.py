@@ -181,7 +181,9 @@ class Relay:
             block_size = rec.block_size if rec else 16
             call_ns = time.time_ns()
             stream = self.port.generate(placement.address, call, _timeout_s(job), trace.context().traceparent())
-            self.inflight.start(placement.name, job.request_id, num_blocks_spanned(prompt_len, block_size))
+            # Blocks the executor already holds (a fork's shared prefix) are used by reference, not anew.
+            shared = placement.num_matched_blocks
+            self.inflight.start(placement.name, job.request_id, num_blocks_spanned(prompt_len, block_size) - shared)
             sent_any = False
             try:
                 async for chunk in stream:
@@ -192,7 +194,7 @@ class Relay:
                         log.info("request_placed", executor=placement.name,
                                  num_matched_blocks=placement.num_matched_blocks, queue_ms=queue_ms)
                     self.inflight.update(placement.name, job.request_id,
-                                         num_blocks_spanned(prompt_len + chunk.num_output_tokens, block_size))
+                                         num_blocks_spanned(prompt_len + chunk.num_output_tokens, block_size) - shared)
                     if chunk.finished and chunk.trailer_spans is not None:
                         # The executor's spans are in the trailers that follow this last
                         # message: take them now, as the consumer may close us after it.
