@@ -97,9 +97,22 @@ class SchedulerConfig(ServiceOptions):
         "Most cachestore-tier block hashes the placement index mirrors (~0.4 KB each); beyond it the longest "
         "unseen are forgotten (a placement hint only: the cachestore still serves them); 0: unbounded.",
         default=262144)
+    cachestore_address: str = option(
+        "host:port of the cachestore: its embeddings drive the intent check (with --model-dir) and released "
+        "KV is archived there; empty: bigram intent signal, released KV only forgotten on the executor.",
+        default="")
+    model_dir: str = option(
+        "Checkpoint directory of the served model (the router's): its tokenizer detokenises a session's "
+        "context and new turn for the embedding intent check; empty: bigram intent signal.", default="")
+    tenant_weights: str = option(
+        "Fair-share weights of tenants in the scored queue, name=weight comma-separated (positive; tenants not "
+        "listed weigh 1): while tenants wait, each holds slots in proportion to its weight.", default="")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        from services.scheduler.policy.tenant_limits import parse_tenant_weights
+
+        parse_tenant_weights(self.tenant_weights)  # ValueError naming the item
         subject("x", self.name)  # subject-safe, or ValueError
         check_port("port", self.port)
         for name in ("max_in_flight", "missed_heartbeats", "placement_attempts",
