@@ -11,13 +11,15 @@ order below applies, instead of in an executor's queue that knows no tenants.
 NOTE (one queue, two levels of order). Every waiter of every tenant sits in the one
 queue. When a slot frees, it goes to
 
-    tenant  = argmin over tenants with an eligible waiter of  (in_flight[t], best key of t)
+    tenant  = argmin over tenants with an eligible waiter of  ((in_flight[t] + 1) / weight[t], best key of t)
     waiter  = argmin over that tenant's waiters of            (key(now), arrival)
 
-where a waiter is eligible while its tenant is under its in-flight cap, and ``key`` is
-the waiter's ``score`` (a function of now; lower first) or −inf when it brought none
-(then arrival order). So slots are shared equally among the tenants that are waiting
-(a flood of one tenant cannot take more than its share from another), and within a
+where a waiter is eligible while its tenant is under its in-flight cap, ``weight[t]`` is
+the tenant's weight (``weight_tenants``; 1 unless set) and ``key`` is the waiter's
+``score`` (a function of now; lower first) or −inf when it brought none (then arrival
+order). So slots are shared among the tenants that are waiting in proportion to their
+weights (equally by default: a flood of one tenant cannot take more than its share
+from another; a weight-2 tenant holds twice a weight-1 tenant's slots), and within a
 tenant the scheduling policy's score decides: the dispatcher hands
 ``queue_order_key(priority)`` (services/shared/vocabulary.py), re-estimated at every
 hand-off, so dynamic priority and its aging act on every decision. With one tenant
@@ -30,8 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -70,7 +73,21 @@ class Admission:
         self._in_flight: dict[str, int] = {}  # per tenant; tenants with none are dropped
         self._queued: dict[str, int] = {}
         self._seq = itertools.count()
+        self._weights: dict[str, float] = {}
         self.clock = time.monotonic
+
+    def weight_tenants(self, weights: Mapping[str, float]) -> None:
+        """Set the tenants' fair-share weights (tenants not named: 1). Replaces the whole
+        table; raises ValueError for a weight that is not a positive finite number."""
+        for tenant, w in weights.items():
+            if not 0 < w < math.inf:
+                raise ValueError(f"tenant weight of {tenant!r} must be a positive finite number, got {w}")
+        self._weights = dict(weights)
+        self._hand_out()
+
+    def weight(self, tenant: str) -> float:
+        """The tenant's fair-share weight (1 unless set). Does not modify."""
+        return self._weights.get(tenant, 1.0)
 
     def limit_tenants(self, max_in_flight_per_tenant: int, max_queue_per_tenant: int) -> None:
         """Set the per-tenant caps (configuration, before requests arrive)."""
@@ -190,7 +207,7 @@ class Admission:
                 best_of[w.tenant] = (k, w)
         if not best_of:
             return None
-        tenant = min(best_of, key=lambda t: (self._in_flight.get(t, 0), best_of[t][0]))
+        tenant = min(best_of, key=lambda t: ((self._in_flight.get(t, 0) + 1) / self.weight(t), best_of[t][0]))
         return best_of[tenant][1]
 
     def _dequeue(self, waiter: _Waiter) -> None:
