@@ -46,6 +46,7 @@ ERROR_RULES = (
 _FINISH = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.KV_QUOTA: common_pb2.FINISH_REASON_KV_QUOTA,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }

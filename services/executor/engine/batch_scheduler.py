@@ -187,7 +187,8 @@ class BatchScheduler:
 
     def _check_stop(self, seq: Sequence) -> None:
         """STOP on an EOS / stop token once ``min_tokens`` are out; LENGTH at
-        ``max_tokens`` or the sequence's context cap.
+        ``max_tokens`` or the model's context; KV_QUOTA at the cap of the task contract's
+        KV quota (before ``max_tokens``: the caller asked for more than its quota holds).
 
         A grammar that has ended (it accepted a stop token) or failed (no token it allows
         is left) stops the request whatever ``min_tokens`` and ``ignore_eos`` say: no token
@@ -202,8 +203,10 @@ class BatchScheduler:
             (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
         ):
             reason = FinishReason.STOP
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= seq.max_num_tokens:
+        elif seq.num_output_tokens >= p.max_tokens:
             reason = FinishReason.LENGTH
+        elif seq.num_tokens >= seq.max_num_tokens:
+            reason = FinishReason.KV_QUOTA if seq.capped_by_kv_quota else FinishReason.LENGTH
         if reason is not None:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason

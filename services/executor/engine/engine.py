@@ -155,6 +155,7 @@ class LLMEngine:
                 "prompt", f"{len(prompt_token_ids)} tokens need {need_blocks} KV blocks, more than the {limit} available"
             )
         grammar = self._grammar_state(request_id, prompt_token_ids, params)
+        quota_num_tokens = session.kv_quota_blocks * self.config.block_size
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -163,8 +164,8 @@ class LLMEngine:
             extra_keys=extra_keys_for(self.model_id, tenant_salt, self.config.kv_cache_dtype),
             priority=priority,
             session=session,
-            max_num_tokens=min(self.max_model_len, session.kv_quota_blocks * self.config.block_size
-                               or self.max_model_len),
+            max_num_tokens=min(self.max_model_len, quota_num_tokens or self.max_model_len),
+            capped_by_kv_quota=0 < quota_num_tokens < self.max_model_len,
         )
         seq.grammar = grammar
         self.requests[request_id] = seq

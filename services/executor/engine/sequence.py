@@ -23,6 +23,7 @@ class SequenceStatus(enum.Enum):
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or the model's context
+    KV_QUOTA = "kv_quota"  # the task contract's KV quota: final (asking again cannot get more room)
     ABORT = "abort"  # cancelled by the caller
     ERROR = "error"
 
@@ -76,6 +77,7 @@ class Sequence:
     first_token_time: float | None = None
     session: SessionOptions = NO_SESSION
     max_num_tokens: int = 1 << 62  # context cap: the model's, or the per-task KV quota's
+    capped_by_kv_quota: bool = False  # max_num_tokens is the KV quota's (below the model's context)
     entropy_sum: float = 0.0  # nats, over sampled tokens (only when session.track_entropy)
     # KV compression (kv_compress.py): tokens whose blocks were dropped, always whole
     # blocks, so cache index = position - num_evicted_tokens; and the attention mass

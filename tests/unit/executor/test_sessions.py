@@ -155,7 +155,7 @@ def test_task_kv_quota_ends_generation_at_the_quota_and_refuses_larger_prompts(c
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     engine.add_request("q", _prompt(10, 3), params, session=SessionOptions(kv_quota_blocks=4))
     out = _run(engine)["q"]
-    assert out.finish_reason is FinishReason.LENGTH and out.num_prompt_tokens + out.num_output_tokens == 16
+    assert out.finish_reason is FinishReason.KV_QUOTA and out.num_prompt_tokens + out.num_output_tokens == 16
     with pytest.raises(InvalidRequestError, match="kv_quota_blocks"):
         engine.add_request("big", _prompt(20, 3), params, session=SessionOptions(kv_quota_blocks=4))
 
