@@ -47,6 +47,11 @@ class EngineConfig:
         default="priority", choices=PREEMPTION_POLICIES)
     model_id: str = option("Model id hashed into block hashes; empty: the checkpoint directory's name.", default="")
     num_threads: int | None = option("Torch CPU threads; none: torch's choice.", default=None)
+    native_decode: bool = option(
+        "On a CPU in float32, run a step that is one decode and nothing else as one native C call "
+        "(services/executor/model/native/, built with the system gcc at first use and cached; a failed "
+        "build warns and keeps the torch path). Keeps a row-major copy of the projection weights beside "
+        "oneDNN's packed ones. WEFT_NATIVE_DECODE=0 also turns it off.", default=True)
     # Degradation-ladder mechanisms (a degraded executor profile; see docs/architecture.md).
     kv_cache_dtype: str = option(
         "KV cache storage (auto: the model dtype; int8: int8 with a scale per token and KV head, about "

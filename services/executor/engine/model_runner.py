@@ -48,6 +48,10 @@ class ModelRunner:
             # one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
             self.kv_caches = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
         self.batch = InputBatch(block_size, self.device, num_blocks)
+        # the native batch-1 decode step (model/native/): fp32 caches only, and not when
+        # steps must report attention mass (only the torch back end computes it)
+        self.native = (model.native_decoder(self.kv_caches)
+                       if kv_cache_dtype != "int8" and not track_block_scores else None)
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
@@ -73,15 +77,21 @@ class ModelRunner:
         """Run one step. Writes the new tokens' K/V into the cache; does not touch
         sequence state (the engine applies the result)."""
         input_ids, positions, meta, sample_rows, row_starts = self._prepare(plan)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         items = plan.decodes + plan.prefills
-        for item, row in zip(items, row_starts):
-            if item.seq.params.prompt_logprobs is not None:
-                self._record_prompt_logprobs(item.seq, item.num_new_tokens, hidden, row)
-        sampled = [s for s in items if s.samples]
-        if not sampled:
-            return StepResult([], SampledTokens([], None), meta.block_scores)
-        logits = self.model.compute_logits(hidden[sample_rows])  # [rows, vocab]
+        if self.native is not None and len(items) == 1 and plan.decodes and items[0].samples:
+            # one decode and nothing else: the whole step in one native call
+            logits = self.native.step(int(input_ids[0]), int(positions[0]), int(meta.slot_mapping[0]),
+                                      meta.decode_block_tables[0], meta.decode_seq_lens_host[0])
+            sampled = items
+        else:
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            for item, row in zip(items, row_starts):
+                if item.seq.params.prompt_logprobs is not None:
+                    self._record_prompt_logprobs(item.seq, item.num_new_tokens, hidden, row)
+            sampled = [s for s in items if s.samples]
+            if not sampled:
+                return StepResult([], SampledTokens([], None), meta.block_scores)
+            logits = self.model.compute_logits(hidden[sample_rows])  # [rows, vocab]
         seqs = [s.seq for s in sampled]
         if all(_is_plain(s) for s in seqs):  # one argmax, no per-row lists
             return StepResult(sampled, sample_greedy(logits), meta.block_scores)

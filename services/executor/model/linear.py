@@ -6,6 +6,10 @@ says. oneDNN's linear with the weight reordered once at load (for a 16-row batch
 which also serves 1 row and long prefills well) uses every thread: on the 2-core
 machines the model's matmuls take 8.9 ms instead of 27 ms at 16 rows, 6.4 instead of
 8.6 at one row, and no longer at 512 rows (``benchmarks/results/offline_throughput.md``).
+
+``plain_weight`` is the row-major weight the native batch-1 decode step streams
+(model/native/): the plain linear's own weight, or, for oneDNN, a copy kept beside the
+packed one when the model asks for it (``keep_plain``; the packed layout is oneDNN's own).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ class Linear:
         )
         self.weight = weight  # [out_features, in_features]
         self.bias = bias  # [out_features]
+        self.plain_weight: torch.Tensor | None = weight  # [out_features, in_features] row-major
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         return F.linear(x, self.weight, self.bias)
@@ -34,9 +39,10 @@ _PACK_ROWS = 16  # the batch size oneDNN lays the weight out for
 class OneDnnLinear(Linear):
     """fp32 CPU linear through oneDNN with the weight reordered once at load."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_plain: bool = False) -> None:
         super().__init__(weight, bias)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
+        self.plain_weight = weight.contiguous() if keep_plain else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the model's case: no reshape ops on the hot path
@@ -55,5 +61,5 @@ def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, use_onednn: bool) -> Linear:
-    return OneDnnLinear(weight, bias) if use_onednn else Linear(weight, bias)
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, use_onednn: bool, keep_plain: bool = False) -> Linear:
+    return OneDnnLinear(weight, bias, keep_plain) if use_onednn else Linear(weight, bias)

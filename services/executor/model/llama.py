@@ -4,6 +4,10 @@ Weights are held as plain tensors with q/k/v and gate/up fused into one matmul e
 at 16 concurrent decodes a CPU step is ~30 ms of matmul, and every extra op or
 small matmul shows. The math follows Hugging Face's modeling code op for op
 (RMSNorm in fp32, rotate-half RoPE) so greedy output matches it token for token.
+
+On a CPU in fp32 the model also offers a native batch-1 decode step (``native_decoder``,
+model/native/): one C call per step streams the row-major weights (kept for it beside
+oneDNN's packed copies). ``forward`` stays the path for everything else.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from services.executor.attention.base import AttentionBackend, AttentionMetadata
 from services.executor.errors import CheckpointError
 from services.executor.model.linear import Linear, make_linear, onednn_usable
 from services.executor.model.config import ModelConfig
+from services.executor.model.native import library as native_library
+from services.executor.model.native.decoder import NativeDecoder
 from services.executor.model.rope import rope_inv_freq
 
 
@@ -68,7 +74,11 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         use_onednn: bool | None = None,
+        native_decode: bool | None = None,
     ) -> None:
+        """``native_decode``: offer the native batch-1 decode step (CPU fp32 only; None or
+        True: on unless ``WEFT_NATIVE_DECODE=0``). Its library is built here (once per machine,
+        cached); if that fails a warning is logged and only the torch path runs."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -80,6 +90,9 @@ class LlamaModel:
         self.kv_dim = c.num_key_value_heads * c.head_dim
         self.eps = c.rms_norm_eps
         self.use_onednn = onednn_usable(self.device, dtype) if use_onednn is None else use_onednn
+        native_wanted = native_decode is not False and native_library.native_enabled()  # env can veto
+        native_fits = self.device.type == "cpu" and dtype == torch.float32
+        self._native_lib = native_library.load() if native_wanted and native_fits else None
         self.attn = backend_factory(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             scale=self.head_dim**-0.5,
@@ -103,7 +116,8 @@ class LlamaModel:
 
     def _load(self, sd: dict[str, torch.Tensor]) -> None:
         c = self.config
-        lin = lambda w, b=None: make_linear(w, b, self.use_onednn)  # noqa: E731
+        keep_plain = self._native_lib is not None  # the native step streams row-major weights
+        lin = lambda w, b=None: make_linear(w, b, self.use_onednn, keep_plain)  # noqa: E731
         self.embed = self._take(sd, "model.embed_tokens.weight")  # [vocab, hidden]
         tied = c.tie_word_embeddings and "lm_head.weight" not in sd
         self.lm_head = lin(self.embed if tied else self._take(sd, "lm_head.weight"))
@@ -130,6 +144,13 @@ class LlamaModel:
                     down=lin(self._take(sd, p + "mlp.down_proj.weight")),
                 )
             )
+
+    def native_decoder(self, kv_caches: list[torch.Tensor]) -> NativeDecoder | None:
+        """A native batch-1 decode step over ``kv_caches`` (fp32 tensors, one per layer),
+        or None when the native library is off or unavailable for this model."""
+        if self._native_lib is None:
+            return None
+        return NativeDecoder(self._native_lib, self, kv_caches)
 
     @property
     def num_layers(self) -> int:

@@ -1,0 +1,104 @@
+"""One batch-1 decode step in one C call (``decode.c``), over the model's own tensors.
+
+The C side gets raw pointers into tensors torch owns: the model's row-major fp32 weights
+(kept beside oneDNN's packed copies, see linear.py), its RoPE tables and the runner's KV
+cache. ``NativeDecoder`` holds references to every tensor it hands out, so none is freed
+while the C struct points at it; the KV cache tensors must not be replaced afterwards
+(the model runner allocates them once).
+
+What it covers: one sequence, one new token, fp32 weights and KV cache, the Llama
+family's plain forward (qkv bias, o bias, tied or untied lm_head, GQA). Everything else
+(prefill, batches, int8 KV, compression's attention mass, prompt logprobs) stays on the
+torch path; the model runner decides once per step (``NativeDecoder.step`` is only called
+for a plan it covers).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from services.executor.model.llama import LlamaModel
+
+_F32P = ctypes.POINTER(ctypes.c_float)
+
+
+class _ModelStruct(ctypes.Structure):
+    """Mirror of ``weft_model`` in decode.c (field order and types must match)."""
+
+    _fields_ = [
+        *[(name, ctypes.c_int32) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
+                                              "vocab", "num_layers", "block_size", "num_blocks")],
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        *[(name, ctypes.c_void_p) for name in ("embed", "final_norm", "lm_head", "cos", "sin")],
+        *[(name, ctypes.POINTER(ctypes.c_void_p)) for name in
+          ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "down", "kv_cache")],
+    ]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"native decode needs contiguous fp32 CPU tensors, got {t.dtype} {tuple(t.shape)}")
+    return t.data_ptr()
+
+
+class NativeDecoder:
+    """Batch-1 fp32 decode steps for ``model`` writing into ``kv_caches``.
+
+    ``kv_caches``: one tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]
+    fp32, contiguous (the model runner's). ``step`` mutates one slot of each and nothing
+    else of the model's."""
+
+    def __init__(self, lib: ctypes.CDLL, model: LlamaModel, kv_caches: list[torch.Tensor]) -> None:
+        c = model.config
+        self._lib = lib
+        layers = model.layers
+        _, num_blocks, block_size, kvh, d = kv_caches[0].shape
+        if kvh != model.num_kv_heads or d != model.head_dim:
+            raise ValueError("kv cache shape does not match the model")
+        # every tensor the struct points into, kept alive as long as this object
+        per_layer = {
+            "input_norm": [lw.input_norm for lw in layers],
+            "qkv": [lw.qkv.plain_weight for lw in layers],
+            "qkv_bias": [lw.qkv.bias for lw in layers],
+            "o": [lw.o.plain_weight for lw in layers],
+            "o_bias": [lw.o.bias for lw in layers],
+            "post_norm": [lw.post_norm for lw in layers],
+            "gate_up": [lw.gate_up.plain_weight for lw in layers],
+            "down": [lw.down.plain_weight for lw in layers],
+            "kv_cache": list(kv_caches),
+        }
+        self._keep = [model.embed, model.final_norm, model.lm_head.plain_weight, model.cos, model.sin, per_layer]
+        self._arrays = {name: (ctypes.c_void_p * len(ts))(*[_ptr(t) for t in ts]) for name, ts in per_layer.items()}
+        self._struct = _ModelStruct(
+            hidden=c.hidden_size, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim, intermediate=c.intermediate_size, vocab=model.lm_head.out_features,
+            num_layers=len(layers), block_size=block_size, num_blocks=num_blocks,
+            eps=model.eps, scale=model.head_dim ** -0.5,
+            embed=_ptr(model.embed), final_norm=_ptr(model.final_norm), lm_head=_ptr(model.lm_head.plain_weight),
+            cos=_ptr(model.cos), sin=_ptr(model.sin),
+            **{name: ctypes.cast(arr, ctypes.POINTER(ctypes.c_void_p)) for name, arr in self._arrays.items()},
+        )
+        self._struct_ref = ctypes.byref(self._struct)
+        self._max_position = model.cos.shape[0]
+        self._vocab = model.lm_head.out_features
+
+    def step(self, token_id: int, position: int, slot: int, block_table: torch.Tensor,
+             seq_len: int) -> torch.Tensor:  # [1, vocab] fp32 logits
+        """Decode ``token_id`` at ``position``: its K/V go to cache ``slot``; attention reads
+        the sequence's first ``seq_len`` cache entries through ``block_table`` (int32, at
+        least ceil(seq_len / block_size) entries, contiguous)."""
+        if not 0 <= position < self._max_position:
+            raise ValueError(f"position {position} outside the RoPE table")
+        if block_table.dtype != torch.int32 or not block_table.is_contiguous():
+            raise ValueError("block_table must be a contiguous int32 tensor")
+        logits = torch.empty((1, self._vocab), dtype=torch.float32)
+        rc = self._lib.weft_decode_step(self._struct_ref, token_id, position, slot, block_table.data_ptr(),
+                                        seq_len, logits.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("native decode step could not allocate its scratch buffer")
+        return logits
