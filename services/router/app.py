@@ -53,14 +53,14 @@ class RouterApp:
         tool_format = select_format(tokenizer.chat_template, config.tool_call_parser)
         self.http = HttpApi(self.generator, keys, config.model_name, self.scheduler.list_executors,
                             body_read_timeout_s=config.body_read_timeout_s, tool_format=tool_format,
-                            embeddings=embeddings, end_session=self.scheduler.end_session)
+                            embeddings=embeddings, sessions=self.scheduler)
         # One request cap for both public doors: the gRPC message limit is the HTTP body cap.
         self.grpc = GrpcServer("weft.v1.Router", config.host, config.grpc_port, rules=ROUTER_ERROR_RULES,
                                max_message_bytes=config.max_body_bytes, grace_s=config.drain_s,
                                peer_auth=False)
         self.metrics_server = MetricsServer(config.metrics_host, config.metrics_port)
         servicer = RouterServicer(self.generator, keys, config.model_name, self.scheduler.list_executors,
-                                  tool_format=tool_format, end_session=self.scheduler.end_session)
+                                  tool_format=tool_format, sessions=self.scheduler)
         add_router_to_server(servicer, self.grpc.server)  # with server reflection
         self._runner: web.AppRunner | None = None
         self.http_port: int | None = None

@@ -10,6 +10,8 @@
     GET  /v1/weft/verdict       the rolling p99 attribution of the caller's tenant (``attribution.py``)
     GET  /v1/weft/requests/{id}/timeline   a recent request's spans across the mesh (own tenant only)
     DELETE /v1/weft/sessions/{id}         end an agent session: its pins and plans go at once (docs/sessions.md)
+    POST /v1/weft/sessions/{id}/fork      fork it into children that share its KV; ``/join`` joins one back
+                                          (``session_routes.py``)
 
 Prometheus ``/metrics`` is not served here: its series carry per-tenant labels, so it
 has its own listener (``--metrics-port``, loopback by default; ``services/mesh/metrics.py``)
@@ -57,9 +59,10 @@ from services.router.logprobs_format import CompletionLogprobs, TokenText
 from services.router.openai_format import ChatFormatter, CompletionFormatter, choices_usage, error_body, sse
 from services.router.prepare import ChatPrompt, completion_prompt
 from services.router.schema import TokenRequest
+from services.router.session_routes import SessionControl, SessionRoutes
 from services.router.tool_grammar import with_tool_grammar
 from services.router.tool_parsers import ToolCallFormat, select_format
-from services.router.validation import parse_chat_request, parse_completion_request, parse_session
+from services.router.validation import parse_chat_request, parse_completion_request
 
 log = structlog.get_logger(__name__)
 
@@ -75,10 +78,12 @@ class HttpApi:
     def __init__(self, generator: Generator, keys: KeyStore, model_name: str,
                  list_executors: Callable[[], Awaitable[list[dict]]] | None = None,
                  body_read_timeout_s: float = 30.0, tool_format: ToolCallFormat | None = None,
-                 embeddings: EmbeddingsApi | None = None, end_session=None) -> None:
-        """``end_session``: async (tenant, session_id) -> scheduler_client.EndedSession."""
+                 embeddings: EmbeddingsApi | None = None, end_session=None,
+                 sessions: SessionControl | None = None) -> None:
+        """``sessions``: what ends, forks and joins sessions (the scheduler client);
+        ``end_session`` alone: async (tenant, session_id) -> scheduler_client.EndedSession."""
         self.generator = generator
-        self.end_session = end_session
+        self.session_routes = SessionRoutes(self._tenant, self._json, sessions, end_session)
         # How the served model writes tool calls: by default the format its chat template teaches.
         self.tool_format = tool_format or select_format(getattr(generator.tokenizer, "chat_template", None))
         self.embeddings = embeddings  # None: no cachestore, no embedding model
@@ -101,7 +106,7 @@ class HttpApi:
         app.router.add_get("/health/ready", self.ready)
         app.router.add_get("/v1/weft/verdict", self.verdict)
         app.router.add_get("/v1/weft/requests/{request_id}/timeline", self.timeline)
-        app.router.add_delete("/v1/weft/sessions/{session_id}", self.end_session_route)
+        self.session_routes.add_to(app)
         return app
 
     # -- plumbing -------------------------------------------------------------------
@@ -194,17 +199,6 @@ class HttpApi:
         if not spans or owner != tenant:
             raise web.HTTPNotFound(text=f"no recent timeline for request {rid!r}")
         return web.json_response(timeline_json(client_request_id(rid), spans))
-
-    async def end_session_route(self, request: web.Request) -> web.Response:
-        """``DELETE /v1/weft/sessions/{id}``: end one of the caller's sessions (docs/sessions.md)."""
-        tenant = self._tenant(request)
-        if self.end_session is None:
-            raise web.HTTPNotImplemented(text="this router has no scheduler to end sessions")
-        session_id = parse_session({"session_id": request.match_info["session_id"]}).session_id
-        end = await self.end_session(tenant, session_id)
-        return web.json_response({"id": session_id, "object": "weft.session", "ended": True,
-                                  "ended_now": end.ended_now, "num_executors_released": end.num_executors_released,
-                                  "num_running_hops": end.num_running_hops})
 
     def _model_cards(self) -> list[dict]:
         cards = [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "weft",

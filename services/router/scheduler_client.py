@@ -28,7 +28,7 @@ from services.router.errors import (InvalidRequestError, OverloadedError, Sessio
                                     UpstreamError, UpstreamUnavailable)
 from services.router.schema import ServingNotes, TokenChunk, TokenRequest
 from services.shared.vocabulary import RequestClass
-from weft.v1 import common_pb2, events_pb2, scheduler_pb2, scheduler_pb2_grpc
+from weft.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -169,6 +169,30 @@ class EndedSession:
     num_running_hops: int
 
 
+@dataclass(frozen=True)
+class ForkedSession:
+    """What Scheduler.ForkSession did."""
+
+    session_id: str
+    child_session_ids: tuple[str, ...]
+    num_context_tokens: int  # every child starts from this context
+
+
+@dataclass(frozen=True)
+class JoinedSession:
+    """What Scheduler.JoinSession did."""
+
+    session_id: str
+    num_context_tokens: int  # the parent continues from this context
+    ended_session_ids: tuple[str, ...]
+
+
+class SessionExistsError(SessionBusyError):
+    """A fork named a child id the tenant already uses (the scheduler's ALREADY_EXISTS).
+    A SessionBusyError, so both doors answer 409 / ABORTED; the HTTP door's code is
+    ``session_exists`` (services/router/session_routes.py)."""
+
+
 def domain_error(err: grpc.aio.AioRpcError) -> Exception:
     """The router error for a failed scheduler call."""
     code, details = err.code(), err.details() or ""
@@ -298,6 +322,32 @@ class SchedulerClient:
         except grpc.aio.AioRpcError as err:
             raise domain_error(err) from None
         return EndedSession(session_id, resp.ended_now, resp.num_executors_released, resp.num_running_hops)
+
+    async def fork_session(self, tenant: str, session_id: str, child_ids: list[str],
+                           timeout_s: float = 5.0) -> ForkedSession:
+        """Fork ``tenant``'s session into ``child_ids`` (Scheduler.ForkSession):
+        SessionNotFoundError, SessionBusyError, SessionExistsError or InvalidRequestError
+        naming the scheduler's field."""
+        fork = router_pb2.ForkSessionRequest(session_id=session_id, child_session_ids=child_ids)
+        try:
+            resp = await self._stub.ForkSession(scheduler_pb2.SchedulerForkSessionRequest(tenant=tenant, fork=fork),
+                                                timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.ALREADY_EXISTS:
+                raise SessionExistsError(err.details() or "session exists") from None
+            raise domain_error(err) from None
+        return ForkedSession(session_id, tuple(resp.fork.child_session_ids), resp.fork.num_context_tokens)
+
+    async def join_session(self, tenant: str, session_id: str, from_id: str, end_children: bool,
+                           timeout_s: float = 5.0) -> JoinedSession:
+        """Join ``tenant``'s session from child ``from_id`` ("": its own context)."""
+        join = router_pb2.JoinSessionRequest(session_id=session_id, from_session_id=from_id, end_children=end_children)
+        try:
+            resp = await self._stub.JoinSession(scheduler_pb2.SchedulerJoinSessionRequest(tenant=tenant, join=join),
+                                                timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise domain_error(err) from None
+        return JoinedSession(session_id, resp.join.num_context_tokens, tuple(resp.join.ended_session_ids))
 
     async def list_executors(self, timeout_s: float = 2.0) -> list[dict]:
         resp = await self._stub.ListExecutors(scheduler_pb2.ListExecutorsRequest(), timeout=timeout_s)

@@ -49,6 +49,7 @@ from services.router.grpc_tools import (ToolCallRelay, assistant_tool_calls, to_
 from services.router.prepare import ChatPrompt, Prompt, TextPrompt, TokenIdsPrompt
 from services.router.request_ids import grpc_request_id
 from services.router.schema import Delta, Sampling
+from services.router.session_specs import parse_fork, parse_join
 from services.router.structured_output import check_enforceable
 from services.router.tool_parsers import ToolCallFormat, select_format
 from services.router.validation import (Limits, check_one_branch, deterministic_sampling, parse_sampling,
@@ -188,11 +189,13 @@ def _no_constant(name: str) -> None:
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, generator: Generator, keys: KeyStore, model_name: str, list_executors=None,
-                 tool_format: ToolCallFormat | None = None, end_session=None) -> None:
-        """``end_session``: async (tenant, session_id) -> scheduler_client.EndedSession
-        (None: this router cannot end sessions, EndSession is UNIMPLEMENTED)."""
+                 tool_format: ToolCallFormat | None = None, end_session=None, sessions=None) -> None:
+        """``sessions``: what ends, forks and joins sessions (the scheduler client;
+        ``session_routes.SessionControl``); ``end_session`` alone: async (tenant,
+        session_id) -> EndedSession. None: those RPCs are UNIMPLEMENTED."""
         self.generator = generator
-        self.end_session = end_session
+        self.sessions = sessions
+        self.end_session = end_session or (sessions.end_session if sessions is not None else None)
         self.keys = keys
         self.model_name = model_name
         self.list_executors = list_executors
@@ -278,6 +281,32 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.EndSessionResponse(session_id=session_id, ended_now=end.ended_now,
                                              num_executors_released=end.num_executors_released,
                                              num_running_hops=end.num_running_hops)
+
+    async def ForkSession(self, request: router_pb2.ForkSessionRequest, context: grpc.aio.ServicerContext):
+        """Fork one of the caller's idle sessions (docs/sessions.md); a child id in use is
+        ABORTED (as a busy session), another tenant's session NOT_FOUND."""
+        tenant = self.keys.authenticate(_api_key(context))
+        if self.sessions is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router has no scheduler to fork sessions")
+        spec = parse_fork(request.session_id, request.num_children if not request.child_session_ids else None,
+                          list(request.child_session_ids) or None, "num_children", "child_session_ids")
+        forked = await self.sessions.fork_session(tenant, spec.session_id, list(spec.child_ids))
+        m.REQUESTS.labels("grpc", "ForkSession", "OK").inc()
+        return router_pb2.ForkSessionResponse(session_id=forked.session_id,
+                                              child_session_ids=list(forked.child_session_ids),
+                                              num_context_tokens=forked.num_context_tokens)
+
+    async def JoinSession(self, request: router_pb2.JoinSessionRequest, context: grpc.aio.ServicerContext):
+        """Join one of the caller's sessions from a child (or keep its context)."""
+        tenant = self.keys.authenticate(_api_key(context))
+        if self.sessions is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router has no scheduler to join sessions")
+        spec = parse_join(request.session_id, request.from_session_id, request.end_children, "from_session_id")
+        joined = await self.sessions.join_session(tenant, spec.session_id, spec.from_id, spec.end_children)
+        m.REQUESTS.labels("grpc", "JoinSession", "OK").inc()
+        return router_pb2.JoinSessionResponse(session_id=joined.session_id,
+                                              num_context_tokens=joined.num_context_tokens,
+                                              ended_session_ids=list(joined.ended_session_ids))
 
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):
         self.keys.authenticate(_api_key(context))

@@ -266,7 +266,8 @@ def check_one_branch(session: Session, num_choices: int, field: str) -> None:
     asks several completions would race its own branches, so it is refused naming ``field``."""
     if session.session_id and num_choices > 1:
         raise InvalidRequestError(field, f"a hop of session {session.session_id!r} continues one branch: "
-                                  f"got {num_choices} completions (send them as separate sessions)")
+                                  f"got {num_choices} completions (fork the session for parallel branches: "
+                                  f"POST /v1/weft/sessions/{{id}}/fork with n, or Router.ForkSession)")
 
 
 def _session(body: Mapping[str, Any]) -> Session:
@@ -295,6 +296,12 @@ def parse_session(body: Mapping[str, Any], prefix: str = "") -> Session:
         hop_index=hop_index, expected_tool_ms=expected_tool_ms, request_class=request_class,
         stateful=stateful, contract=_contract(body.get("contract"), f"{prefix}contract"),
     )
+
+
+def parse_session_key(value: Any, field: str) -> str:
+    """One session id given on its own (a URL's, a fork's child, a join's ``from``): the
+    rules of ``session_id``, naming ``field``."""
+    return _session_key({field: value}, field, "")
 
 
 def _session_key(body: Mapping[str, Any], name: str, prefix: str) -> str:
