@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -24,8 +25,10 @@ import structlog
 
 from services.executor.config import DESCRIPTION, ExecutorConfig
 from services.executor.events import ExecutorEvents, ExecutorState, Identity
+from services.executor.live_settings import PartitionTable
 from services.mesh.env_config import load_config
 from services.mesh.grpc_server import GrpcServer
+from services.mesh.live_settings import SettingsFollower
 from services.mesh.logging import configure_logging
 from services.mesh.metrics import MetricsServer
 from services.mesh.nats_bus import EventBus
@@ -69,6 +72,9 @@ async def main(argv: Sequence[str] | None = None) -> None:
     grpc_server = GrpcServer("weft.v1.Executor", config.host, config.port, rules=ERROR_RULES,
                              max_message_bytes=config.max_message_bytes, grace_s=config.grace_s)
     grpc_server.install_signal_handlers()
+    # SIGHUP: nothing to re-read here (settings come from the router), but never the default: death.
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGHUP, lambda: log.info("sighup_ignored", detail="live settings come from the router"))
     bus = EventBus(config.nats_url, name)
     identity = Identity(name=name, address=config.address(config.port), model_id=config.resolved_model_id,
                         block_size=config.block_size, max_num_seqs=config.max_num_seqs,
@@ -96,12 +102,12 @@ async def main(argv: Sequence[str] | None = None) -> None:
     if config.partitions:
         engine.set_partitions(config.partitions)
     async_engine = AsyncEngine(engine, on_kv_events=events.on_kv_events)
+    # Live settings (docs/live_config.md): the router's document may swap the partition table.
+    partitions = PartitionTable(async_engine, config.tenant_partitions)
+    await SettingsFollower("executor", "executor", partitions.apply).subscribe(bus)
     audit = None
-    if config.partitions and config.credit_audit_period_s:
-        from services.executor.policy.credit_audit import CreditAuditor
-
-        audit = asyncio.create_task(_audit_credit_forever(
-            async_engine, CreditAuditor(config.partitions), config.credit_audit_period_s), name="credit-audit")
+    if config.credit_audit_period_s:
+        audit = asyncio.create_task(partitions.audit_forever(config.credit_audit_period_s), name="credit-audit")
     events.set_load_reader(lambda: async_engine.call(_stats_and_gauges))
     ENGINE_REQUESTS.set_function(lambda: async_engine.num_active)
     tiers, no_tiers_reason = None, "no cachestore configured"
@@ -185,15 +191,3 @@ def _exit_backstop(after_s: float) -> None:
     timer = threading.Timer(after_s, hard_exit)
     timer.daemon = True
     timer.start()
-
-
-async def _audit_credit_forever(async_engine, auditor, period_s: float) -> None:
-    """Every period: decay the credit of tenants that keep borrowing (quota_audit.py)."""
-    while True:
-        await asyncio.sleep(period_s)
-        usage = await async_engine.call(lambda e: e.pool.usage())
-        result = auditor.audit(usage)
-        await async_engine.call(lambda e: e.set_partitions(list(result.specs)))
-        if result.decayed:
-            log.info("credit_decayed", partitions=list(result.decayed),
-                     credit_blocks={s.name: s.credit_blocks for s in result.specs})

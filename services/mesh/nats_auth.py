@@ -5,10 +5,11 @@ open server lets anyone announce ``executor-0`` at its own address. So the serve
 with one user per *role* and an allow list per user (nats-server ``authorization`` block):
 
     role        publishes                                   subscribes
-    executor    weft.heartbeat.>  weft.load.>  weft.kv.>     nothing
+    executor    weft.heartbeat.>  weft.load.>  weft.kv.>     weft.settings.>
     scheduler   nothing                                     weft.heartbeat.>  weft.load.>  weft.kv.>
+                                                            weft.settings.>
     cachestore  weft.kv.<its name> (default ``cachestore``)  nothing
-    router      nothing                                     nothing (it does not use NATS today)
+    router      weft.settings.>  (live settings)            nothing
 
 Nothing uses request/reply, so no role gets ``_INBOX.>``. The bus (nats_bus.py) drops an
 event whose header names a source other than its subject's, so the right to publish on
@@ -59,6 +60,7 @@ PASSWORD_FILE_ENV = "WEFT_NATS_PASSWORD_FILE"
 MIN_PASSWORD_CHARS = 16
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("nats.conf")  # render_config(), checked in
 _EVENT_KINDS = ("heartbeat", "load", "kv")  # subjects weft.<kind>.<source> (nats_bus.subject)
+_SETTINGS_KIND = "settings"  # live_settings.BUS_KIND
 
 
 def role_password_env(role: str) -> str:
@@ -79,11 +81,14 @@ def role_permissions(cachestore_sources: tuple[str, ...] = ("cachestore",)) -> d
     """The table in the module docstring. ``cachestore_sources``: the cachestores'
     ``--name``s (their kv subjects)."""
     events = tuple(f"weft.{kind}.>" for kind in _EVENT_KINDS)
+    # The live-settings document (live_settings.py): the router alone writes it, so the
+    # right to publish there is the right to reconfigure the mesh.
+    settings = (f"weft.{_SETTINGS_KIND}.>",)
     return {
-        "executor": Permissions(publish=events),
-        "scheduler": Permissions(subscribe=events),
+        "executor": Permissions(publish=events, subscribe=settings),
+        "scheduler": Permissions(subscribe=events + settings),
         "cachestore": Permissions(publish=tuple(f"weft.kv.{name}" for name in cachestore_sources)),
-        "router": Permissions(),
+        "router": Permissions(publish=settings),
     }
 
 

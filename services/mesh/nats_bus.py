@@ -104,6 +104,7 @@ class EventBus:
         self._sequences: dict[str, int] = {}
         self._tracker = SequenceTracker()
         self._subs: list[_Subscription] = []
+        self._doc_subs: list[tuple[str, Callable[[bytes], Awaitable[None]]]] = []  # (kind, handler)
         self._on_connect: list[Callable[[], Awaitable[None] | None]] = []
         self._connect_task: asyncio.Task | None = None
         self._connected = asyncio.Event()
@@ -192,6 +193,8 @@ class EventBus:
             self._first_attempt.set()
             for sub in self._subs:
                 await self._subscribe_on(nc, sub)
+            for kind, handler in self._doc_subs:
+                await self._subscribe_documents_on(nc, kind, handler)
             log.info("nats_connected", url=self.log_url, source=self.source, user=self.auth.user or None)
             user = self.auth.user
             if user in nats_auth.ROLES and self.auth.password == nats_auth.dev_fallback_password(user):
@@ -298,6 +301,38 @@ class EventBus:
         self.num_dropped += 1
         EVENTS_DROPPED.labels(kind).inc()
         return False
+
+    # -- documents: whole JSON documents, not events (live_settings.py) ---------------
+    async def publish_document(self, kind: str, data: bytes) -> bool:
+        """Send ``data`` on ``weft.<kind>.<source>`` as it is (no header, no sequence: the
+        document carries its own version). Never raises; False when dropped."""
+        nc = self._nc
+        if nc is None or not nc.is_connected:
+            return self._drop(kind)
+        try:
+            await nc.publish(subject(kind, self.source), data)
+        except Exception as exc:
+            log.debug("document_publish_failed", kind=kind, error=str(exc))
+            return self._drop(kind)
+        EVENTS_PUBLISHED.labels(kind).inc()
+        return True
+
+    async def subscribe_documents(self, kind: str, handler: Callable[[bytes], Awaitable[None]]) -> None:
+        """Deliver every document on ``weft.<kind>.*`` to ``handler(data)``; survives reconnects."""
+        self._doc_subs.append((kind, handler))
+        if self.connected:
+            await self._subscribe_documents_on(self._nc, kind, handler)
+
+    async def _subscribe_documents_on(self, nc: NatsClient, kind: str,
+                                      handler: Callable[[bytes], Awaitable[None]]) -> None:
+        async def on_message(msg) -> None:
+            EVENTS_RECEIVED.labels(kind).inc()
+            try:
+                await handler(msg.data)
+            except Exception:
+                log.exception("document_handler_failed", kind=kind, subject=msg.subject)
+
+        await nc.subscribe(f"weft.{kind}.*", cb=on_message)
 
     # -- subscribing ----------------------------------------------------------------
     async def subscribe(self, kind: str, message_cls: type[Message], handler: Handler, source: str = "*",

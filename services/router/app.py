@@ -67,6 +67,10 @@ class RouterApp:
 
     async def start(self) -> None:
         app = self.http.app(self.config.max_body_bytes)
+        # Live settings: admin API, SIGHUP reload, the document on the bus (docs/live_config.md).
+        from services.router.admin_routes import start_live_settings
+
+        self.live = await start_live_settings(app, self.http.keys, self.config.keys_file)
         # handler_cancellation: a client that disconnects cancels its handler at once,
         # even while it waits for the first token, so its KV is freed downstream.
         # keepalive_timeout also bounds a connection that never completes its headers

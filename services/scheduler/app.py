@@ -8,6 +8,7 @@ users' constructors) → bus listeners → gRPC server → drain.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -16,6 +17,7 @@ import structlog
 from services.mesh import metric_catalogue as catalogue
 from services.mesh.env_config import load_config
 from services.mesh.grpc_server import GrpcServer
+from services.mesh.live_settings import SettingsFollower
 from services.mesh.logging import configure_logging
 from services.mesh.metrics import MetricsServer
 from services.mesh.nats_bus import EventBus
@@ -28,6 +30,7 @@ from services.scheduler.dispatch.agent_steps import AgentSteps
 from services.scheduler.dispatch.degrade_steps import DegradeSteps
 from services.scheduler.dispatch.dispatcher import Dispatcher
 from services.scheduler.errors import ERROR_RULES
+from services.scheduler.live_settings import SchedulerLiveSettings
 from services.scheduler.policy.admission import Admission
 from services.scheduler.policy.contracts import ContractBook, parse_tenant_quotas
 from services.scheduler.policy.degradation import DegradationLadder
@@ -70,8 +73,10 @@ async def main(argv: Sequence[str] | None = None) -> None:
     servicer = SchedulerServicer(dispatcher)
     catalogue.register("scheduler")
     catalogue.metric("weft_queue_depth").labels("scheduler").set_function(lambda: dispatcher.admission.num_queued)
-    reprioritize = (asyncio.create_task(dispatcher.agent.reprioritize_forever(config.priority_interval_s),
-                                        name="reprioritize") if config.policy == "weft" else None)
+    # Live settings (docs/live_config.md): the router's document swaps the policy objects.
+    live = SchedulerLiveSettings(config, dispatcher, lambda period_s: asyncio.create_task(
+        dispatcher.agent.reprioritize_forever(period_s), name="reprioritize"))
+    settings = SettingsFollower("scheduler", "scheduler", live.apply)
     grpc_server = GrpcServer("weft.v1.Scheduler", config.host, config.port, rules=ERROR_RULES,
                              max_message_bytes=config.max_message_bytes, grace_s=config.grace_s)
     add_to_server(servicer, grpc_server.server)
@@ -80,8 +85,12 @@ async def main(argv: Sequence[str] | None = None) -> None:
         servicer.draining = True
 
     grpc_server.on_drain(stop_taking_work)
+    # SIGHUP: nothing to re-read here (settings come from the router), but never the default: death.
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGHUP, lambda: log.info("sighup_ignored", detail="live settings come from the router"))
     bus = EventBus(config.nats_url, config.name)
     await view.subscribe(bus)
+    await settings.subscribe(bus)
     await bus.start()
     try:
         await bus.require_login()  # a refused login is a config error (exit 78), not an outage
@@ -96,8 +105,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     try:
         await grpc_server.serve_until_signal()
     finally:
-        if reprioritize is not None:
-            reprioritize.cancel()
+        live.stop()
         expiry.cancel()
         await bus.close()
         await channels.close()

@@ -13,6 +13,7 @@ aiohttp are imported inside the handlers, so registering these commands costs no
 from __future__ import annotations
 
 import argparse
+import os
 import asyncio
 import dataclasses
 import sys
@@ -46,7 +47,15 @@ def register_up(subparsers) -> None:
                          "repeatable")
     up.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP API port (0: free); default: %(default)s")
     up.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (0: free); default: %(default)s")
-    up.add_argument("--keys-file", default="", help="API keys file for the router; default: no auth")
+    up.add_argument("--keys-file", default="",
+                    help="API keys file for the router: JSON {key: tenant} / {key: {tenant, role}} or 'key tenant "
+                         "[role]' lines; role admin may use the admin API (docs/live_config.md); re-read on SIGHUP; "
+                         "default: no auth")
+    up.add_argument("--settings", default=os.environ.get("WEFT_SETTINGS_FILE", ""), metavar="FILE",
+                    dest="settings_file",
+                    help="live-settings document (JSON: policies, quotas, partitions, thresholds that may change "
+                         "while the mesh runs; docs/live_config.md); re-read on SIGHUP to `weft up` or the router, "
+                         "changed by PATCH /v1/weft/admin/settings; default: $WEFT_SETTINGS_FILE, else none")
     up.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                     help="services' log level; default: %(default)s")
     up.add_argument("--startup-timeout", type=float, default=180.0, metavar="S",
@@ -76,6 +85,7 @@ def _up(args: argparse.Namespace) -> int:
     try:
         options = UpOptions(model_dir=args.model, num_executors=args.executors, http_port=args.http_port,
                             grpc_port=args.grpc_port, state_dir=Path(args.state_dir), keys_file=args.keys_file,
+                            settings_file=str(Path(args.settings_file).resolve()) if args.settings_file else "",
                             log_level=args.log_level, startup_timeout_s=args.startup_timeout,
                             extra_executors=tuple(args.extra_executors),
                             restart=RestartConfig(max_deaths=args.crash_loop_deaths, window_s=args.crash_loop_window),
@@ -171,6 +181,11 @@ def _ps(args: argparse.Namespace) -> int:
     print()  # the instance table ends at the first blank line
     for line in settings_lines(state.settings):
         print(line)
+    from weft.cli.top import scrape_settings_versions, settings_versions_text
+
+    versions = scrape_settings_versions(state)
+    if any(v is not None for v in versions.values()):  # which live-settings version each runs (docs/live_config.md)
+        print(settings_versions_text(versions))
     return 0 if all(healthy) else 2
 
 

@@ -152,6 +152,35 @@ def _ladder(samples) -> str:
                       for cls, r in sorted(rungs.items()))
 
 
+FOLLOWERS = ("router", "scheduler", "executor")  # services that run the live-settings document
+
+
+def settings_versions_text(versions: dict[str, float | None]) -> str:
+    """``version 5: router v5, scheduler v5, executor-0 v4 LAGGING`` (docs/live_config.md):
+    which live-settings version each service runs; one behind the newest is flagged."""
+    known = [v for v in versions.values() if v is not None]
+    if not known:
+        return "live settings: no service reports a version"
+    newest = max(known)
+    parts = [f"{name} ?" if v is None else f"{name} v{v:.0f}" + ("" if v == newest else " LAGGING")
+             for name, v in versions.items()]
+    return f"live settings version {newest:.0f}: " + ", ".join(parts)
+
+
+def scrape_settings_versions(state, timeout_s: float = 1.0) -> dict[str, float | None]:
+    """instance name -> the live-settings version it reports (None: unreachable)."""
+    out: dict[str, float | None] = {}
+    for inst in state.instances:
+        url = _metrics_url(inst)
+        if url is None or inst.service not in FOLLOWERS:
+            continue
+        try:
+            out[inst.name] = _value(parse_metrics(_get(url, timeout_s).decode()), "weft_settings_version")
+        except (OSError, ValueError):
+            out[inst.name] = None
+    return out
+
+
 def _state(s: ServiceView) -> str:
     """up / DOWN from the scrape, unless the supervisor knows better (crash-loop: no
     longer restarted; restarting; stopped by weft chaos)."""
@@ -200,6 +229,9 @@ def render(snap: Snapshot, width: int = 100) -> str:
             lines.append(f"{'':<12}{s.name:<14}{p:<14}{_n(used):>7}{_n(reserved):>10}{_n(borrowed):>10}  {pool}")
     lines.append("")
     lines.append("LADDER      " + _ladder(sched.samples if sched else []))
+    lines.append("SETTINGS    " + settings_versions_text(
+        {s.name: (_value(s.samples, "weft_settings_version") if s.up else None) for s in snap.services
+         if s.service in FOLLOWERS}))
     lines.append("")
     tiers = []
     hit = sum(_value(s.samples, "weft_kv_lookup_tokens_total", tier="active", result="hit") or 0 for s in executors)

@@ -120,6 +120,7 @@ class Launcher:
         host = self.options.host
         return Context(bind_host=host, model_dir=self.model_dir, ports=ports,
                        hosts={s.name: host for s in SERVICES}, keys_file=self.options.keys_file,
+                       settings_file=self.options.settings_file,
                        log_level=self.options.log_level, executor_name=executor_name,
                        cachestore_dir=str(self.state_dir / "cachestore"),
                        # Passed through (the table renders it for every service): from the
@@ -365,6 +366,7 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_settings)
         try:
             state = await self.start()
             if on_ready is not None:
@@ -372,6 +374,14 @@ class Launcher:
             await stop.wait()  # deaths meanwhile are the supervisor's (weft/launcher/supervision.py)
         finally:
             await self.stop()
+
+    def reload_settings(self) -> None:
+        """SIGHUP: the router re-reads the keys and settings files and sends the new
+        document to the other services (docs/live_config.md)."""
+        for name, run in self.running.items():
+            if run.instance.service == "router" and run.process.returncode is None:
+                run.process.send_signal(signal.SIGHUP)
+                log.info("settings_reload_forwarded", instance=name)
 
     async def chaos(self, action: str, name: str) -> dict:
         """``weft chaos ACTION NAME``: kill, pause, resume or restart one instance on purpose

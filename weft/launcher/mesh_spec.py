@@ -137,7 +137,11 @@ SERVICES: tuple[ServiceSpec, ...] = (
                   "WEFT_ROUTER_GRPC_PORT": "{router_grpc_port}", "WEFT_ROUTER_MODEL_DIR": "{model_dir}",
                   "WEFT_ROUTER_SCHEDULER_ADDRESS": "{scheduler_addr}", "WEFT_ROUTER_KEYS_FILE": "{keys_file}",
                   "WEFT_ROUTER_CACHESTORE_ADDRESS": "{cachestore_addr}",
-                  "WEFT_ROUTER_METRICS_HOST": "{bind_host}", "WEFT_ROUTER_METRICS_PORT": "{router_metrics_port}"},
+                  "WEFT_ROUTER_METRICS_HOST": "{bind_host}", "WEFT_ROUTER_METRICS_PORT": "{router_metrics_port}",
+                  # The live-settings document (docs/live_config.md): read from this file, sent
+                  # to the other services over NATS, where only the router may publish it.
+                  "WEFT_SETTINGS_FILE": "{settings_file}", "WEFT_NATS_URL": "{nats_url}",
+                  **_nats_login("router")},
         health=Health("http", "router_http_port", "/health"),
         ready=Health("http", "router_http_port", "/health/ready"),
         depends_on=("scheduler",),
@@ -152,6 +156,7 @@ BY_NAME: dict[str, ServiceSpec] = {s.name: s for s in SERVICES}
 # cache when the image is built (Dockerfile: `weft model pull`, WEFT_CACHE_DIR=/opt/weft/cache).
 COMPOSE_MODEL_DIR = "${WEFT_MODEL_DIR:-/opt/weft/cache/models/smollm2-135m-instruct}"
 COMPOSE_KEYS_FILE = "${WEFT_KEYS_FILE:-}"
+COMPOSE_SETTINGS_FILE = "${WEFT_SETTINGS_FILE:-}"
 COMPOSE_LOG_LEVEL = "${WEFT_LOG_LEVEL:-info}"
 COMPOSE_CACHESTORE_DIR = "/var/lib/weft/cachestore"  # the cachestore-data volume
 # Internal calls inside a compose mesh always carry a secret. The fallback only keeps
@@ -177,6 +182,7 @@ class Context:
     ports: Mapping[str, int]
     hosts: Mapping[str, str]  # service name -> host other services dial it at
     keys_file: str = ""
+    settings_file: str = ""  # the live-settings document (docs/live_config.md)
     log_level: str = "info"
     executor_name: str = ""
     cachestore_dir: str = ""
@@ -188,6 +194,7 @@ class Context:
     def mapping(self) -> dict[str, str]:
         values: dict[str, str] = {k: str(v) for k, v in self.ports.items()}
         values.update(bind_host=self.bind_host, model_dir=self.model_dir, keys_file=self.keys_file,
+                      settings_file=self.settings_file,
                       log_level=self.log_level, executor_name=self.executor_name,
                       cachestore_dir=self.cachestore_dir, mesh_secret=self.mesh_secret,
                       nats_config=self.nats_config,
@@ -206,6 +213,7 @@ def compose_context() -> Context:
     ports = {k: v for spec in SERVICES for k, v in spec.ports.items()}
     return Context(bind_host="0.0.0.0", model_dir=COMPOSE_MODEL_DIR, ports=ports,
                    hosts={s.name: s.name for s in SERVICES}, keys_file=COMPOSE_KEYS_FILE,
+                   settings_file=COMPOSE_SETTINGS_FILE,
                    log_level=COMPOSE_LOG_LEVEL, executor_name="", cachestore_dir=COMPOSE_CACHESTORE_DIR,
                    mesh_secret=COMPOSE_MESH_SECRET, nats_config=COMPOSE_NATS_CONFIG,
                    nats_passwords=COMPOSE_NATS_PASSWORDS)

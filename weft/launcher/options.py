@@ -20,6 +20,7 @@ class UpOptions:
     state_dir: Path = Path(".weft")
     host: str = "127.0.0.1"
     keys_file: str = ""
+    settings_file: str = ""  # the live-settings document (docs/live_config.md); the router reads it
     log_level: str = "info"
     startup_timeout_s: float = 180.0
     stop_timeout_s: float = 15.0
@@ -42,6 +43,10 @@ class UpOptions:
         for name in ("http_port", "grpc_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65536)")
+        if self.settings_file:
+            from weft.launcher.setting_checks import check_settings_file
+
+            check_settings_file(self.settings_file)
         if self.settings:
             from weft.launcher.setting_checks import check_settings
 

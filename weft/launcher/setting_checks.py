@@ -108,3 +108,14 @@ def _blame(given: list[SettingFlag], service: str, message: str) -> str:
 
 def _fields(f: SettingFlag, service: str) -> list[str]:
     return [field for s, field in f.targets if s == service]
+
+
+def check_settings_file(path: str) -> None:
+    """``--settings FILE`` holds a valid live-settings document (docs/live_config.md); a
+    ValueError naming the file and the field otherwise."""
+    from services.router.live_settings import read_settings_file
+
+    try:
+        read_settings_file(path)
+    except ValueError as exc:
+        raise ValueError(f"--settings {path}: {exc}") from None

@@ -92,6 +92,13 @@ FLAGS: tuple[SettingFlag, ...] = (
     _s("--max-queue-per-tenant", SCHEDULING, "max_queue_per_tenant", "1024",
        "requests of one tenant that may wait beyond its in-flight cap (the default lets one tenant reach "
        "the ladder's shed rung)", metavar="N"),
+    _s("--executor-overcommit", SCHEDULING, "executor_overcommit", "1.25",
+       "in-flight requests per executor batch slot (max_num_seqs); the rest wait in the scheduler's scored "
+       "queue, where the policy orders them; 0: no cap by slots (requests queue at the executors); live "
+       "(docs/live_config.md)", metavar="F"),
+    _s("--kv-overlap-weight", SCHEDULING, "kv_overlap_weight", "1.0",
+       "kv placement: cost of computing one prompt block relative to one KV block in use on the executor "
+       "(higher: prefix reuse weighs more than load)", metavar="W"),
     _s("--retry-after-ms", SCHEDULING, "retry_after_ms", "200", "retry hint sent with an overload refusal",
        metavar="MS"),
     _s("--priority-interval-s", SCHEDULING, "priority_interval_s", "0.5",

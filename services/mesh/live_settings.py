@@ -1,0 +1,304 @@
+"""The live-settings document: what may change while the mesh runs, as one JSON object.
+
+    {"version": 7,
+     "keys":      {"sk-ops": {"tenant": "ops", "role": "admin"}, "sk-a": {"tenant": "acme"}},
+     "scheduler": {"policy": "fcfs", "tenant_quotas": "acme=64", "executor_overcommit": 2},
+     "executor":  {"tenant_partitions": "acme=32:16"}}
+
+A setting is named and written as its ``weft up`` flag's value (``--tenant-quotas
+acme=64`` is ``"tenant_quotas": "acme=64"``). A setting absent from the document is the
+service's start-up value (its flag or ``WEFT_*`` variable): the document holds overrides,
+and a JSON merge patch (RFC 7386) that sets one to ``null`` returns it to the flag's value.
+``keys`` is the keys file (services/router/auth.py); it lives in the router and never
+travels on the bus.
+
+NOTE: one writer. The router is the only service that holds the whole document (from its
+``--settings`` file, its keys file and the admin API); it validates a change as a whole
+(all or nothing; ``SettingsError`` names the field), bumps ``version`` and publishes the
+document without keys on ``weft.settings.<router>``, again every few seconds so that a
+service that starts late or missed one converges. A service applies its section
+(``SettingsFollower``) by swapping whole objects its owners hold, and reports the version
+it runs on the gauge ``weft_settings_version{service}``; one that refuses a section (a
+partition table larger than its pool) keeps the old one and its old version, so
+``weft ps`` / ``weft top`` show it lagging. The services re-check a section with their own
+parsers; the checks here are the shape of each value, so a typo is a 400 at the router.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import structlog
+
+from services.mesh import metrics
+from services.shared.vocabulary import RUNG_LABELS
+
+log = structlog.get_logger(__name__)
+
+BUS_KIND = "settings"  # subject weft.settings.<router name> (nats_auth.py: only the router publishes)
+SETTINGS_VERSION = metrics.gauge("weft_settings_version",
+                                 "Version of the live-settings document this service runs (docs/live_config.md).",
+                                 ["service"])
+ROLES = ("tenant", "admin")
+
+
+class SettingsError(ValueError):
+    """A document or patch that cannot apply; ``field`` names the setting (``scheduler.policy``)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+# -- value checks: the shape of each setting's value ------------------------------------
+_NAME = r"[^\s=,:]+"
+_QUOTAS = re.compile(rf"^\s*({_NAME}\s*=\s*\d+\s*)(,\s*{_NAME}\s*=\s*\d+\s*)*$")
+_PARTITIONS = re.compile(rf"^\s*({_NAME}\s*=\s*\d+:\d+\s*)(,\s*{_NAME}\s*=\s*\d+:\d+\s*)*$")
+_NUMBER = r"\d+(\.\d+)?"
+_THRESHOLD = re.compile(rf"^\s*(\w+)\s*=\s*({_NUMBER}):({_NUMBER})\s*$")
+
+
+def _number(value: object, low: float = 0.0, high: float = math.inf, *, zero_ok: bool = True,
+            low_inclusive: bool = True) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return "must be a finite number"
+    if value == 0 and zero_ok and low <= 0:
+        return None
+    if value < low or (value == low and not low_inclusive) or value > high:
+        return f"must be in {'[' if low_inclusive else '('}{low:g}, {high:g}], got {value}"
+    return None
+
+
+def _choice(*choices: str) -> Callable[[object], str | None]:
+    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}, got {v!r}"
+
+
+def _text(pattern: re.Pattern, example: str) -> Callable[[object], str | None]:
+    def check(value: object) -> str | None:
+        if not isinstance(value, str):
+            return f"must be a string like {example!r}"
+        if value.strip() and not pattern.match(value):
+            return f"expected a value like {example!r}, got {value!r}"
+        return None
+    return check
+
+
+def _rungs(value: object) -> str | None:
+    if not isinstance(value, str):
+        return "must be a comma-separated string of rungs"
+    unknown = [r for r in (p.strip() for p in value.split(",")) if r and r not in RUNG_LABELS]
+    return f"unknown rung(s) {', '.join(unknown)}; one of {', '.join(RUNG_LABELS)}" if unknown else None
+
+
+def _thresholds(value: object) -> str | None:
+    if not isinstance(value, str):
+        return "must be a string like 'shed=0.95:0.75'"
+    for item in filter(None, (p.strip() for p in value.split(","))):
+        m = _THRESHOLD.match(item)
+        if m is None or m.group(1) not in RUNG_LABELS:
+            return f"{item!r}: expected rung=enter:exit with a rung of {', '.join(RUNG_LABELS)}"
+        enter, exit_ = float(m.group(2)), float(m.group(4))
+        if enter > 1 or exit_ > enter:
+            return f"{item!r}: need 0 <= exit <= enter <= 1"
+    return None
+
+
+def _overcommit(value: object) -> str | None:
+    problem = _number(value)
+    if problem is None and value != 0 and value < 1:
+        return f"must be 0 (no cap by slots) or >= 1, got {value}"
+    return problem
+
+
+# section -> setting -> check (None: fine, else what is wrong). Only settings whose owner
+# swaps a whole object for them while streams run; docs/live_config.md lists the rest.
+LIVE_SETTINGS: Mapping[str, Mapping[str, Callable[[object], str | None]]] = MappingProxyType({
+    "scheduler": MappingProxyType({
+        "policy": _choice("weft", "fcfs", "priority"),
+        "pause_policy": _choice("auto", "cost", "keep", "demote", "drop"),
+        "prefill_ms_per_token": _number,
+        "block_second_ms": _number,
+        "transfer_ms_per_block": _number,
+        "default_tool_ms": _number,
+        "max_pinned_fraction": lambda v: _number(v, 0.0, 1.0),
+        "tenant_quotas": _text(_QUOTAS, "acme=64,globex=32"),
+        "degradation_rungs": _rungs,
+        "degradation_thresholds": _thresholds,
+        "degradation_min_dwell_s": _number,
+        "executor_overcommit": _overcommit,
+    }),
+    "executor": MappingProxyType({
+        "tenant_partitions": _text(_PARTITIONS, "acme=32:16,globex=32:8"),
+    }),
+})
+
+
+# -- the document -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KeyEntry:
+    tenant: str
+    role: str = "tenant"  # "admin": may read and change the live settings
+
+
+@dataclass(frozen=True)
+class LiveDocument:
+    """One immutable version of the live settings. Build with ``parse`` or ``merged``."""
+
+    version: int = 0
+    keys: Mapping[str, KeyEntry] = field(default_factory=dict)
+    sections: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # overrides only
+
+    @classmethod
+    def parse(cls, value: object, *, keys_required: bool = False) -> LiveDocument:
+        """A whole document from decoded JSON; raises SettingsError naming the field."""
+        if not isinstance(value, dict):
+            raise SettingsError("(document)", "must be a JSON object")
+        unknown = sorted(set(value) - {"version", "keys", *LIVE_SETTINGS})
+        if unknown:
+            raise SettingsError(unknown[0], f"not a live setting section; sections: "
+                                            f"{', '.join(LIVE_SETTINGS)} (and version, keys)")
+        version = value.get("version", 0)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise SettingsError("version", f"must be an integer >= 0, got {version!r}")
+        keys = parse_keys(value.get("keys", {}))
+        sections: dict[str, Mapping[str, object]] = {}
+        for section, checks in LIVE_SETTINGS.items():
+            given = value.get(section, {})
+            if not isinstance(given, dict):
+                raise SettingsError(section, "must be a JSON object of setting -> value")
+            for name, setting in given.items():
+                where = f"{section}.{name}"
+                if name not in checks:
+                    raise SettingsError(where, f"not a live setting; live in {section}: {', '.join(checks)} "
+                                               "(docs/live_config.md lists the restart-only ones)")
+                problem = checks[name](setting)
+                if problem:
+                    raise SettingsError(where, problem)
+            if given:
+                sections[section] = MappingProxyType(dict(given))
+        return cls(version, MappingProxyType(keys), MappingProxyType(sections))
+
+    def merged(self, patch: object) -> LiveDocument:
+        """This document with a JSON merge patch applied and validated as a whole; the
+        version is NOT bumped here (the caller's ``with_version``)."""
+        if not isinstance(patch, dict):
+            raise SettingsError("(patch)", "a merge patch must be a JSON object")
+        return LiveDocument.parse(merge_patch(self.to_json(), patch))
+
+    def with_version(self, version: int) -> LiveDocument:
+        return LiveDocument(version, self.keys, self.sections)
+
+    def to_json(self, *, redact_keys: bool = False) -> dict:
+        keys = {(redacted(k) if redact_keys else k): {"tenant": e.tenant, "role": e.role}
+                for k, e in self.keys.items()}
+        return {"version": self.version, "keys": keys,
+                **{name: dict(values) for name, values in self.sections.items()}}
+
+    def bus_payload(self) -> bytes:
+        """What goes on the bus: everything but the keys."""
+        return json.dumps({"version": self.version, **{n: dict(v) for n, v in self.sections.items()}},
+                          sort_keys=True).encode()
+
+    def same_settings(self, other: LiveDocument) -> bool:
+        return self.to_json() | {"version": 0} == other.to_json() | {"version": 0}
+
+
+def parse_keys(value: object) -> dict[str, KeyEntry]:
+    """``{key: tenant}`` or ``{key: {"tenant": t, "role": "admin"}}``; SettingsError naming the key."""
+    if not isinstance(value, dict):
+        raise SettingsError("keys", "must be a JSON object of key -> tenant")
+    out: dict[str, KeyEntry] = {}
+    for key, entry in value.items():
+        where = f"keys.{redacted(key)}"
+        if not key or any(c.isspace() for c in key):
+            raise SettingsError(where, "a key must be non-empty with no whitespace")
+        if isinstance(entry, str):
+            entry = {"tenant": entry}
+        if not isinstance(entry, dict) or set(entry) - {"tenant", "role"}:
+            raise SettingsError(where, "must be a tenant name or {\"tenant\": ..., \"role\": ...}")
+        tenant, role = entry.get("tenant"), entry.get("role", "tenant")
+        if not isinstance(tenant, str) or not tenant or any(c.isspace() for c in tenant):
+            raise SettingsError(f"{where}.tenant", "must be a non-empty name with no whitespace")
+        if role not in ROLES:
+            raise SettingsError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+        out[key] = KeyEntry(tenant, role)
+    return out
+
+
+def redacted(key: str) -> str:
+    """A key as logs and GET show it: its first 4 characters."""
+    return key[:4] + "…" if len(key) > 4 else "…"
+
+
+def merge_patch(target: object, patch: object) -> object:
+    """RFC 7386 JSON merge patch: objects merge recursively, null removes, the rest replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for name, value in patch.items():
+        if value is None:
+            out.pop(name, None)
+        else:
+            out[name] = merge_patch(out.get(name), value)
+    return out
+
+
+def decode_bus_payload(data: bytes) -> tuple[int, dict[str, dict]]:
+    """(version, section -> overrides) of a bus document; SettingsError when malformed."""
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SettingsError("(document)", f"not JSON: {exc}") from None
+    if isinstance(value, dict) and "keys" in value:
+        raise SettingsError("keys", "never travels on the bus")
+    doc = LiveDocument.parse(value)
+    return doc.version, {name: dict(values) for name, values in doc.sections.items()}
+
+
+# -- a service following the router's documents ------------------------------------------
+Apply = Callable[[dict[str, object]], Awaitable[None] | None]
+
+
+class SettingsFollower:
+    """Hands this service's section of each new document to ``apply`` (which swaps whole
+    objects or raises ValueError to refuse it) and reports the version it runs."""
+
+    def __init__(self, service: str, section: str, apply: Apply) -> None:
+        self.service = service
+        self.section = section
+        self._apply = apply
+        self.version = 0
+        self._applied: dict[str, object] = {}  # this service's overrides now in force
+        self._refused: tuple[int, str] | None = None  # (version, reason) last refused: logged once
+        SETTINGS_VERSION.labels(service).set(0)
+
+    async def subscribe(self, bus) -> None:
+        await bus.subscribe_documents(BUS_KIND, self.receive)
+
+    async def receive(self, data: bytes) -> None:
+        try:
+            version, sections = decode_bus_payload(data)
+        except SettingsError as exc:
+            log.warning("live_settings_malformed", service=self.service, error=str(exc))
+            return
+        if version == self.version or (self._refused and self._refused[0] == version):
+            return  # the periodic republish of what runs (or was refused) already
+        overrides = sections.get(self.section, {})
+        if overrides != self._applied:
+            try:
+                result = self._apply(dict(overrides))
+                if result is not None:
+                    await result
+            except ValueError as exc:
+                self._refused = (version, str(exc))
+                log.error("live_settings_refused", service=self.service, version=version, error=str(exc),
+                          running_version=self.version)
+                return
+            self._applied = dict(overrides)
+        self.version = version
+        SETTINGS_VERSION.labels(self.service).set(version)
+        log.info("live_settings_applied", service=self.service, version=version, overrides=self._applied)

@@ -1,0 +1,102 @@
+"""The admin API of the live settings (docs/live_config.md).
+
+    GET   /v1/weft/admin/settings   the document (keys shown by their first 4 characters)
+    PATCH /v1/weft/admin/settings   a JSON merge patch (RFC 7386); ``If-Match: <version>``
+                                    (or ``"version"`` in the body) refuses a stale change
+
+Only an admin key (role ``admin`` in the keys file) may call them: no key or an unknown
+one is 401, a tenant's key 403. A value that cannot apply is 400 naming the field
+(``param``), a stale version 409, and neither changes anything. A change answers 200
+with the new document; services apply it within ``WEFT_SETTINGS_REPUBLISH_S`` and report
+the version they run (``weft ps``).
+"""
+from __future__ import annotations
+
+import json
+
+import structlog
+from aiohttp import web
+
+from services.mesh.live_settings import LIVE_SETTINGS, SettingsError, redacted
+from services.router.auth import bearer_token
+from services.router.errors import AuthenticationError
+from services.router.live_settings import RouterLiveSettings, VersionConflict
+from services.router.openai_format import error_body
+
+log = structlog.get_logger(__name__)
+
+PATH = "/v1/weft/admin/settings"
+
+
+class AdminRoutes:
+    def __init__(self, live: RouterLiveSettings) -> None:
+        self.live = live
+
+    def register(self, app: web.Application) -> None:
+        app.router.add_get(PATH, self.get)
+        app.router.add_patch(PATH, self.patch)
+
+    def _refusal(self, request: web.Request) -> web.Response | None:
+        """401 / 403 unless the caller holds an admin key."""
+        key = bearer_token(request.headers.get("Authorization")) or request.headers.get("x-api-key")
+        try:
+            admin = self.live.keys.is_admin(key)
+        except AuthenticationError as exc:
+            return web.json_response(error_body(401, str(exc), None, "invalid_api_key"), status=401)
+        if not admin:
+            log.warning("admin_api_refused", key=redacted(key or ""), path=request.path)
+            return web.json_response(error_body(403, "the admin API needs a key with role 'admin' in the keys file",
+                                                None, "not_admin"), status=403)
+        return None
+
+    async def get(self, request: web.Request) -> web.Response:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        return web.json_response(self._body(), headers={"ETag": str(self.live.document.version)})
+
+    async def patch(self, request: web.Request) -> web.Response:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        try:
+            patch = json.loads(await request.read() or b"null")
+        except ValueError as exc:
+            return _bad_request("(body)", f"not JSON: {exc}")
+        expected = request.headers.get("If-Match")
+        try:
+            expected_version = int(expected.strip().removeprefix("W/").strip('"')) if expected else None
+        except ValueError:
+            return _bad_request("If-Match", f"must be a version number, got {expected!r}")
+        try:
+            doc = self.live.patch(patch, expected_version)
+        except VersionConflict as exc:
+            return web.json_response(error_body(409, str(exc), "version", "version_conflict"), status=409,
+                                     headers={"ETag": str(self.live.document.version)})
+        except SettingsError as exc:
+            return _bad_request(exc.field, str(exc))
+        return web.json_response(self._body(), headers={"ETag": str(doc.version)})
+
+    def _body(self) -> dict:
+        return {**self.live.document.to_json(redact_keys=True),
+                "live_settings": {section: list(checks) for section, checks in LIVE_SETTINGS.items()}}
+
+
+def _bad_request(field: str, message: str) -> web.Response:
+    return web.json_response(error_body(400, message, field, "invalid_setting"), status=400)
+
+
+async def start_live_settings(app: web.Application, keys, keys_file: str) -> RouterLiveSettings:
+    """Build the router's live settings from the environment, add the admin routes to
+    ``app`` (before it starts) and close the bus when ``app`` is cleaned up."""
+    from services.router.live_settings import LiveOptions
+
+    live = RouterLiveSettings(keys, keys_file, LiveOptions.from_environ())
+    AdminRoutes(live).register(app)
+    await live.start()
+
+    async def close(_app: web.Application) -> None:
+        await live.stop()
+
+    app.on_cleanup.append(close)
+    return live

@@ -1,0 +1,180 @@
+"""The router's side of live settings: the one writer of the document (services/mesh/live_settings.py).
+
+    settings file ─┐                         ┌─▶ KeyStore.replace (this router's keys)
+    keys file ─────┼─▶ RouterLiveSettings ───┤
+    admin PATCH ───┘   (validate, version++)  └─▶ weft.settings.router on NATS (no keys),
+                                                  again every ``republish_s`` for late joiners
+
+SIGHUP re-reads both files. A PATCH is written back to the files it changes (atomically:
+a temporary file renamed over the old one), so a later SIGHUP or restart keeps it; with
+no file configured it lives in memory until the router restarts. The version goes up by
+one per change; a settings file may carry a higher one (``"version": 40``), which wins.
+
+Settings read from the environment (until RouterConfig has them: docs/live_config.md):
+``WEFT_SETTINGS_FILE``, ``WEFT_NATS_URL`` (the bus; empty: the document stays in this
+router), ``WEFT_SETTINGS_REPUBLISH_S`` (default 2).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from services.mesh.live_settings import BUS_KIND, SETTINGS_VERSION, LiveDocument, SettingsError
+from services.router.auth import KeyStore, read_keys_file
+
+log = structlog.get_logger(__name__)
+
+SETTINGS_FILE_ENV = "WEFT_SETTINGS_FILE"
+NATS_URL_ENV = "WEFT_NATS_URL"
+REPUBLISH_ENV = "WEFT_SETTINGS_REPUBLISH_S"
+
+
+class VersionConflict(Exception):
+    """A change was made against a version that is no longer current (HTTP 409)."""
+
+
+@dataclass(frozen=True)
+class LiveOptions:
+    settings_file: str = ""
+    nats_url: str = ""
+    republish_s: float = 2.0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LiveOptions:
+        env = os.environ if environ is None else environ
+        try:
+            republish_s = float(env.get(REPUBLISH_ENV, "2.0"))
+        except ValueError:
+            raise ValueError(f"{REPUBLISH_ENV} must be a number of seconds") from None
+        if not 0 < republish_s < 3600:
+            raise ValueError(f"{REPUBLISH_ENV} must be in (0, 3600), got {republish_s}")
+        return cls(env.get(SETTINGS_FILE_ENV, ""), env.get(NATS_URL_ENV, ""), republish_s)
+
+
+def read_settings_file(path: str) -> LiveDocument:
+    """The document in ``path`` (no keys: those live in the keys file); SettingsError naming the field."""
+    if not path:
+        return LiveDocument()
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SettingsError("(settings file)", f"cannot read {path}: {exc}") from None
+    if isinstance(value, dict) and "keys" in value:
+        raise SettingsError("keys", f"{path}: API keys belong in the keys file (--keys-file)")
+    return LiveDocument.parse(value)
+
+
+class RouterLiveSettings:
+    """Holds the current document; every change goes through ``_commit`` (validated
+    already, swapped in one assignment, then published)."""
+
+    def __init__(self, keys: KeyStore, keys_file: str, options: LiveOptions) -> None:
+        self.keys = keys
+        self.keys_file = keys_file
+        self.options = options
+        base = read_settings_file(options.settings_file)
+        self.document = LiveDocument(max(base.version, 1), keys.entries, base.sections)
+        self.bus = None
+        self._republish: asyncio.Task | None = None
+        SETTINGS_VERSION.labels("router").set(self.document.version)
+
+    # -- changes ------------------------------------------------------------------------
+    def patch(self, patch: object, expected_version: int | None = None) -> LiveDocument:
+        """Apply a JSON merge patch. Raises SettingsError (bad value, nothing changed) or
+        VersionConflict (``expected_version`` is not the current one)."""
+        current = self.document
+        if isinstance(patch, dict) and "version" in patch:
+            given = patch["version"]
+            if given != current.version:
+                raise VersionConflict(f"the patch is against version {given}, the current one is {current.version}")
+            patch = {k: v for k, v in patch.items() if k != "version"}
+        if expected_version is not None and expected_version != current.version:
+            raise VersionConflict(f"If-Match names version {expected_version}, the current one is {current.version}")
+        new = current.merged(patch)
+        if new.same_settings(current):
+            return current
+        new = new.with_version(current.version + 1)
+        self._persist(current, new)
+        return self._commit(new, "admin_api")
+
+    def reload(self) -> LiveDocument:
+        """Re-read the keys file and the settings file (SIGHUP); a bad file changes nothing."""
+        base = read_settings_file(self.options.settings_file)
+        keys = read_keys_file(self.keys_file) if self.keys_file else dict(self.document.keys)
+        current = self.document
+        new = LiveDocument(current.version, keys, base.sections)
+        if new.same_settings(current) and base.version <= current.version:
+            return current
+        return self._commit(new.with_version(max(current.version + 1, base.version)), "reload")
+
+    def _commit(self, new: LiveDocument, cause: str) -> LiveDocument:
+        self.keys.replace(new.keys)  # validated already: cannot raise
+        self.document = new
+        SETTINGS_VERSION.labels("router").set(new.version)
+        log.info("live_settings_changed", version=new.version, cause=cause, num_keys=len(new.keys),
+                 overrides={n: dict(v) for n, v in new.sections.items()})
+        if self.bus is not None:
+            asyncio.get_running_loop().create_task(self.publish())
+        return new
+
+    def _persist(self, old: LiveDocument, new: LiveDocument) -> None:
+        """Write what changed to its file, so SIGHUP and restarts keep it."""
+        if self.keys_file and dict(new.keys) != dict(old.keys):
+            _write_atomically(self.keys_file, {k: {"tenant": e.tenant, "role": e.role} for k, e in new.keys.items()})
+        if self.options.settings_file:
+            body = {k: v for k, v in new.to_json().items() if k != "keys"}
+            _write_atomically(self.options.settings_file, body)
+
+    # -- the bus ------------------------------------------------------------------------
+    async def publish(self) -> None:
+        if self.bus is not None:
+            await self.bus.publish_document(BUS_KIND, self.document.bus_payload())
+
+    async def start(self) -> None:
+        """Connect the bus (when configured), republish forever, reload on SIGHUP."""
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        if not self.options.nats_url:
+            log.info("live_settings_local_only", reason=f"{NATS_URL_ENV} not set: the document stays in this router")
+            return
+        from services.mesh.nats_bus import EventBus
+
+        self.bus = EventBus(self.options.nats_url, "router")
+        await self.bus.start()
+        await self.bus.require_login()
+        self._republish = asyncio.create_task(self._republish_forever(), name="settings-republish")
+
+    async def stop(self) -> None:
+        if self._republish is not None:
+            self._republish.cancel()
+        if self.bus is not None:
+            await self.bus.close()
+
+    async def _republish_forever(self) -> None:
+        while True:
+            await self.publish()
+            await asyncio.sleep(self.options.republish_s)
+
+    def _on_sighup(self) -> None:
+        try:
+            doc = self.reload()
+        except (OSError, ValueError) as exc:
+            log.error("live_settings_reload_refused", error=str(exc), running_version=self.document.version)
+            return
+        log.info("live_settings_reloaded", version=doc.version)
+
+
+def _write_atomically(path: str, value: object) -> None:
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if target.exists():
+        os.chmod(tmp, target.stat().st_mode & 0o777)
+    os.replace(tmp, target)
