@@ -8,6 +8,10 @@ the next ones ``{index, function: {arguments: fragment}}``. A completions choice
 its echoed prompt (``echo``) and drops the one token a prompt-only request
 (``echo`` + ``max_tokens: 0``) had to generate.
 
+Each choice keeps the scheduler's decisions (its first delta's, completed by its last
+delta's pause decision) and sends them as ``weft`` with its finish: on the stream chunk
+that carries ``finish_reason``, and on the choice of a non-streamed response.
+
 The ids and logprobs of a delta ride on the first chunk sent for it; a delta whose text is
 still held back (a stop string or tool tag may be starting) gets a chunk with an empty
 ``delta`` when it has ids or logprobs to carry.
@@ -18,8 +22,8 @@ from dataclasses import replace
 from typing import Any
 
 from services.router.logprobs_format import CompletionLogprobs, TokenText, chat_logprobs
-from services.router.openai_format import ChatFormatter, CompletionFormatter
-from services.router.schema import Delta, Usage
+from services.router.openai_format import ChatFormatter, CompletionFormatter, weft_body
+from services.router.schema import Delta, ServingNotes, Usage
 from services.router.tool_parsers import ToolCall, ToolCallArgsDelta, ToolCallFormat, ToolCallStart
 
 
@@ -35,9 +39,11 @@ class ChatChoice:
         self.last: Delta | None = None
         self.parser = tools.stream_parser() if tools is not None else None
         self.num_calls = 0
+        self.notes = _Notes()
 
     # -- non-streamed ----------------------------------------------------------------
     def add(self, delta: Delta) -> None:
+        self.notes.add(delta)
         self.parts.append(delta.text)
         self.ids.extend(delta.token_ids)
         if self.text is not None:
@@ -51,13 +57,14 @@ class ChatChoice:
             content, calls = self.tools.parse(content)
         reason = _finish_reason(self.last.finish_reason, bool(calls))
         return fmt.choice(self.index, content, calls, reason, self.ids if self.return_token_ids else None,
-                          self.logprobs if self.text is not None else None)
+                          self.logprobs if self.text is not None else None, self.notes.body())
 
     # -- streamed --------------------------------------------------------------------
     def chunks(self, fmt: ChatFormatter, delta: Delta) -> list[dict[str, Any]]:
         """The stream chunks for one delta (the role chunk before the first)."""
         out = [] if self.last is not None else [fmt.chunk({"role": "assistant", "content": ""}, index=self.index)]
         self.last = delta
+        self.notes.add(delta)
         done = delta.finish_reason is not None
         if self.parser is None:
             events: list = [delta.text]
@@ -73,7 +80,7 @@ class ChatChoice:
             out.append(fmt.chunk({}, token_ids=ids, index=self.index, logprobs=lps))
         if done:
             reason = _finish_reason(delta.finish_reason, bool(self.num_calls))
-            out.append(fmt.chunk({}, finish_reason=reason, index=self.index))
+            out.append(fmt.chunk({}, finish_reason=reason, index=self.index, weft=self.notes.body()))
         return out
 
     def _bodies(self, events: list) -> list[dict[str, Any]]:
@@ -106,10 +113,12 @@ class CompletionChoice:
         self.parts: list[str] = []
         self.ids: list[int] = []
         self.last: Delta | None = None
+        self.notes = _Notes()
 
     def _take(self, delta: Delta) -> tuple[str, list[int], dict[str, list] | None]:
         """This delta's text, ids and logprobs part (echo first, on the first delta)."""
         first, self.last = self.last is None, delta
+        self.notes.add(delta)
         text, ids, part = ("", [], None) if self.score_only else (delta.text, list(delta.token_ids), None)
         if self.logprobs is not None:
             part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -130,7 +139,8 @@ class CompletionChoice:
     def body(self) -> dict[str, Any]:
         return CompletionFormatter.choice(self.index, "".join(self.parts), self.last.finish_reason,
                                           self.ids if self.return_token_ids else None,
-                                          self.logprobs.body if self.logprobs is not None else None)
+                                          self.logprobs.body if self.logprobs is not None else None,
+                                          self.notes.body())
 
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
         """The choice of this delta's stream chunk, or None when it has nothing to send."""
@@ -138,16 +148,31 @@ class CompletionChoice:
         if not (text or delta.finish_reason or (self.return_token_ids and ids) or (part and part["tokens"])):
             return None
         return CompletionFormatter.choice(self.index, text, delta.finish_reason,
-                                          ids if self.return_token_ids else None, part)
+                                          ids if self.return_token_ids else None, part,
+                                          self.notes.body() if delta.finish_reason else None)
 
     def usage(self) -> Usage:
         usage = self.last.usage
         return replace(usage, completion_tokens=0) if self.score_only else usage
 
 
+class _Notes:
+    """One choice's decisions: the first delta's notes, completed by later ones (the pause)."""
+
+    def __init__(self) -> None:
+        self.notes: ServingNotes | None = None
+
+    def add(self, delta: Delta) -> None:
+        if delta.notes is not None:
+            self.notes = delta.notes if self.notes is None else self.notes.merged(delta.notes)
+
+    def body(self) -> dict[str, Any]:
+        return weft_body(self.notes)
+
+
 def _finish_reason(reason: str | None, called: bool) -> str | None:
     """"tool_calls" when the reply made calls, unless it was cut: a reply that hit
-    max_tokens stays "length" (as OpenAI reports it) even when the calls it completed
-    before the cut are returned."""
-    return "tool_calls" if called and reason != "length" else reason
+    max_tokens stays "length" (as OpenAI reports it), one cut by its KV quota "kv_quota",
+    even when the calls it completed before the cut are returned."""
+    return "tool_calls" if called and reason not in ("length", "kv_quota") else reason
 

@@ -55,6 +55,11 @@ The continuation sets ``resumed_output_tokens`` to the number of relayed tokens:
 executor treats that tail of its prompt as output already generated, so a grammar
 (structured output, forced tool calls) is advanced over it and continues where it was.
 
+A finish is final whatever its reason; ``kv_quota`` (the task contract's KV quota ran
+out) never invites a continuation. A continuation the executor refuses because the
+replayed prompt alone fills the quota (``session.contract.kv_quota_blocks``) ends the
+stream with ``kv_quota`` instead of an error: the quota, not the scheduler, ended it.
+
 Seeded sampling follows the shared rule: the continuation is seeded with
 ``continuation_seed(seed, num_sent)``, reproducible per failure point only.
 """
@@ -156,10 +161,18 @@ class _Progress:
                        num_migrations=chunk.num_migrations + self.num_continuations if finished else 0,
                        notes=chunk.notes if finished else None)
 
-    def length_finish(self) -> TokenChunk:
+    def finish(self, reason: str = "length") -> TokenChunk:
+        """The finish marker the lost stream did not deliver."""
         n = len(self.sent_token_ids)
-        return TokenChunk((), (), "length", self.num_prompt_tokens or len(self.request.prompt_token_ids),
+        return TokenChunk((), (), reason, self.num_prompt_tokens or len(self.request.prompt_token_ids),
                           self.num_cached_tokens, n, "", num_migrations=self.num_continuations)
+
+
+KV_QUOTA_FIELD = "session.contract.kv_quota_blocks"
+
+
+class _QuotaSpent(Exception):
+    """The continuation's prompt alone fills the task's KV quota: the stream is done."""
 
 
 class SchedulerLiveness:
@@ -310,9 +323,13 @@ class ContinuingStreamer:
                         raise
                     await stream.aclose()
                     if progress.budget_spent:
-                        yield progress.length_finish()
+                        yield progress.finish("length")
                         return
-                    stream, chunk = await self._continue(progress, exc, deadline)
+                    try:
+                        stream, chunk = await self._continue(progress, exc, deadline)
+                    except _QuotaSpent:
+                        yield progress.finish("kv_quota")
+                        return
                 if chunk is None:
                     return  # ended without a finish reason: Generator.stream reports it
                 yield progress.relay(chunk)
@@ -341,6 +358,8 @@ class ContinuingStreamer:
         try:
             return await self._open(request, deadline)
         except (UpstreamUnavailable, UpstreamError, OverloadedError, InvalidRequestError) as exc:
+            if isinstance(exc, InvalidRequestError) and exc.field == KV_QUOTA_FIELD:
+                raise _QuotaSpent() from exc
             hint = ""
             if isinstance(exc, InvalidRequestError) and exc.field.startswith("session"):
                 hint = (f"; the scheduler no longer holds session {request.session.session_id!r} at this hop "

@@ -1,8 +1,11 @@
 """OpenAI response bodies and stream chunks, built from the router's domain types.
 
 Shapes follow OpenAI's Chat Completions and (legacy) Completions APIs. Extensions are
-additive: ``token_ids`` on a choice (with ``return_token_ids: true``) and
-``prompt_tokens_details.cached_tokens`` (prefix-cache hits) in usage. Several choices
+additive: ``token_ids`` on a choice (with ``return_token_ids: true``),
+``prompt_tokens_details.cached_tokens`` (prefix-cache hits) in usage, a ``weft`` object
+on each finished choice (the scheduler's decisions for it, ``weft_body``: each choice is
+its own scheduled request), and ``finish_reason: "kv_quota"`` when the contract's KV quota
+cut the reply (the ``openai`` Python client parses an unknown finish reason as a string). Several choices
 (``n``, several prompts) each carry their ``index``; their usage is ``choices_usage``.
 """
 from __future__ import annotations
@@ -11,7 +14,7 @@ import json
 import time
 from typing import Any
 
-from services.router.schema import Usage
+from services.router.schema import ServingNotes, Usage
 from services.router.tool_calls import ToolCall
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -45,6 +48,21 @@ def choices_usage(usages: list[Usage], n: int) -> Usage:
                  sum(u.cached_tokens for u in firsts))
 
 
+def weft_body(notes: ServingNotes | None) -> dict[str, Any]:
+    """The scheduler's decisions for one choice (``weft.v1.SchedulingDecisions`` in
+    snake_case, enums as the shared vocabulary's lowercase labels); null: not reported
+    (or, for ``fallback`` / ``pause_decision``, none taken)."""
+    n = notes or ServingNotes()
+    return {
+        "request_class": n.request_class or None, "priority": n.priority, "queue_ms": n.queue_ms,
+        "fallback": n.fallback or None, "fallback_reason": n.fallback_reason or None,
+        "degradation_rung": n.degradation_rung or None, "intent_shift": n.intent_shift,
+        "intent_distance": n.intent_distance, "ttft_estimate_ms": n.ttft_estimate_ms,
+        "ttft_ceiling_ms": n.ttft_ceiling_ms or None, "ttft_achieved_ms": n.ttft_achieved_ms,
+        "expected_cached_tokens": n.expected_cached_tokens, "pause_decision": n.pause_decision or None,
+    }
+
+
 def tool_call_body(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"id": call.id, "type": "function",
                             "function": {"name": call.name, "arguments": call.arguments}}
@@ -64,7 +82,8 @@ class ChatFormatter:
 
     @staticmethod
     def choice(index: int, content: str | None, tool_calls: list[ToolCall], finish_reason: str,
-               token_ids: list[int] | None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               token_ids: list[int] | None, logprobs: list[dict[str, Any]] | None = None,
+               weft: dict[str, Any] | None = None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = [tool_call_body(c) for c in tool_calls]
@@ -72,6 +91,8 @@ class ChatFormatter:
                                   "logprobs": None if logprobs is None else {"content": logprobs}}
         if token_ids is not None:
             choice["token_ids"] = token_ids
+        if weft is not None:
+            choice["weft"] = weft
         return choice
 
     def response(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
@@ -80,11 +101,13 @@ class ChatFormatter:
 
     def chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
               token_ids: list[int] | None = None, index: int = 0,
-              logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              logprobs: list[dict[str, Any]] | None = None, weft: dict[str, Any] | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason,
                                   "logprobs": None if logprobs is None else {"content": logprobs}}
         if token_ids is not None:
             choice["token_ids"] = token_ids
+        if weft is not None:
+            choice["weft"] = weft
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "choices": [choice]}
         if self.include_usage:
@@ -107,10 +130,12 @@ class CompletionFormatter:
 
     @staticmethod
     def choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None,
-               logprobs: dict[str, list] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, list] | None = None, weft: dict[str, Any] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         if token_ids is not None:
             body["token_ids"] = token_ids
+        if weft is not None:
+            body["weft"] = weft
         return body
 
     def response(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from protobuf, and ``generation.py`` turns one ``TokenRequest`` into ``Delta`` e
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
@@ -125,7 +125,7 @@ class TokenChunk:
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
-    finish_reason: str | None  # "stop", "length", "abort", "error" on the last chunk
+    finish_reason: str | None  # "stop", "length", "kv_quota", "abort", "error" on the last chunk
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
@@ -142,15 +142,31 @@ class TokenChunk:
 
 @dataclass(frozen=True)
 class ServingNotes:
-    """The scheduler's decisions for one request, as the client may see them: class,
-    contract fallback and degradation rung (first chunk), the session's pause decision
-    (last chunk)."""
+    """The scheduler's decisions for one request (``weft.v1.SchedulingDecisions``), as the
+    client may see them: everything but the pause on the first chunk, the session's pause
+    decision on the last. Labels are the shared vocabulary's; "" / None = not reported."""
 
     request_class: str = ""
     fallback: str = ""  # "", "degrade", "reroute", "fail_fast"
     fallback_reason: str = ""
     pause_decision: str = ""  # "", "keep", "demote", "drop"
     degradation_rung: str = ""  # rung it was served on (first chunk): "none", "kv_int8", ...; "" = unknown
+    priority: float | None = None  # higher ran first
+    queue_ms: int | None = None  # waited in the scheduler's queue
+    intent_shift: bool = False  # the session's kept KV was released: the hop changed topic
+    intent_distance: float = 0.0  # of the intent check; 0: none ran
+    ttft_estimate_ms: int = 0  # the contract's estimate, counting the expected cached prefix
+    ttft_ceiling_ms: int = 0  # 0: none
+    ttft_achieved_ms: int | None = None  # as the scheduler observed it
+    expected_cached_tokens: int = 0  # prompt tokens the placement expected cached
+
+    def merged(self, later: ServingNotes | None) -> ServingNotes:
+        """These (first-chunk) notes completed by a later chunk's: its non-empty fields win."""
+        if later is None:
+            return self
+        empty = ServingNotes()
+        return replace(self, **{f.name: getattr(later, f.name) for f in fields(self)
+                                if getattr(later, f.name) != getattr(empty, f.name)})
 
 
 @dataclass(frozen=True)

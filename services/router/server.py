@@ -405,20 +405,35 @@ def _response(rid: str, index: int, delta: Delta, sampling: Sampling, relay: Too
     usage = common_pb2.Usage(num_prompt_tokens=delta.usage.prompt_tokens, num_cached_tokens=delta.usage.cached_tokens,
                              num_output_tokens=delta.usage.completion_tokens)
     reason = delta.finish_reason
-    if reason is not None and reason != "length" and relay is not None and relay.num_calls:
-        reason = "tool_calls"  # as HTTP's finish_reason; a cut reply stays "length"
+    if reason not in (None, "length", "kv_quota") and relay is not None and relay.num_calls:
+        reason = "tool_calls"  # as HTTP's finish_reason; a cut reply stays "length" / "kv_quota"
+    finish = common_pb2.FINISH_REASON_KV_QUOTA if reason == "kv_quota" else _FINISH.get(reason, 0)
     return router_pb2.GenerateResponse(
         request_id=rid, index=index, text_delta=echo + text, token_ids_delta=list(delta.token_ids),
         logprobs_delta=list(delta.logprobs) if sampling.logprobs else [],
         top_logprobs_delta=_alternatives(delta.top_logprobs) if sampling.top_logprobs else [],
         prompt_logprobs=list(delta.prompt_logprobs) if sampling.prompt_logprobs is not None else [],
         prompt_top_logprobs=_alternatives(delta.prompt_top_logprobs) if sampling.prompt_logprobs else [],
-        tool_calls=to_proto(calls), finish_reason=_FINISH.get(reason, 0),
+        tool_calls=to_proto(calls), finish_reason=finish,
         usage=usage, executor=delta.executor,
         degradation_rung=common_pb2.DegradationRung.Value(f"DEGRADATION_RUNG_{delta.degradation_rung.upper()}")
         if delta.degradation_rung else 0,
-        num_migrations=delta.num_migrations,
+        num_migrations=delta.num_migrations, decisions=_decisions(delta),
     )
+
+
+def _decisions(delta: Delta) -> common_pb2.SchedulingDecisions | None:
+    """The scheduler's decisions as they came (first chunk: all but the pause; last: the pause)."""
+    n = delta.notes
+    value = lambda enum, prefix, label: enum.Value(prefix + label.upper()) if label else 0  # noqa: E731
+    return None if n is None else common_pb2.SchedulingDecisions(
+        request_class=value(common_pb2.RequestClass, "REQUEST_CLASS_", n.request_class), priority=n.priority or 0.0,
+        queue_ms=n.queue_ms or 0, fallback_taken=value(common_pb2.FallbackPath, "FALLBACK_PATH_", n.fallback),
+        fallback_reason=n.fallback_reason, intent_shift=n.intent_shift, intent_distance=n.intent_distance,
+        degradation_rung=value(common_pb2.DegradationRung, "DEGRADATION_RUNG_", n.degradation_rung),
+        ttft_estimate_ms=n.ttft_estimate_ms, ttft_ceiling_ms=n.ttft_ceiling_ms,
+        ttft_achieved_ms=n.ttft_achieved_ms or 0, expected_cached_tokens=n.expected_cached_tokens,
+        pause_decision=value(common_pb2.PauseDecision, "PAUSE_DECISION_", n.pause_decision))
 
 
 def _alternatives(positions) -> list[common_pb2.TokenLogprobs]:
