@@ -1,9 +1,11 @@
 """The scheduler's agent-native layer: one object that the dispatcher asks, per hop,
 "what is this request, when does it run, what happens to its KV afterwards".
 
+    intent_inputs(hop)  what the hop's intent check compares (kept or demoted context only),
+                        judged before ``begin`` (dispatch/agent_steps.judge_intent)
     begin(hop)          validate session / hop / contract, resolve a stateful prompt,
                         class, priority (higher first; re-evaluated at every slot hand-off),
-                        intent-shift release of stale kept KV
+                        intent-shift release of stale kept or demoted KV
     fallback(plan, …)   contract ceilings → the fallback path (or FAIL_FAST)
     pause(plan, …)      keep / demote / drop for the tool call after this hop
     finish(plan, …)     record the hop: session context, program attained service,
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import structlog
 
 from services.scheduler.policy.contracts import ContractBook, ContractTerms, Fallback, FallbackChoice
 from services.shared.vocabulary import Rung
-from services.scheduler.policy.intent_shift import IntentShiftDetector
+from services.scheduler.errors import InvalidScheduleRequest
+from services.scheduler.policy.intent_shift import IntentShiftDecision, IntentShiftDetector
 from services.scheduler.policy.pause import PauseDecision, PauseInputs, PausePlan, PausePolicy
 from services.scheduler.policy.priority import PriorityInputs, Prioritizer
 from services.scheduler.state.blocks import num_full_blocks
@@ -30,6 +34,22 @@ from services.scheduler.state.sessions import HopContext, SessionState, SessionT
 from services.shared.vocabulary import RequestClass
 
 log = structlog.get_logger(__name__)
+
+
+class KvArchive(Protocol):
+    """The lowest KV tier, as released KV is sent down to it (api/cachestore_port.py)."""
+
+    async def archive_blocks(self, block_hashes: Sequence[int]) -> int:
+        """Move these blocks to the archive tier; returns how many moved. Raises on failure."""
+
+
+@dataclass(frozen=True)
+class JudgedIntent:
+    """An intent check awaited before ``begin`` and the context length it judged: ``begin``
+    uses it only while the session's context is still that long."""
+
+    decision: IntentShiftDecision
+    num_context_tokens: int
 
 
 @dataclass(frozen=True)
@@ -45,16 +65,23 @@ class HopRequest:
     request_class: RequestClass | None = None  # None: decided here
     terms: ContractTerms = ContractTerms()
     caller_priority: float = 0.0
+    judged_intent: JudgedIntent | None = None  # set by dispatch/agent_steps.judge_intent
+
+    def judged(self, decision: IntentShiftDecision, num_context_tokens: int) -> HopRequest:
+        """This hop with an awaited intent verdict attached (a new object)."""
+        return replace(self, judged_intent=JudgedIntent(decision, num_context_tokens))
 
 
 @dataclass(frozen=True)
 class StaleRelease:
-    """Kept KV a session's new turn will not use: unpin it and forget these tokens' blocks."""
+    """Kept or demoted KV a session's new turn will not use: unpin it, forget these
+    tokens' blocks on the executor and send them down to the archive tier."""
 
     executor: str
     session_id: str
     stale_context_token_ids: tuple[int, ...]
     new_prompt_token_ids: tuple[int, ...]
+    was_demoted: bool = False  # the blocks were in the cachestore's host tier, not pinned
 
 
 @dataclass
@@ -67,6 +94,7 @@ class HopPlan:
     priority: Callable[[float], float]  # now_s -> priority, higher runs first
     resumes_demoted: str = ""  # executor whose demoted blocks should be promoted first
     release: StaleRelease | None = None
+    intent: IntentShiftDecision | None = None  # the intent check's verdict (None: not checked)
     fallback: FallbackChoice = field(default_factory=lambda: FallbackChoice(Fallback.NONE))
     pause: PausePlan = field(default_factory=lambda: PausePlan(PauseDecision.NONE))
     # Filled while the hop streams (dispatch/agent_steps.py):
@@ -86,9 +114,15 @@ class AgentPlane:
     def __init__(self, prioritizer: Prioritizer, pause_policy: PausePolicy, contracts: ContractBook,
                  intent: IntentShiftDetector | None = None, sessions: SessionTable | None = None,
                  block_size_of: Callable[[str], int] = lambda _: 16,
-                 clock: Callable[[], float] = time.monotonic, can_demote: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, can_demote: bool = True,
+                 kv_archive: KvArchive | None = None, intent_timeout_s: float = 0.25) -> None:
         """``can_demote``: whether the pause policy may choose demote (the executors'
-        cachestore tier is configured); turned off for good once an executor cannot."""
+        cachestore tier is configured); turned off for good once an executor cannot.
+        ``kv_archive``: where released KV goes (None: it is only forgotten on the executor).
+        ``intent_timeout_s``: how long a hop waits for the embedding signal before the
+        intent check falls back to bigrams."""
+        if intent_timeout_s <= 0:
+            raise ValueError(f"intent_timeout_s must be > 0, got {intent_timeout_s}")
         self.prioritizer = prioritizer
         self.pause_policy = pause_policy
         self.contracts = contracts
@@ -98,11 +132,31 @@ class AgentPlane:
         self.clock = clock
         self._pinned: dict[str, dict[tuple[str, str], tuple[int, float]]] = {}  # executor -> (tenant, session) -> (blocks, until)
         self.can_demote = can_demote
+        self.kv_archive = kv_archive
+        self.intent_timeout_s = intent_timeout_s
 
     # -- before admission -------------------------------------------------------------
+    def intent_inputs(self, hop: HopRequest) -> tuple[list[int], list[int]] | None:
+        """(session context, new turn) that ``hop``'s intent check compares; None when
+        there is nothing to judge: no session or hop 0, or KV neither kept (pinned) nor
+        demoted (dropped KV has nothing left to release). A hop ``begin`` would refuse is
+        None too (``begin`` names the field). Modifies nothing."""
+        if not hop.session_id or hop.hop_index == 0:
+            return None
+        ses = self.sessions.get(hop.tenant, hop.session_id)
+        if ses is None or not (ses.pinned_until_s > self.clock() or ses.demoted):
+            return None
+        try:
+            ctx = self.sessions.begin_hop(hop.tenant, hop.session_id, hop.program_id, hop.hop_index,
+                                          hop.stateful, hop.prompt_token_ids)
+        except InvalidScheduleRequest:
+            return None
+        return ses.context_token_ids.tolist(), ctx.prompt_token_ids[len(ctx.prompt_token_ids) - ctx.num_new_tokens:]
+
     def begin(self, hop: HopRequest, pool_num_blocks: int) -> HopPlan:
         """Validate and plan a hop; raises InvalidScheduleRequest naming the field.
-        Modifies nothing but the session's observed pause length."""
+        Modifies nothing but the session's observed pause length and, on an intent shift,
+        its pin and demoted state (released KV is never promoted back)."""
         self.contracts.validate(hop.terms, hop.tenant, pool_num_blocks)
         ctx: HopContext = self.sessions.begin_hop(hop.tenant, hop.session_id, hop.program_id, hop.hop_index,
                                                   hop.stateful, hop.prompt_token_ids)
@@ -112,18 +166,23 @@ class AgentPlane:
         fresh = False
         release = None
         resumes_demoted = ""
+        intent = None
         if ses is not None:
             fresh = ses.pinned_until_s > now
             if ses.demoted:
                 resumes_demoted = ses.executor
             self.sessions.resumed(ses)
-            new_turn = ctx.prompt_token_ids[len(ctx.prompt_token_ids) - ctx.num_new_tokens:]
-            if fresh and self.intent.shifted(ses.context_token_ids, new_turn):
+            if fresh or ses.demoted:
+                intent = self._judge(hop, ses, ctx)
+            if intent is not None and intent.shifted:
                 release = StaleRelease(ses.executor, ses.session_id, tuple(ses.context_token_ids),
-                                       tuple(ctx.prompt_token_ids))
+                                       tuple(ctx.prompt_token_ids), was_demoted=ses.demoted)
                 self._unpin(ses.executor, ses.tenant, ses.session_id)
                 ses.pinned_until_s = 0.0
-                log.info("intent_shift_release", session_id=ses.session_id, executor=ses.executor)
+                ses.demoted = False  # its pause's prefetch must not promote it (agent_steps._demote)
+                resumes_demoted = ""
+                log.info("intent_shift_release", session_id=ses.session_id, executor=ses.executor,
+                         signal=intent.signal, distance=round(intent.distance, 3), was_demoted=release.was_demoted)
         inputs = PriorityInputs(
             arrival_s=now, request_class=cls, caller_priority=hop.caller_priority,
             attained_tokens=ctx.program.attained_tokens if ctx.program else 0,
@@ -132,7 +191,17 @@ class AgentPlane:
         )
         prioritizer = self.prioritizer
         return HopPlan(hop, ctx.prompt_token_ids, cls, now, inputs, lambda t: prioritizer.priority(inputs, t),
-                       resumes_demoted, release)
+                       resumes_demoted, release, intent)
+
+    def _judge(self, hop: HopRequest, ses: SessionState, ctx: HopContext) -> IntentShiftDecision:
+        """The awaited verdict while it still applies (the context it judged is the
+        session's), else the detector's synchronous one (its fallback when the primary
+        signal is remote). Modifies nothing."""
+        judged = hop.judged_intent
+        if judged is not None and judged.num_context_tokens == len(ses.context_token_ids):
+            return judged.decision
+        new_turn = ctx.prompt_token_ids[len(ctx.prompt_token_ids) - ctx.num_new_tokens:]
+        return self.intent.decide(ses.context_token_ids, new_turn)
 
     def fallback(self, plan: HopPlan, num_ahead: int, num_slots: int, offered: Iterable[Rung] = ()) -> FallbackChoice:
         """Contract check at admission; raises OverloadedError for FAIL_FAST. ``offered``:

@@ -2,6 +2,8 @@
 order (domain types in and out; the api layer converts):
 
     screen     request id, suspected poison pill, prompt             (bad input: 400)
+    intent     agent plane: a session hop's turn vs its kept or demoted context, on the
+               cachestore's embeddings (bounded wait; bigram fallback, counted)
     plan       agent plane: session / hop / contract, the hop's full prompt, priority
     rung       degradation ladder: the rung it is served on, or shed
     admission  per-tenant and global slots, waiting by priority       (full: 429 + hint)
@@ -44,6 +46,10 @@ log = structlog.get_logger(__name__)
 
 REQUESTS = metrics.counter("weft_scheduler_requests_total", "Generate streams by outcome.", ["outcome"])
 QUEUE_SECONDS = metrics.histogram("weft_scheduler_queue_seconds", "Time waiting for admission.")
+INTENT_FALLBACKS = metrics.counter(
+    "weft_scheduler_intent_fallbacks_total",
+    "Intent checks the bigram fallback decided because the embedding signal was unavailable or late.",
+    ["reason"])
 
 
 class MeshState(Protocol):
@@ -93,6 +99,10 @@ class Dispatcher:
         """The job's stream (``screen`` it first). ``finished`` gets this request's spans
         once its stream ended normally."""
         rid = job.request_id
+        if self.agent is not None:
+            intent = await self.agent.judge_intent(job)  # before begin: it may release the session's KV
+            if intent is not None and intent.fallback_reason:
+                INTENT_FALLBACKS.labels(intent.fallback_reason).inc()
         plan = self.agent.begin(job) if self.agent is not None else None
         prompt = plan.prompt_token_ids if plan is not None else list(job.prompt_token_ids)
         with request_context(rid):
