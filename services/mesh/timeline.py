@@ -13,6 +13,11 @@ request id, in ``TimelineStore`` (served at ``/v1/weft/requests/{id}/timeline``)
 stream that fails or is cancelled sends no trailers: its timeline has the router's
 spans only (the other services keep none: nothing could read them there).
 
+Decisions: the scheduler records each decision it makes for a request (admission and
+priority, contract fallback, rung, intent shift, the TTFT contract, the pause) as one
+event named ``scheduler.decision.<kind>`` with the decision in its attributes
+(``Trace.decision``); ``timeline_json`` also lists them by kind under ``decisions``.
+
 Clocks: span times are Unix epoch nanoseconds (``time.time_ns``) so spans from several
 processes on one host order correctly; across hosts they are as good as NTP.
 """
@@ -33,6 +38,7 @@ import grpc
 TRACEPARENT_KEY = "traceparent"
 SPANS_KEY = "weft-spans"
 MAX_SPANS_PER_SERVICE = 48  # bounds the trailer (gRPC's default metadata limit is 8 KiB)
+DECISION_PREFIX = "scheduler.decision."  # events of scheduling decisions (Trace.decision)
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,11 @@ class Trace:
     def event(self, name: str, **attrs) -> Span:
         return self.span(name, time.time_ns(), **attrs)
 
+    def decision(self, kind: str, **attrs) -> Span:
+        """An event recording one decision made for the request (``kind``: admission,
+        fallback, rung, intent_shift, ttft, pause) with what was decided."""
+        return self.event(DECISION_PREFIX + kind, **attrs)
+
     def add_downstream(self, spans: Sequence[Span]) -> None:
         self.downstream.extend(spans)
 
@@ -209,12 +220,15 @@ CURRENT_TRACE: ContextVar[Trace | None] = ContextVar("weft_current_trace", defau
 
 
 def timeline_json(request_id: str, spans: Sequence[Span]) -> dict:
-    """The document served for a request: spans with offsets from the first start."""
+    """The document served for a request: spans with offsets from the first start, and
+    the scheduling decisions' attributes by kind (the last, after a continuation)."""
     t0 = min((s.start_ns for s in spans), default=0)
     return {
         "request_id": request_id,
         "trace_id": spans[0].trace_id if spans else "",
         "services": sorted({s.service for s in spans}),
+        "decisions": {s.name.removeprefix(DECISION_PREFIX): dict(s.attrs) for s in spans
+                      if s.name.startswith(DECISION_PREFIX)},
         "spans": [{**s.to_json(), "offset_ms": round((s.start_ns - t0) / 1e6, 3),
                    "duration_ms": round((s.end_ns - s.start_ns) / 1e6, 3)} for s in spans],
     }

@@ -14,7 +14,7 @@ cancelled and cancels the executor call, which aborts the request there.
 Decisions: the job's ``Decisions`` (filled at placement) are completed here with the
 queue time, rung, expected cached prefix and the TTFT observed at the first token chunk,
 stamped on the stream (first chunk: all but the pause; last chunk: the pause), recorded
-as ``scheduler.decision.*`` timeline events and counted in the metric catalogue.
+as ``scheduler.decision.*`` timeline events (``Trace.decision``) and counted in the metric catalogue.
 
 Bounded: after the migration policy's attempts, ExecutorLostError (UNAVAILABLE); a job
 aboard too many engine deaths ends SuspectedPoisonError (ABORTED) and is remembered.
@@ -124,7 +124,7 @@ class Relay:
                     chunk.decisions = Decisions(pause=decisions.pause, pause_reason=decisions.pause_reason,
                                                 pin_ttl_ms=decisions.pin_ttl_ms)
                 if chunk.finished and decisions.pause not in (None, PauseDecision.NONE):
-                    trace.event("scheduler.decision.pause", decision=decisions.pause.value,
+                    trace.decision("pause", decision=decisions.pause.value,
                                 reason=decisions.pause_reason, pin_ttl_ms=decisions.pin_ttl_ms)
                 if progress.num_migrations:
                     if hasattr(chunk.payload, "ClearField"):  # the prompt's logprobs went out with the first attempt
@@ -156,17 +156,17 @@ class Relay:
             d.expected_cached_tokens = min(len(prompt), ranked[0].num_matched_blocks * (rec.block_size if rec else 16))
         label = d.request_class.value if d.request_class is not None else ""
         catalogue.observe_priority(label, d.priority)
-        trace.event("scheduler.decision.admission", request_class=label or "unspecified",
+        trace.decision("admission", request_class=label or "unspecified",
                     priority=round(d.priority, 4), queue_ms=queue_ms)
         if d.fallback is not None and d.fallback.path is not Fallback.NONE:
             catalogue.count_fallback(d.fallback.path.value)
-            trace.event("scheduler.decision.fallback", path=d.fallback.path.value, reason=d.fallback.reason,
+            trace.decision("fallback", path=d.fallback.path.value, reason=d.fallback.reason,
                         ttft_estimate_ms=round(d.fallback.ttft_estimate_ms, 1))
-        trace.event("scheduler.decision.rung", rung=rung.label)
+        trace.decision("rung", rung=rung.label)
         if d.intent_checked:
             outcome = "shifted" if d.intent_shift else "unavailable" if d.intent_signal == "none" else "kept"
             catalogue.count_intent_shift(outcome)
-            trace.event("scheduler.decision.intent_shift", decision=outcome, distance=round(d.intent_distance, 4),
+            trace.decision("intent_shift", decision=outcome, distance=round(d.intent_distance, 4),
                         signal=d.intent_signal)
         return d
 
@@ -228,7 +228,7 @@ def _first_token(d: Decisions, trace: Trace) -> None:
         label = d.request_class.value if d.request_class is not None else ""
         catalogue.observe_ttft_ceiling(label, d.ttft_met, d.ttft_achieved_ms / d.ttft_ceiling_ms)
         attrs.update(ceiling_ms=d.ttft_ceiling_ms, outcome="met" if d.ttft_met else "missed")
-    trace.event("scheduler.decision.ttft", **attrs)
+    trace.decision("ttft", **attrs)
 
 
 def _timeout_s(job: Job) -> float | None:

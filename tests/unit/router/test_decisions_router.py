@@ -166,7 +166,9 @@ def test_the_timeline_has_one_event_per_decision(model_dir):
         finally:
             await close()
 
-    spans = {s["name"]: s["attrs"] for s in asyncio.run(main())["spans"]}
+    doc = asyncio.run(main())
+    spans = {s["name"]: s["attrs"] for s in doc["spans"]}
+    assert doc["decisions"]["pause"] == spans["scheduler.decision.pause"]  # by kind, too
     assert spans["scheduler.decision.admission"]["request_class"] == "agentic"
     assert spans["scheduler.decision.rung"]["rung"] == "none"
     ttft = spans["scheduler.decision.ttft"]
