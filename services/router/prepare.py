@@ -17,8 +17,12 @@ text is encoded in a worker thread with the GIL released, at most
 conversation is rendered in a worker thread too (jinja is pure Python). Small prompts stay
 on the loop: for them the thread hop costs more than the work.
 
+A stateful chat hop (``session_stateful``: the scheduler prepends the session's context)
+renders only the continuation of its new messages (``render_continuation``), not the whole
+template again: no default system prompt, no tools block, no BOS a second time.
+
 Mutates nothing shared: a ``RequestPreparer`` holds only the tokenizer, the deployment's
-limits and the offload semaphore.
+limits, the offload semaphore and which continuation fallbacks it has logged.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jinja2
+import structlog
 
 from services.router.errors import InvalidRequestError
 from services.router.intent import prescreen
@@ -48,6 +53,13 @@ OFFLOAD_RENDER_MESSAGES = 64
 MAX_CONCURRENT_OFFLOADS = 2
 # The field a chat template's refusal names, whichever door the conversation came through.
 CHAT_TEMPLATE_FIELD = "messages"
+# A conversation that stands for the session's context when a stateful hop is rendered:
+# what the template writes after its assistant reply is the continuation (plain words, so
+# a template that trims or escapes content leaves them alone).
+SENTINEL_TURNS = ({"role": "user", "content": "weftsentinelquestion"},
+                  {"role": "assistant", "content": "weftsentinelreply"})
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -111,27 +123,65 @@ class RequestPreparer:
         self.limits = limits
         self.request_timeout_s = request_timeout_s
         self._offload_slots = asyncio.Semaphore(MAX_CONCURRENT_OFFLOADS)
+        self._continuation_fallbacks: set[str] = set()  # reasons logged (once each)
 
     async def prepare(self, prompt: Prompt, sampling: Sampling, tenant: str, session: Session,
                       client_request_id: str) -> TokenRequest:
         """The token request of one prompt; raises ``InvalidRequestError`` naming
         ``prompt.field`` (or ``max_tokens``) when it cannot run."""
-        ids = await self.prompt_ids(prompt)
+        ids = await self.prompt_ids(prompt, continuation=session.stateful)
         has_tools = isinstance(prompt, ChatPrompt) and bool(prompt.tools)
         return self.token_request(ids, sampling, tenant, session, prompt.field,
                                   mesh_request_id(tenant, client_request_id), has_tools)
 
-    async def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids (not yet checked against the vocabulary or context)."""
+    async def prompt_ids(self, prompt: Prompt, continuation: bool = False) -> list[int]:
+        """The prompt's token ids (not yet checked against the vocabulary or context);
+        ``continuation``: a chat prompt continues a session's context (stateful hop)."""
         if isinstance(prompt, TokenIdsPrompt):
             return list(prompt.token_ids)
         if isinstance(prompt, TextPrompt):
             return await self.encode_async(prompt.text, prompt.field)
+        render = self.render_continuation if continuation else self._render_chat
         if prompt.is_small:
-            text = self._render_chat(prompt)
+            text = render(prompt)
         else:
-            text = await asyncio.to_thread(self._render_chat, prompt)
+            text = await asyncio.to_thread(render, prompt)
         return await self.encode_async(text, prompt.field, add_special_tokens=False)
+
+    def render_continuation(self, prompt: ChatPrompt) -> str:
+        """The text a stateful hop's new messages add to the session's context.
+
+        NOTE: the context ends with the previous hop's reply, whose last token is the
+        end-of-turn the model generated. Rendering ``SENTINEL_TURNS + messages`` and
+        cutting right after the sentinel reply's end-of-turn leaves what the template
+        writes after a reply: the turn separator, the new messages, the generation prompt::
+
+            [system/tools block] <user>sentinel</user> <assistant>weftsentinelreply<|im_end|>│\n<|im_start|>tool ...
+            └──────── the same as render(SENTINEL_TURNS), so the session already has it ──┘ └── sent ──
+
+        A template whose rendering of the sentinel turns is not a prefix of the whole (it
+        rewrites earlier turns) falls back to the full rendering, logged once per reason."""
+        full = self._render_chat(ChatPrompt((*SENTINEL_TURNS, *prompt.messages), prompt.tools,
+                                            prompt.add_generation_prompt, prompt.field))
+        base = self._render_chat(ChatPrompt(SENTINEL_TURNS, prompt.tools, False, prompt.field))
+        reply = SENTINEL_TURNS[1]["content"]
+        at = base.find(reply)
+        why = ""
+        if at < 0 or base.count(reply) != 1:
+            why = "the template does not render the reply verbatim"
+        else:
+            cut = at + len(reply)
+            eos = self.tokenizer.special_tokens.get("eos_token", "")
+            if eos and base.startswith(eos, cut):  # the context's last token is this end-of-turn
+                cut += len(eos)
+            if full[:cut] != base[:cut]:
+                why = "the template renders earlier turns differently when more follow"
+        if why:
+            if why not in self._continuation_fallbacks:
+                self._continuation_fallbacks.add(why)
+                log.warning("stateful_chat_full_render", reason=why)
+            return self._render_chat(prompt)
+        return full[cut:]
 
     def token_request(self, prompt_ids: Sequence[int], sampling: Sampling, tenant: str, session: Session,
                       prompt_field: str, request_id: str, has_tools: bool = False) -> TokenRequest:
