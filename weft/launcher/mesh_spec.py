@@ -106,6 +106,9 @@ SERVICES: tuple[ServiceSpec, ...] = (
         ports={"scheduler_port": 50052, "scheduler_metrics_port": 9152},
         settings={**_COMMON, "WEFT_NATS_URL": "{nats_url}", "WEFT_SCHEDULER_HOST": "{bind_host}",
                   "WEFT_SCHEDULER_PORT": "{scheduler_port}", "WEFT_SCHEDULER_METRICS_PORT": "{scheduler_metrics_port}",
+                  # The intent check's sources: the cachestore's embeddings of text the served
+                  # model's tokenizer detokenises (bigrams while the cachestore is unreachable).
+                  "WEFT_SCHEDULER_CACHESTORE_ADDRESS": "{cachestore_addr}", "WEFT_SCHEDULER_MODEL_DIR": "{model_dir}",
                   **_nats_login("scheduler")},
         health=Health("grpc", "scheduler_port"),
         depends_on=("nats",),
