@@ -3,10 +3,15 @@
 NOTE (kv policy): a request's cost on an executor is counted in KV blocks of work,
 
     cost = overlap_weight × (prompt blocks it must compute there)     # prefill saved by a prefix hit
-         + KV blocks in use there                                     # work already running
+         + KV blocks in use there − the prompt blocks it holds        # work already running, less what
+                                                                      # this request reads by reference
          + num_blocks × [it is full: no free sequence slot or no room for the new blocks]
 
-and the cheapest wins (ties: fewer active requests, then name). So the executor holding
+and the cheapest wins (ties: fewer active requests, then name). Blocks in use that the
+request's prefix hits are shared, not added (a fork's children on their parent's pinned
+blocks, a session resuming its own): counted as load, the pins of a session made its own
+executor look busiest for its next hop. (overlap_weight 0 ignores the prefix in both
+terms.) So the executor holding
 the prompt's prefix wins unless it carries more extra load than the prefix saves, or is
 full. This is the same trade Dynamo's KV router makes (prefill blocks vs active blocks).
 
@@ -89,7 +94,8 @@ class KvAwarePlacer(Placer):
         self.overlap_weight = overlap_weight
 
     def cost(self, c: Candidate) -> float:
-        cost = self.overlap_weight * c.num_compute_blocks + c.num_used_blocks
+        shared = c.num_matched_blocks if self.overlap_weight > 0 else 0
+        cost = self.overlap_weight * c.num_compute_blocks + max(0, c.num_used_blocks - shared)
         if c.is_full:
             cost += max(c.num_blocks, c.num_prompt_blocks + 1)
         return cost

@@ -231,3 +231,15 @@ def test_refusals_name_the_field_and_never_cross_tenants():
         assert out[key].code() == grpc.StatusCode.INVALID_ARGUMENT, key
         assert out[key].details().startswith(f"{field}: "), (key, out[key].details())
     assert list(out["after"].child_session_ids) == ["k"]
+
+
+def test_the_executor_whose_used_blocks_are_the_prompts_pinned_prefix_wins():
+    """The parent's pins count as used blocks on its executor; a child reads them by
+    reference, so they are no load against it (they made the other executor win)."""
+    from services.scheduler.policy.placement import Candidate, KvAwarePlacer
+
+    def cand(name: str, matched: int, used: int) -> Candidate:
+        return Candidate(name, f"{name}:1", num_prompt_blocks=14, num_matched_blocks=matched, num_used_blocks=used,
+                         num_blocks=100, num_active_requests=0, max_num_seqs=8)
+
+    assert KvAwarePlacer().rank([cand("holder", 13, 16), cand("idle", 0, 0)])[0].name == "holder"
