@@ -156,8 +156,8 @@ class RequestPreparer:
         cutting right after the sentinel reply's end-of-turn leaves what the template
         writes after a reply: the turn separator, the new messages, the generation prompt::
 
-            [system/tools block] <user>sentinel</user> <assistant>weftsentinelreply<|im_end|>│\n<|im_start|>tool ...
-            └──────── the same as render(SENTINEL_TURNS), so the session already has it ──┘ └── sent ──
+            [system + tools] <|im_start|>user …<|im_start|>assistant\nweftsentinelreply<|im_end|>│\n<|im_start|>tool …
+            └─ as render(SENTINEL_TURNS): the session's context stands here ─────────────────┘ └─ sent ─
 
         A template whose rendering of the sentinel turns is not a prefix of the whole (it
         rewrites earlier turns) falls back to the full rendering, logged once per reason."""

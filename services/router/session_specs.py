@@ -59,7 +59,8 @@ def parse_fork(session_id: Any, num_children: Any, child_ids: Any, n_field: str 
                 raise InvalidRequestError(field, "must be a non-empty string")
             cid = parse_session_key(cid, field)
             if cid == session_id or cid in ids:
-                raise InvalidRequestError(field, f"{cid!r} {'names the parent' if cid == session_id else 'is repeated'}")
+                why = "names the parent" if cid == session_id else "is repeated"
+                raise InvalidRequestError(field, f"{cid!r} {why}")
             ids.append(cid)
         return ForkSpec(session_id, tuple(ids))
     if isinstance(num_children, bool) or not isinstance(num_children, int) \

@@ -183,8 +183,8 @@ def test_grpc_fork_and_join_and_their_refusals(model_dir):
                 "theirs": doors.grpc.ForkSession(router_pb2.ForkSessionRequest(session_id="p", num_children=1),
                                                  metadata=grpc_key("sk-b")),
                 "n": doors.grpc.ForkSession(router_pb2.ForkSessionRequest(session_id="p"), metadata=grpc_key("sk-a")),
-                "ids": doors.grpc.ForkSession(router_pb2.ForkSessionRequest(session_id="p", child_session_ids=["q", "q"]),
-                                              metadata=grpc_key("sk-a")),
+                "ids": doors.grpc.ForkSession(router_pb2.ForkSessionRequest(
+                    session_id="p", child_session_ids=["q", "q"]), metadata=grpc_key("sk-a")),
                 "exists": doors.grpc.ForkSession(router_pb2.ForkSessionRequest(session_id="p", num_children=1),
                                                  metadata=grpc_key("sk-a")),  # p.f0 is the first fork's child
                 "from": doors.grpc.JoinSession(router_pb2.JoinSessionRequest(session_id="p", from_session_id="zz"),
