@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -17,6 +19,7 @@ import pytest
 from tests.integration.conftest import wait_for
 from tests.integration.launched_mesh import launched_mesh
 from weft.cli.top import parse_metrics
+from weft.launcher.mesh_state import pid_alive, read_state
 
 ADMIN, ACME, BACKGROUND = "sk-admin-0001", "sk-acme-0001", "sk-bg-0001"
 SETTINGS = "/v1/weft/admin/settings"
@@ -150,6 +153,28 @@ def test_each_live_setting_changes_while_streams_run(tmp_path, tiny_model_dir):
             wait_for(lambda: _all_run(state, 4), 30, "every service to run version 4")
         assert not streams.errors, streams.errors[:3]
         assert streams.done
+        # A restarted executor (killed; the supervisor starts it again) gets the current document.
+        old_pid = next(i.pid for i in state.instances if i.name == "executor-0")
+        os.kill(old_pid, signal.SIGKILL)
+        restarted = wait_for(lambda: _restarted(tmp_path / "state", old_pid), 120, "executor-0 to be restarted")
+        wait_for(lambda: _metric(restarted, "executor-0", "weft_settings_version") == 4, 60,
+                 "the restarted executor to run version 4")
+        wait_for(lambda: _metric(restarted, "executor-0", "weft_kv_blocks", partition="globex", state="reserved")
+                 == 8, 30, "the restarted executor to reserve the live partition")
+        ps = subprocess.run([sys.executable, "-m", "weft", "ps", "--state-dir", str(tmp_path / "state")],
+                            capture_output=True, text=True, timeout=60)
+        assert "live settings version 4: scheduler v4, executor-0 v4, router v4" in ps.stdout, ps.stdout
+
+
+def _restarted(state_dir, old_pid: int):
+    latest = read_state(state_dir)
+    inst = next((i for i in latest.instances if i.name == "executor-0"), None) if latest else None
+    if inst is None or inst.pid == old_pid or not pid_alive(inst.pid):
+        return None
+    try:
+        return latest if _metric(latest, "executor-0", "weft_settings_version") is not None else None
+    except OSError:
+        return None
 
 
 def _scheduler_samples(state):

@@ -159,3 +159,10 @@ def test_only_the_router_may_publish_the_settings_document_and_the_followers_rea
     assert publishers == {"router"}
     assert "weft.settings.>" in perms["scheduler"].subscribe and "weft.settings.>" in perms["executor"].subscribe
     assert not perms["router"].subscribe and not perms["cachestore"].subscribe
+
+
+def test_ps_and_top_flag_a_service_behind_the_newest_version():
+    from weft.cli.top import settings_versions_text
+
+    text = settings_versions_text({"router": 5.0, "scheduler": 5.0, "executor-0": 4.0, "executor-1": None})
+    assert text == "live settings version 5: router v5, scheduler v5, executor-0 v4 LAGGING, executor-1 ?"
