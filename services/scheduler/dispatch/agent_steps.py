@@ -201,12 +201,9 @@ class AgentSteps:
         d.ttft_estimate_ms = round(self.plane.contracts.estimate_with_cached(
             plan.fallback, num_prompt_tokens, d.expected_cached_tokens))
         d.pause, d.pause_reason, d.pin_ttl_ms = plan.pause.decision, plan.pause.reason, plan.pause.pin_ttl_ms
-        intent = getattr(plan, "intent", None)  # agent_plane's IntentShiftDecision, when a check ran
-        if intent is not None:
-            d.intent_checked, d.intent_shift = True, intent.shifted
-            d.intent_distance, d.intent_signal = intent.distance, intent.signal
-        elif plan.release is not None:  # a plan that carries no decision: the release is the shift
-            d.intent_checked = d.intent_shift = True
+        if plan.intent is not None:  # the hop's intent was checked
+            d.intent_checked, d.intent_shift = True, plan.intent.shifted
+            d.intent_distance, d.intent_signal = plan.intent.distance, plan.intent.signal
 
     @staticmethod
     def exec_fields(plan: HopPlan) -> dict:
