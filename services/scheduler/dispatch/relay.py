@@ -68,8 +68,9 @@ class Relay:
 
     async def stream(self, job: Job, prompt: list[int], ranked: list[Placement], queue_ms: int, trace: Trace,
                      rung: Rung, exec_fields: dict) -> AsyncIterator[Chunk]:
-        """The job's stream over migrating attempts; stamps the served rung on the first
-        chunk and, after a migration, usage counted across attempts."""
+        """The job's stream over migrating attempts; stamps the served rung and the
+        decisions on the first chunk, the pause on the last and, after a migration, usage
+        counted across attempts."""
         progress = StreamProgress(tuple(prompt), job.max_tokens, job.min_tokens, job.seed)
         cached: list[int] = []
         decisions = self._decided(job, prompt, ranked, queue_ms, rung, trace)
@@ -124,8 +125,8 @@ class Relay:
                     chunk.decisions = Decisions(pause=decisions.pause, pause_reason=decisions.pause_reason,
                                                 pin_ttl_ms=decisions.pin_ttl_ms)
                 if chunk.finished and decisions.pause not in (None, PauseDecision.NONE):
-                    trace.decision("pause", decision=decisions.pause.value,
-                                reason=decisions.pause_reason, pin_ttl_ms=decisions.pin_ttl_ms)
+                    trace.decision("pause", decision=decisions.pause.value, reason=decisions.pause_reason,
+                                   pin_ttl_ms=decisions.pin_ttl_ms)
                 if progress.num_migrations:
                     if hasattr(chunk.payload, "ClearField"):  # the prompt's logprobs went out with the first attempt
                         chunk.payload.ClearField("prompt_logprobs")
@@ -156,18 +157,18 @@ class Relay:
             d.expected_cached_tokens = min(len(prompt), ranked[0].num_matched_blocks * (rec.block_size if rec else 16))
         label = d.request_class.value if d.request_class is not None else ""
         catalogue.observe_priority(label, d.priority)
-        trace.decision("admission", request_class=label or "unspecified",
-                    priority=round(d.priority, 4), queue_ms=queue_ms)
+        trace.decision("admission", request_class=label or "unspecified", priority=round(d.priority, 4),
+                       queue_ms=queue_ms)
         if d.fallback is not None and d.fallback.path is not Fallback.NONE:
             catalogue.count_fallback(d.fallback.path.value)
             trace.decision("fallback", path=d.fallback.path.value, reason=d.fallback.reason,
-                        ttft_estimate_ms=round(d.fallback.ttft_estimate_ms, 1))
+                           ttft_estimate_ms=round(d.fallback.ttft_estimate_ms, 1))
         trace.decision("rung", rung=rung.label)
         if d.intent_checked:
             outcome = "shifted" if d.intent_shift else "unavailable" if d.intent_signal == "none" else "kept"
             catalogue.count_intent_shift(outcome)
             trace.decision("intent_shift", decision=outcome, distance=round(d.intent_distance, 4),
-                        signal=d.intent_signal)
+                           signal=d.intent_signal)
         return d
 
     async def _attempt(self, job: Job, call: ExecutorCall, ranked: list[Placement], queue_ms: int,
