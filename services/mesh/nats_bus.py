@@ -285,11 +285,14 @@ class EventBus:
         seal = self._sealers.get(kind)
         if seal is not None:
             seal(message)
+        return await self._send(kind, message.SerializeToString())
+
+    async def _send(self, kind: str, data: bytes) -> bool:
         nc = self._nc
         if nc is None or not nc.is_connected:
             return self._drop(kind)
         try:
-            await nc.publish(subject(kind, self.source), message.SerializeToString())
+            await nc.publish(subject(kind, self.source), data)
         except Exception as exc:
             log.debug("event_publish_failed", kind=kind, error=str(exc))
             return self._drop(kind)
@@ -306,16 +309,7 @@ class EventBus:
     async def publish_document(self, kind: str, data: bytes) -> bool:
         """Send ``data`` on ``weft.<kind>.<source>`` as it is (no header, no sequence: the
         document carries its own version). Never raises; False when dropped."""
-        nc = self._nc
-        if nc is None or not nc.is_connected:
-            return self._drop(kind)
-        try:
-            await nc.publish(subject(kind, self.source), data)
-        except Exception as exc:
-            log.debug("document_publish_failed", kind=kind, error=str(exc))
-            return self._drop(kind)
-        EVENTS_PUBLISHED.labels(kind).inc()
-        return True
+        return await self._send(kind, data)
 
     async def subscribe_documents(self, kind: str, handler: Callable[[bytes], Awaitable[None]]) -> None:
         """Deliver every document on ``weft.<kind>.*`` to ``handler(data)``; survives reconnects."""
@@ -323,8 +317,7 @@ class EventBus:
         if self.connected:
             await self._subscribe_documents_on(self._nc, kind, handler)
 
-    async def _subscribe_documents_on(self, nc: NatsClient, kind: str,
-                                      handler: Callable[[bytes], Awaitable[None]]) -> None:
+    async def _subscribe_documents_on(self, nc: NatsClient, kind: str, handler) -> None:
         async def on_message(msg) -> None:
             EVENTS_RECEIVED.labels(kind).inc()
             try:
