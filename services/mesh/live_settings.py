@@ -273,7 +273,7 @@ class SettingsFollower:
         self._apply = apply
         self.version = 0
         self._applied: dict[str, object] = {}  # this service's overrides now in force
-        self._refused: tuple[int, str] | None = None  # (version, reason) last refused: logged once
+        self._last: tuple[int, dict] | None = None  # (version, section) last handled: applied or refused
         SETTINGS_VERSION.labels(service).set(0)
 
     async def subscribe(self, bus) -> None:
@@ -285,16 +285,18 @@ class SettingsFollower:
         except SettingsError as exc:
             log.warning("live_settings_malformed", service=self.service, error=str(exc))
             return
-        if version == self.version or (self._refused and self._refused[0] == version):
-            return  # the periodic republish of what runs (or was refused) already
         overrides = sections.get(self.section, {})
+        if self._last == (version, overrides):
+            return  # the periodic republish of what runs (or was refused) already
+        # Not "version > running": a router restarted without a settings file counts from 1
+        # again, and it is the one writer, so what it sends now is what runs.
+        self._last = (version, overrides)
         if overrides != self._applied:
             try:
                 result = self._apply(dict(overrides))
                 if result is not None:
                     await result
             except ValueError as exc:
-                self._refused = (version, str(exc))
                 log.error("live_settings_refused", service=self.service, version=version, error=str(exc),
                           running_version=self.version)
                 return

@@ -132,9 +132,10 @@ def test_admin_api_auth_bad_values_and_version_races(tmp_path):
 
 
 def test_a_follower_applies_its_section_reports_the_version_and_refuses_atomically():
-    applied = []
+    applied, attempts = [], []
 
     def apply(overrides):
+        attempts.append(overrides)
         if overrides.get("tenant_partitions") == "a=999:0":
             raise ValueError("reserved blocks of all partitions exceed the pool")
         applied.append(overrides)
@@ -149,8 +150,12 @@ def test_a_follower_applies_its_section_reports_the_version_and_refuses_atomical
     asyncio.run(follower.receive(doc(2, "a=4:2")))  # the periodic republish: nothing to do
     asyncio.run(follower.receive(doc(3, "a=999:0")))
     assert applied == [{"tenant_partitions": "a=4:2"}] and follower.version == 2
+    asyncio.run(follower.receive(doc(3, "a=999:0")))  # republished: refused once, not retried
+    assert len(applied) == 1 and len(attempts) == 2
     asyncio.run(follower.receive(doc(4)))  # the override removed: back to the flag's value
     assert applied[-1] == {} and follower.version == 4
+    asyncio.run(follower.receive(doc(1, "b=2:2")))  # a router restarted with no settings file counts from 1
+    assert applied[-1] == {"tenant_partitions": "b=2:2"} and follower.version == 1
 
 
 def test_only_the_router_may_publish_the_settings_document_and_the_followers_read_it():
