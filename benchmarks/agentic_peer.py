@@ -86,7 +86,7 @@ class LlamaServer:
                 raise SystemExit(f"llama-server did not come up (exit {self.proc.poll()}): {' '.join(self.cmd)}")
             await asyncio.sleep(0.5)
 
-    async def generate(self, rid: str, prompt: list[int], max_tokens: int, hints: Hints | None):
+    async def generate(self, rid: str, prompt: list[int], max_tokens: int, hints: Hints | None, on_first=None):
         body = {"prompt": prompt, "n_predict": max_tokens, "stream": True, "temperature": 0.0, "top_k": 1,
                 "ignore_eos": True, "cache_prompt": True, "return_tokens": True}
         start, first, out = time.perf_counter(), None, []
@@ -99,6 +99,8 @@ class LlamaServer:
                 tokens = json.loads(line[6:]).get("tokens") or []
                 if tokens and first is None:
                     first = time.perf_counter()
+                    if on_first is not None:
+                        on_first(first - start)
                 out.extend(tokens)
         return (first or time.perf_counter()) - start, out
 
@@ -129,7 +131,7 @@ class WeftMesh:
         self.channel = grpc.aio.insecure_channel(state.grpc_address)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
-    async def generate(self, rid: str, prompt: list[int], max_tokens: int, hints: Hints | None):
+    async def generate(self, rid: str, prompt: list[int], max_tokens: int, hints: Hints | None, on_first=None):
         from weft.v1 import common_pb2, router_pb2
 
         req = router_pb2.GenerateRequest(
@@ -144,6 +146,8 @@ class WeftMesh:
         async for chunk in self.stub.Generate(req, timeout=600):
             if chunk.token_ids_delta and first is None:
                 first = time.perf_counter()
+                if on_first is not None:
+                    on_first(first - start)
             out.extend(chunk.token_ids_delta)
         return (first or time.perf_counter()) - start, out
 
@@ -162,17 +166,22 @@ class RunLog:
 
 
 async def replay(engine, config: str, tag: str, programs: list[Program], chats: list[Chat], spec: PeerWorkloadSpec,
-                 bar=None) -> rep.RunSummary:
+                 deadline_s: float, bar=None) -> rep.RunSummary:
     """One closed-loop replay: ``spec.concurrency`` programs at once, chats due before the last
-    program ends. ``tag`` keeps request and session ids unique across runs."""
+    program ends. ``tag`` keeps request and session ids unique across runs. At ``deadline_s``
+    what is still running is cancelled and counted *censored*: a program's completion time
+    and a chat's TTFT as the time it had waited so far (a lower bound: an engine that runs out
+    of time is never made to look slower than it was)."""
     log, hinted = RunLog(), config != rep.NO_HINTS
     queue = list(programs)
+    running: dict[str, float] = {}  # program or chat id -> start, until it finishes / gets a first token
     done = asyncio.Event()
 
     async def program_worker() -> None:
         while queue:
             p = queue.pop(0)
             context, start = list(p.prefix_token_ids), time.perf_counter()
+            running[p.program_id] = start
             try:
                 for h, hop in enumerate(p.hops):
                     context.extend(hop.new_token_ids)
@@ -188,18 +197,24 @@ async def replay(engine, config: str, tag: str, programs: list[Program], chats: 
             except Exception as exc:  # counted and reported, the run goes on
                 log.num_errors += 1
                 print(f"  [{config}] {p.program_id} failed: {exc!r}"[:300], flush=True)
+            running.pop(p.program_id, None)
 
     async def one_chat(c: Chat) -> None:
-        try:
-            ttft, _ = await engine.generate(f"{tag}-{c.chat_id}", list(c.prompt_token_ids), spec.output_tokens,
-                                            Hints("interactive") if hinted else None)
+        running[c.chat_id] = time.perf_counter()
+
+        def first(ttft: float) -> None:
+            running.pop(c.chat_id, None)
             log.ttft_int_s.append(ttft)
+        try:
+            await engine.generate(f"{tag}-{c.chat_id}", list(c.prompt_token_ids), spec.output_tokens,
+                                  Hints("interactive") if hinted else None, on_first=first)
         except Exception as exc:
             log.num_errors += 1
             print(f"  [{config}] {c.chat_id} failed: {exc!r}"[:300], flush=True)
 
+    sent: list[asyncio.Task] = []
+
     async def chat_source(t0: float) -> None:
-        sent = []
         for c in chats:
             delay = t0 + c.start_s - time.perf_counter()
             if delay > 0:
@@ -214,11 +229,22 @@ async def replay(engine, config: str, tag: str, programs: list[Program], chats: 
 
     t0 = time.perf_counter()
     chatter = asyncio.create_task(chat_source(t0))
-    await asyncio.gather(*(program_worker() for _ in range(spec.concurrency)))
+    workers = [asyncio.create_task(program_worker()) for _ in range(spec.concurrency)]
+    await asyncio.wait(workers, timeout=deadline_s)
     done.set()
-    await chatter
-    return rep.summarize(config, 0, log.jct_s, log.ttft_int_s, log.ttft_hop_s, log.num_errors,
-                         time.perf_counter() - t0)
+    await asyncio.wait([chatter], timeout=max(1.0, deadline_s - (time.perf_counter() - t0)))
+    now = time.perf_counter()
+    num_censored = 0
+    for task in [*workers, chatter, *sent]:
+        if not task.done():
+            task.cancel()
+    for rid, start in running.items():  # lower bounds for what the deadline cut off
+        (log.jct_s if rid.startswith("prog-") else log.ttft_int_s).append(now - start)
+        num_censored += 1
+    num_censored += len(queue)  # programs never started count as censored, with no time
+    await asyncio.gather(*workers, chatter, *sent, return_exceptions=True)
+    return rep.summarize(config, 0, log.jct_s, log.ttft_int_s, log.ttft_hop_s, log.num_errors, now - t0,
+                         num_censored)
 
 
 def make_engine(config: str, model, args):
@@ -247,18 +273,21 @@ async def run_model(args, model_name: str) -> list[rep.RunSummary]:
         warm = make_peer_workload(warm_spec, 10_000, config["vocab_size"], max_context)
         for c, engine in engines.items():
             print(f"[{model_name}] warm-up {c} ...", flush=True)
-            await replay(engine, c, f"warm-{c}", *warm, warm_spec)
+            await replay(engine, c, f"warm-{c}", *warm, warm_spec, args.run_timeout_s)
         for k, seed in enumerate(args.seeds):
             programs, chats = make_peer_workload(args.spec, seed, config["vocab_size"], max_context)
             order = args.configs[k % len(args.configs):] + args.configs[:k % len(args.configs)]
             for c in order:
                 total = sum(len(p.hops) for p in programs)
                 with tqdm(total=total, desc=f"{model_name} seed {seed} {c}", unit="hop", leave=False) as bar:
-                    s = await replay(engines[c], c, f"{c}-s{seed}", programs, chats, args.spec, bar)
+                    s = await replay(engines[c], c, f"{c}-s{seed}", programs, chats, args.spec, args.run_timeout_s,
+                                     bar)
+                await asyncio.sleep(2.0)  # cancelled work drains before the next engine's run
                 s = rep.RunSummary(**{**s.__dict__, "seed": seed})
                 runs.append(s)
                 print(f"[{model_name}] seed {seed} {c}: program p99 {s.jct_p99_s:.1f} s, interactive TTFT p99 "
-                      f"{s.ttft_int_p99_ms:.0f} ms ({s.num_chats} chats), {s.num_errors} errors, {s.wall_s:.0f} s",
+                      f"{s.ttft_int_p99_ms:.0f} ms ({s.num_chats} chats), {s.num_errors} errors, {s.num_censored} cut off by the "
+                      f"deadline, {s.wall_s:.0f} s",
                       flush=True)
     finally:
         for engine in engines.values():
@@ -294,6 +323,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tool-median-s", type=float, default=0.5, help="median log-normal tool pause (default: 0.5)")
     p.add_argument("--output-tokens", type=int, default=16, help="tokens generated per hop and chat (default: 16)")
     p.add_argument("--interactive-rate", type=float, default=1.0, help="interactive requests per second (default: 1)")
+    p.add_argument("--run-timeout-s", type=float, default=240.0,
+                   help="deadline of one run; what is unfinished then counts with its time so far (default: 240)")
     p.add_argument("--peer-slots", type=int, default=6, help="llama-server -np (default: 6)")
     p.add_argument("--ctx-per-slot", type=int, default=4096, help="llama-server context per slot; prompts fit it")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server threads (default: all CPUs; "

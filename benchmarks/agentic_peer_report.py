@@ -38,6 +38,7 @@ class RunSummary:
     num_chats: int
     num_errors: int
     wall_s: float
+    num_censored: int = 0  # programs / chats cut off by the run's deadline (their times are lower bounds)
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,10 @@ def geomean(values) -> float:
 
 
 def summarize(config: str, seed: int, jct_s: list[float], ttft_int_s: list[float], ttft_hop_s: list[float],
-              num_errors: int, wall_s: float) -> RunSummary:
+              num_errors: int, wall_s: float, num_censored: int = 0) -> RunSummary:
     return RunSummary(config, seed, pct(jct_s, 50), pct(jct_s, 99), pct(ttft_int_s, 50) * 1000,
                       pct(ttft_int_s, 99) * 1000, pct(ttft_hop_s, 99) * 1000, len(jct_s), len(ttft_int_s),
-                      num_errors, wall_s)
+                      num_errors, wall_s, num_censored)
 
 
 def ratio(runs: list[RunSummary], numerator: str, denominator: str, metric: str) -> Ratio:
@@ -129,9 +130,12 @@ FIGURES = (("jct_p50_s", "program p50 s", ".1f"), ("jct_p99_s", "program p99 s",
 def model_section(model: str, runs: list[RunSummary], chart_files: list[str]) -> list[str]:
     configs = [c for c in CONFIGS if any(r.config == c for r in runs)]
     rows = [[c] + [median_range([getattr(r, f) for r in runs if r.config == c], fmt) for f, _, fmt in FIGURES]
-            + [str(sum(r.num_errors for r in runs if r.config == c))] for c in configs]
+            + [str(sum(r.num_errors for r in runs if r.config == c)),
+               str(sum(r.num_censored for r in runs if r.config == c))] for c in configs]
     out = [f"### {model}", "", "Median [range] over seeds:", "",
-           write_markdown(["config"] + [h for _, h, _ in FIGURES] + ["errors"], rows), ""]
+           write_markdown(["config"] + [h for _, h, _ in FIGURES] + ["errors", "cut off by the deadline"], rows), "",
+           "A run is cut off at its deadline: unfinished programs and chats count with their time so far "
+           "(lower bounds), so a cut-off engine's ratios understate how much slower it was.", ""]
     rows = []
     for num, den in ((PEER, HINTS), (PEER, NO_HINTS), (PEER, FCFS), (NO_HINTS, HINTS), (FCFS, HINTS)):
         for metric, what in (("jct_p99_s", "program p99"), ("ttft_int_p99_ms", "interactive TTFT p99")):
@@ -147,10 +151,10 @@ def model_section(model: str, runs: list[RunSummary], chart_files: list[str]) ->
             out.append(f"- {t.text}: {what} {t.value:.2f}x (target >= {t.at_least}x): "
                        f"**{'met' if t.met else 'missed'}**")
     rows = [[r.config, str(r.seed), f"{r.jct_p99_s:.1f}", f"{r.ttft_int_p99_ms:.0f}", str(r.num_chats),
-             str(r.num_errors), f"{r.wall_s:.0f}"] for r in runs]
+             str(r.num_errors), str(r.num_censored), f"{r.wall_s:.0f}"] for r in runs]
     out += ["", "<details><summary>Every run, in the order run</summary>", "",
             write_markdown(["config", "seed", "program p99 s", "interactive TTFT p99 ms", "interactive requests",
-                            "errors", "wall s"], rows), "", "</details>", ""]
+                            "errors", "cut off", "wall s"], rows), "", "</details>", ""]
     out += [f"![{f}]({f})" for f in chart_files] + [""]
     return out
 
