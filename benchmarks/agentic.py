@@ -53,7 +53,7 @@ from services.executor.process_env import apply_executor_env  # noqa: E402
 apply_executor_env()  # the executor processes' torch runtime settings, before torch loads
 
 from benchmarks.agentic_workload import TRACE, Chat, Program, make_workload, trace_workload  # noqa: E402
-from benchmarks.agentic_peer_report import BEGIN, END, splice_section  # noqa: E402
+from benchmarks.agentic_peer_report import section_text, splice_section  # noqa: E402
 from benchmarks.report import write_bar_chart, write_markdown  # noqa: E402
 
 # The executor's own tiering (issue 6 defaults): every session's blocks written to the
@@ -347,7 +347,7 @@ def main(argv=None) -> int:
     files = charts(args, results)
     text += "\n" + "\n".join(f"![{f}]({f})" for f in files) + "\n"
     md = args.out_dir / "agentic.md"  # the peer comparison's section (agentic_peer.py) is kept
-    peer = md.read_text().split(BEGIN, 1)[1].split(END, 1)[0] if md.exists() and BEGIN in md.read_text() else ""
+    peer = section_text(md.read_text()) if md.exists() else None
     md.write_text(splice_section(text, peer) if peer else text)
     (args.out_dir / "agentic.json").write_text(json.dumps(
         {n: {w: summarize(r) for w, r in per.items()} for n, per in results.items()}, indent=1))

@@ -342,28 +342,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+HEADER = """## Against llama-server (issue 17's agent workload)
+
+`weft bench agentic --peer llama-server` (benchmarks/agentic_peer.py): agent programs of 3–16
+hops (Pareto-tailed), a closed loop of 8 at once, the whole context sent as token ids every hop,
+log-normal tool pauses, and interactive requests arriving at ~1/s while the programs run;
+against `llama-server -np 6` on the same f32 weights (GGUF from benchmarks/peers), a default
+`weft up` mesh with the agent hints (`weft`), the same without any (`weft-no-hints`), and the
+FCFS ablation with hints (`weft-fcfs`). Each engine is started once and warmed up; each seed's
+workload then runs once per engine, engines rotated per seed. Ratios are taken per seed and
+averaged geometrically. One subsection per model, each from its own command."""
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     models = ["smollm2", "bench"] if args.model == "both" else [args.model]
     s = args.spec
-    lines = ["## Against llama-server (issue 17's agent workload)", "",
-             f"Command: `weft bench agentic {' '.join(sys.argv[3:] if argv is None else argv)}`  ",
-             f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {os.cpu_count()} CPUs "
-             "(shared with other work), no GPU", "",
-             f"Workload per seed: {s.num_programs} programs of {s.min_hops}–{s.max_hops} hops (Pareto alpha "
-             f"{s.pareto_alpha}), {s.concurrency} at once, whole context as token ids every hop, {s.output_tokens} "
-             f"output tokens per hop, log-normal tool pauses (median {s.tool_median_s} s); interactive requests "
-             f"at {s.interactive_rate_per_s}/s while programs run. llama-server `-np {args.peer_slots}` "
-             f"`-t {args.threads}` on the same f32 weights (GGUF from benchmarks/peers). Seeds {args.seeds}, "
-             "engines rotated per seed after one warm-up each.", ""]
-    for m in models:
-        runs = asyncio.run(run_model(args, m))
-        lines += rep.model_section(m, runs, charts(args, m, runs))
-    section = "\n".join(lines)
     md = args.out_dir / "agentic.md"
-    md.write_text(rep.splice_section(md.read_text() if md.exists() else "# Agentic benchmark\n", section))
-    print(section)
+    document = md.read_text() if md.exists() else "# Agentic benchmark\n"
+    outer = rep.section_text(document) or HEADER
+    for m in models:
+        lines = [f"Command: `weft bench agentic {' '.join(sys.argv[3:] if argv is None else argv)}`  ",
+                 f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {os.cpu_count()} CPUs "
+                 "(shared with other work), no GPU", "",
+                 f"Workload per seed: {s.num_programs} programs of {s.min_hops}–{s.max_hops} hops (Pareto alpha "
+                 f"{s.pareto_alpha}), {s.concurrency} at once, {s.output_tokens} output tokens per hop and chat, "
+                 f"log-normal tool pauses (median {s.tool_median_s} s), interactive requests at "
+                 f"{s.interactive_rate_per_s}/s; llama-server `-np {args.peer_slots} -t {args.threads}`; seeds "
+                 f"{args.seeds}; a run's deadline {args.run_timeout_s:.0f} s.", ""]
+        runs = asyncio.run(run_model(args, m))
+        section = rep.model_section(m, runs, charts(args, m, runs))
+        section = section[:2] + lines + section[2:]  # after the "### model" heading
+        outer = rep.splice_section(outer, "\n".join(section), key=f"peer-{m}", at_end=True)
+        document = rep.splice_section(document, outer)
+        md.write_text(document)  # after each model: a later failure keeps what was measured
+        print("\n".join(section), flush=True)
     return 0
 
 

@@ -20,7 +20,6 @@ HINTS = "weft"
 NO_HINTS = "weft-no-hints"
 FCFS = "weft-fcfs"
 CONFIGS = (PEER, HINTS, NO_HINTS, FCFS)
-BEGIN, END = "<!-- peer:begin -->", "<!-- peer:end -->"
 
 
 @dataclass(frozen=True)
@@ -159,12 +158,28 @@ def model_section(model: str, runs: list[RunSummary], chart_files: list[str]) ->
     return out
 
 
-def splice_section(document: str, section: str) -> str:
-    """``document`` with the text between BEGIN and END replaced by ``section`` (inserted
-    after the first line when the markers are absent); everything else is kept."""
-    block = f"{BEGIN}\n{section.strip()}\n{END}"
-    if BEGIN in document and END in document:
-        head, rest = document.split(BEGIN, 1)
-        return head + block + rest.split(END, 1)[1]
+def markers(key: str) -> tuple[str, str]:
+    return f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+
+
+def section_text(document: str, key: str = "peer") -> str | None:
+    """The text between ``key``'s markers, None when they are absent."""
+    begin, end = markers(key)
+    if begin not in document or end not in document:
+        return None
+    return document.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def splice_section(document: str, section: str, key: str = "peer", at_end: bool = False) -> str:
+    """``document`` with the text between ``key``'s markers replaced by ``section``; when the
+    markers are absent the block goes after the first line (the title), or at the end with
+    ``at_end``. Everything else is kept."""
+    begin, end = markers(key)
+    block = f"{begin}\n{section.strip()}\n{end}"
+    if section_text(document, key) is not None:
+        head, rest = document.split(begin, 1)
+        return head + block + rest.split(end, 1)[1]
+    if at_end:
+        return f"{document.rstrip()}\n\n{block}\n"
     first, _, rest = document.partition("\n")
     return f"{first}\n\n{block}\n{rest}" if document else block + "\n"

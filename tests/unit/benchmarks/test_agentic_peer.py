@@ -99,4 +99,14 @@ def test_section_replaces_only_between_markers():
     assert once.startswith("# Agentic benchmark\n") and "old intro" in once and "first" in once
     twice = rep.splice_section(once + "\n## Older section\nkept\n", "## Peer\nsecond")
     assert "second" in twice and "first" not in twice and "kept" in twice and "old intro" in twice
-    assert twice.count(rep.BEGIN) == 1
+    assert twice.count(rep.markers("peer")[0]) == 1
+
+
+def test_a_model_subsection_is_replaced_alone_inside_the_peer_section():
+    outer = rep.splice_section("## Against llama-server", "### bench\nb1", key="peer-bench", at_end=True)
+    outer = rep.splice_section(outer, "### smollm2\ns1", key="peer-smollm2", at_end=True)
+    outer = rep.splice_section(outer, "### bench\nb2", key="peer-bench", at_end=True)
+    assert "b2" in outer and "b1" not in outer and "s1" in outer
+    assert outer.index("bench") < outer.index("smollm2")  # kept in place
+    doc = rep.splice_section("# Agentic benchmark\n\nold\n", outer)
+    assert rep.section_text(doc) == outer.strip("\n") and doc.endswith("old\n")
