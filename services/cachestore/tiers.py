@@ -3,7 +3,8 @@
 Mechanism here, policy in two objects (each an enum + factory, so an ablation is a
 flag): a ``TierPolicy`` decides where a new block lands and what happens to a block
 RAM evicts or disk serves; a ``DemotionPolicy`` (``demotion.py``) picks sleeping blocks
-to archive on each ``sweep`` (pause length, pressure, age, priority).
+to archive on each ``sweep`` (pause length, pressure, age, priority). ``archive`` moves
+named blocks down at once (KV a session released: the scheduler's intent shift).
 
 Every change of a tier's contents is queued as a ``TierChange`` (``take_changes``), so
 the kv events the cachestore publishes mirror exactly which hashes each tier holds; a
