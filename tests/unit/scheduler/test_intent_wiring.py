@@ -313,3 +313,14 @@ def test_real_minilm_over_grpc_archives_a_shifted_sessions_blocks(tmp_path, toke
     decision = run(main())
     assert decision.signal == "embedding" and decision.shifted
     assert all(store.tier_of(h) is Tier.ARCHIVED for h in written_back) and len(store.host) == 0
+
+
+def test_decide_async_without_a_fallback_keeps_the_kv_and_says_why():
+    from services.scheduler.policy.intent_shift import EmbeddingDistance, IntentShiftDetector
+
+    async def down(texts):
+        raise ConnectionError("refused")
+    detector = IntentShiftDetector(EmbeddingDistance(None, detok, embed_async=down), 0.8)
+    decision = run(detector.decide_async(TOPIC_A, TOPIC_B, 1.0))
+    assert (decision.shifted, decision.signal, decision.fallback_reason) == (False, "none", "unavailable")
+    assert detector.decide(TOPIC_A, TOPIC_B).fallback_reason == "unavailable"  # no sync embedder: no signal
