@@ -180,7 +180,11 @@ class AgentPlane:
                 self._unpin(ses.executor, ses.tenant, ses.session_id)
                 ses.pinned_until_s = 0.0
                 ses.demoted = False  # its pause's prefetch must not promote it (agent_steps._demote)
-                resumes_demoted = ""
+                # Promotion loads only the new prompt's leading blocks: the part of the old
+                # context this hop reuses (it needs them), never the stale rest, which goes to
+                # the archive. With no full block reused there is nothing to promote.
+                if len(ctx.prompt_token_ids) - ctx.num_new_tokens < self.block_size_of(ses.executor):
+                    resumes_demoted = ""
                 log.info("intent_shift_release", session_id=ses.session_id, executor=ses.executor,
                          signal=intent.signal, distance=round(intent.distance, 3), was_demoted=release.was_demoted)
         inputs = PriorityInputs(
