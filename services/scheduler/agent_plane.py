@@ -138,8 +138,10 @@ class AgentPlane:
     # -- before admission -------------------------------------------------------------
     def intent_inputs(self, hop: HopRequest) -> tuple[list[int], list[int]] | None:
         """(session context, new turn) that ``hop``'s intent check compares; None when
-        there is nothing to judge: no session or hop 0, or KV neither kept (pinned) nor
-        demoted (dropped KV has nothing left to release). A hop ``begin`` would refuse is
+        there is nothing to judge: no session or hop 0, KV neither kept (pinned) nor
+        demoted (dropped KV has nothing left to release), or a turn that extends the whole
+        context (a stateful hop, a client resending everything: every kept block is reused,
+        so a shift would release nothing and the hop never waits for the embedding). A hop ``begin`` would refuse is
         None too (``begin`` names the field). Modifies nothing."""
         if not hop.session_id or hop.hop_index == 0:
             return None
@@ -150,6 +152,8 @@ class AgentPlane:
             ctx = self.sessions.begin_hop(hop.tenant, hop.session_id, hop.program_id, hop.hop_index,
                                           hop.stateful, hop.prompt_token_ids)
         except InvalidScheduleRequest:
+            return None
+        if _extends_context(ctx, ses):
             return None
         return ses.context_token_ids.tolist(), ctx.prompt_token_ids[len(ctx.prompt_token_ids) - ctx.num_new_tokens:]
 
@@ -172,7 +176,7 @@ class AgentPlane:
             if ses.demoted:
                 resumes_demoted = ses.executor
             self.sessions.resumed(ses)
-            if fresh or ses.demoted:
+            if (fresh or ses.demoted) and not _extends_context(ctx, ses):
                 intent = self._judge(hop, ses, ctx)
             if intent is not None and intent.shifted:
                 release = StaleRelease(ses.executor, ses.session_id, tuple(ses.context_token_ids),
@@ -284,3 +288,12 @@ class AgentPlane:
 
     def _unpin(self, executor: str, tenant: str, session_id: str) -> None:
         self._pinned.get(executor, {}).pop((tenant, session_id), None)
+
+
+def _extends_context(ctx: HopContext, ses: SessionState) -> bool:
+    """Whether the hop's prompt starts with the session's whole context (a stateful hop,
+    or a client resending everything): every kept block is reused, so an intent shift
+    would release nothing and is not judged."""
+    context = ses.context_token_ids
+    n = len(context)
+    return len(ctx.prompt_token_ids) >= n and list(ctx.prompt_token_ids[:n]) == context.tolist()

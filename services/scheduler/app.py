@@ -22,6 +22,7 @@ from services.mesh.logging import configure_logging
 from services.mesh.metrics import MetricsServer
 from services.mesh.nats_bus import EventBus
 from services.scheduler.agent_plane import AgentPlane
+from services.scheduler.api.cachestore_port import CachestorePort, intent_detector
 from services.scheduler.api.events import MeshView
 from services.scheduler.api.executor_port import ChannelPool
 from services.scheduler.api.servicer import SchedulerServicer, add_to_server
@@ -34,11 +35,10 @@ from services.scheduler.live_settings import SchedulerLiveSettings
 from services.scheduler.policy.admission import Admission
 from services.scheduler.policy.contracts import ContractBook, parse_tenant_quotas
 from services.scheduler.policy.degradation import DegradationLadder
-from services.scheduler.policy.intent_shift import IntentShiftDetector
 from services.scheduler.policy.pause import make_pause_policy
 from services.scheduler.policy.placement import InflightTracker, make_placer
 from services.scheduler.policy.priority import make_prioritizer
-from services.scheduler.policy.tenant_limits import TenantAdmission
+from services.scheduler.policy.tenant_limits import TenantAdmission, parse_tenant_weights
 from services.scheduler.state.kv_index import KvIndex
 from services.scheduler.state.membership import Membership
 from services.scheduler.state.sessions import SessionTable
@@ -46,18 +46,22 @@ from services.scheduler.state.sessions import SessionTable
 log = structlog.get_logger(__name__)
 
 
-def build_dispatcher(config: SchedulerConfig, view: MeshView, channels: ChannelPool) -> Dispatcher:
-    """The request path with every collaborator the config asks for."""
+def build_dispatcher(config: SchedulerConfig, view: MeshView, channels: ChannelPool,
+                     cachestore: CachestorePort | None = None) -> Dispatcher:
+    """The request path with every collaborator the config asks for; ``cachestore``:
+    the intent check's embeddings and the archive tier of released KV (None: bigrams)."""
     admission = Admission(config.max_in_flight, config.max_queue, config.retry_after_ms)
     inflight = InflightTracker()
     plane = AgentPlane(
         make_prioritizer(config.policy), make_pause_policy(config.resolved_pause_policy, config.pause_costs),
         ContractBook(parse_tenant_quotas(config.tenant_quotas), config.prefill_ms_per_token),
-        IntentShiftDetector(threshold=config.intent_shift_threshold), SessionTable(config.max_sessions),
-        block_size_of=lambda name: getattr(view.membership.get(name), "block_size", 16), can_demote=config.demote)
+        intent_detector(cachestore, config.model_dir, config.intent_shift_threshold), SessionTable(config.max_sessions),
+        block_size_of=lambda name: getattr(view.membership.get(name), "block_size", 16), can_demote=config.demote,
+        kv_archive=cachestore)
     return Dispatcher(
         view, make_placer(config.placement_policy, config.kv_overlap_weight), admission, channels,
-        tenant_admission=TenantAdmission(admission, config.max_in_flight_per_tenant, config.max_queue_per_tenant),
+        tenant_admission=TenantAdmission(admission, config.max_in_flight_per_tenant, config.max_queue_per_tenant,
+                                         parse_tenant_weights(config.tenant_weights)),
         degrade=DegradeSteps(DegradationLadder(config.ladder_config)),
         agent=AgentSteps(plane, view.membership, channels, admission, inflight), inflight=inflight,
         placement_attempts=config.placement_attempts, migration=config.migration_policy,
@@ -69,7 +73,8 @@ async def main(argv: Sequence[str] | None = None) -> None:
     configure_logging("scheduler", config.log_level, config.log_format)
     view = MeshView(Membership(config.missed_heartbeats), KvIndex(config.kv_index_max_store_blocks))
     channels = ChannelPool(config.max_message_bytes)
-    dispatcher = build_dispatcher(config, view, channels)
+    cachestore = CachestorePort(config.cachestore_address) if config.cachestore_address else None
+    dispatcher = build_dispatcher(config, view, channels, cachestore)
     servicer = SchedulerServicer(dispatcher)
     catalogue.register("scheduler")
     catalogue.metric("weft_queue_depth").labels("scheduler").set_function(lambda: dispatcher.admission.num_queued)
@@ -109,5 +114,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
         expiry.cancel()
         await bus.close()
         await channels.close()
+        if cachestore is not None:
+            await cachestore.close()
         await metrics_server.stop()
         log.info("scheduler_stopped")

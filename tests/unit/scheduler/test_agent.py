@@ -224,9 +224,26 @@ def test_agent_plane_releases_kept_kv_early_on_intent_shift():
     assert plane.pinned_blocks("ex") == 4
     clock.now += 0.5
     other = [1000 + (i * 37) % 300 for i in range(40)]
-    nxt = plane.begin(HopRequest("r1", "t", other, session_id="s", hop_index=1, stateful=True), 1000)
+    nxt = plane.begin(HopRequest("r1", "t", other, session_id="s", hop_index=1), 1000)
     assert nxt.release is not None and nxt.release.executor == "ex"
     assert plane.pinned_blocks("ex") == 0
+    assert nxt.prompt_token_ids == other
+
+
+def test_a_turn_that_extends_the_whole_kept_context_keeps_its_pin_whatever_its_topic():
+    """A stateful hop (or a full resend) reuses every kept block: releasing them would
+    only let this very hop's KV be evicted, so the intent check does not run."""
+    clock = Clock()
+    plane = AgentPlane(make_prioritizer("weft"), make_pause_policy("keep"), ContractBook(), clock=clock)
+    ctx = [i % 50 for i in range(64)]
+    plan = plane.begin(HopRequest("r0", "t", ctx, session_id="s", expected_tool_ms=1000), 1000)
+    plane.pause(plan, "ex", 10, 1000)
+    plane.finish(plan, "ex", [1, 2], 0, 0.0, 50.0)
+    clock.now += 0.5
+    other = [1000 + (i * 37) % 300 for i in range(40)]
+    nxt = plane.begin(HopRequest("r1", "t", other, session_id="s", hop_index=1, stateful=True), 1000)
+    assert nxt.release is None and nxt.intent is None
+    assert plane.pinned_blocks("ex") == 4
     assert nxt.prompt_token_ids == ctx + [1, 2] + other
 
 

@@ -187,7 +187,7 @@ def test_an_intent_shift_is_a_decision_an_event_and_a_count():
         try:
             await call(stub, request("h-0", session_id="s", request_class=common_pb2.REQUEST_CLASS_AGENTIC))
             return await call(stub, request("h-1", prompt=list(range(100, 120)), session_id="s", hop_index=1,
-                                            stateful=True, request_class=common_pb2.REQUEST_CLASS_AGENTIC))
+                                            request_class=common_pb2.REQUEST_CLASS_AGENTIC))
         finally:
             await close()
 

@@ -153,13 +153,14 @@ def test_a_demoted_session_that_stays_on_topic_is_promoted_as_before():
         job, _ = await hop(d, 1, TOPIC_A + [7] + list(range(40, 56)))
         return port, archive, job
     port, archive, job = run(main())
-    assert not job.hop.judged_intent.decision.shifted
+    assert job.hop.judged_intent is None  # the turn extends the whole context: nothing to judge
     assert len(port.promoted) == 1 and archive.calls == [] and port.released == []
 
 
-def test_a_shift_that_resends_the_whole_context_still_promotes_it_and_archives_nothing():
-    """The prompt reuses every old block (whole-context clients): nothing is stale, and
-    this hop needs the demoted blocks, so they are promoted as before."""
+def test_a_turn_that_resends_the_whole_context_is_not_judged_and_is_promoted():
+    """The prompt reuses every old block (whole-context clients): nothing could be stale,
+    so the hop neither waits for an embedding nor loses its pin, and it needs the demoted
+    blocks, so they are promoted as before (a topic change in the turn itself included)."""
     async def main():
         archive = Archive()
         d, port = dispatcher(make_intent_detector(detokenize=detok, embed_async=embed_by_topic), kv_archive=archive)
@@ -168,9 +169,8 @@ def test_a_shift_that_resends_the_whole_context_still_promotes_it_and_archives_n
         job, _ = await hop(d, 1, TOPIC_A + [7] + TOPIC_B)
         return port, archive, job
     port, archive, job = run(main())
-    assert job.hop.judged_intent.decision.shifted
-    assert port.promoted == [TOPIC_A + [7] + TOPIC_B] and archive.calls == []
-    assert port.released == [(executor_session_id("t", "s"), [])]  # the pin goes, no block does
+    assert job.hop.judged_intent is None
+    assert port.promoted == [TOPIC_A + [7] + TOPIC_B] and archive.calls == [] and port.released == []
 
 
 def test_hop_zero_and_dropped_context_are_never_judged():
