@@ -118,9 +118,13 @@ class LlamaModel:
         c = self.config
         keep_plain = self._native_lib is not None  # the native step streams row-major weights
         lin = lambda w, b=None: make_linear(w, b, self.use_onednn, keep_plain)  # noqa: E731
-        self.embed = self._take(sd, "model.embed_tokens.weight")  # [vocab, hidden]
+        # Weights the native step streams as loaded get a copy from torch's allocator (huge
+        # pages, process_env.py): the tied lm_head read at 70 GB/s from the checkpoint's
+        # buffer and 80 GB/s from a copy. (qkv and gate_up are fresh concatenations already.)
+        fresh = (lambda t: t.clone()) if keep_plain else (lambda t: t)  # noqa: E731
+        self.embed = fresh(self._take(sd, "model.embed_tokens.weight"))  # [vocab, hidden]
         tied = c.tie_word_embeddings and "lm_head.weight" not in sd
-        self.lm_head = lin(self.embed if tied else self._take(sd, "lm_head.weight"))
+        self.lm_head = lin(self.embed if tied else fresh(self._take(sd, "lm_head.weight")))
         self.final_norm = self._take(sd, "model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(c.num_hidden_layers):
@@ -138,10 +142,10 @@ class LlamaModel:
                 LayerWeights(
                     input_norm=self._take(sd, p + "input_layernorm.weight"),
                     qkv=lin(qkv, bias),
-                    o=lin(self._take(sd, a + "o_proj.weight"), o_bias),
+                    o=lin(fresh(self._take(sd, a + "o_proj.weight")), o_bias),
                     post_norm=self._take(sd, p + "post_attention_layernorm.weight"),
                     gate_up=lin(gate_up),
-                    down=lin(self._take(sd, p + "mlp.down_proj.weight")),
+                    down=lin(fresh(self._take(sd, p + "mlp.down_proj.weight"))),
                 )
             )
 

@@ -5,7 +5,7 @@
  * is bound by memory bandwidth, not compute. The GEMV below gives each OpenMP thread one
  * contiguous range of rows, read row after row (one sequential stream per thread, with a
  * software prefetch 1 KiB ahead), four FMA accumulators per row. (Four rows at a time,
- * interleaved, measured ~10 % slower: four short streams defeat the prefetchers.) The whole step runs inside ONE parallel region: the ~8 hand-offs
+ * interleaved, measured ~10 % slower: four short streams defeat the prefetchers.) The whole step runs inside ONE parallel region: the 5 hand-offs
  * per layer are barriers (spinning briefly under GOMP_SPINCOUNT) instead of the ~4
  * parallel regions per layer torch opens, and no Python runs between the ops.
  *
@@ -150,9 +150,7 @@ static void attend_head(const weft_model *m, const float *cache, const float *q,
     float mx = -INFINITY;
     for (int t = 0; t < seq_len; t++) {
         const float *k = cache + ((size_t)block_table[t / bs] * bs + t % bs) * kvh * d + (size_t)kv_head * d;
-        float s = 0.f;
-        for (int j = 0; j < d; j++) s += q[j] * k[j];
-        s *= m->scale;
+        float s = dot(q, k, d) * m->scale;
         scores[t] = s;
         if (s > mx) mx = s;
     }
@@ -176,34 +174,39 @@ int weft_decode_step(const weft_model *m, int64_t token_id, int64_t position, in
     const int H = m->hidden, d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
     const int q_dim = nh * d, kv_dim = nkv * d, qkv_dim = q_dim + 2 * kv_dim, inter = m->intermediate;
     const int group = nh / nkv;
-    /* scratch: h [H] | x [H] | qkv [qkv_dim] | attn [q_dim] | act [inter] | scores [nh, seq_len] */
-    size_t n_scratch = (size_t)2 * H + qkv_dim + q_dim + inter + (size_t)nh * seq_len;
+    if (num_threads < 1) num_threads = 1;
+    /* scratch: h [H] | qkv [qkv_dim] | attn [q_dim] | act [inter] | scores [nh, seq_len] | x [threads, H] */
+    size_t n_scratch = (size_t)H + qkv_dim + q_dim + inter + (size_t)nh * seq_len + (size_t)num_threads * H;
     float *buf = (float *)malloc(n_scratch * sizeof(float));
     if (!buf) return -1;
-    float *h = buf, *x = h + H, *qkv = x + H, *attn = qkv + qkv_dim, *act = attn + q_dim, *scores = act + inter;
+    float *h = buf, *qkv = h + H, *attn = qkv + qkv_dim, *act = attn + q_dim, *scores = act + inter;
+    float *xs = scores + (size_t)nh * seq_len;
     const float *cos = m->cos + (size_t)position * d, *sin = m->sin + (size_t)position * d;
     memcpy(h, m->embed + (size_t)token_id * H, (size_t)H * sizeof(float));
     size_t k_slot = (size_t)slot * kv_dim, v_offset = (size_t)m->num_blocks * m->block_size * kv_dim;
 
     #pragma omp parallel num_threads(num_threads)
     {
+        /* Each thread normalises h into its own x (576 floats: cheaper than a barrier). */
+        float *x = xs + (size_t)omp_get_thread_num() * H;
         for (int l = 0; l < m->num_layers; l++) {
             float *cache = m->kv_cache[l];
-            #pragma omp single
             rms_norm(h, m->input_norm[l], x, H, m->eps);
             gemv_for(m->qkv[l], m->qkv_bias[l], x, qkv, qkv_dim, H, 0);
-            #pragma omp single
-            {
-                rope(qkv, nh + nkv, d, cos, sin); /* q and k heads are adjacent */
-                memcpy(cache + k_slot, qkv + q_dim, (size_t)kv_dim * sizeof(float));
-                memcpy(cache + v_offset + k_slot, qkv + q_dim + kv_dim, (size_t)kv_dim * sizeof(float));
-            }
+            /* one KV head per iteration: rope its key and query heads, write its K/V slot,
+             * then attend its query heads (no other iteration reads this KV head) */
             #pragma omp for schedule(static)
-            for (int hd = 0; hd < nh; hd++)
-                attend_head(m, cache, qkv + (size_t)hd * d, attn + (size_t)hd * d, scores + (size_t)hd * seq_len,
-                            hd / group, block_table, seq_len);
+            for (int g = 0; g < nkv; g++) {
+                float *k = qkv + q_dim + (size_t)g * d, *v = k + kv_dim, *q = qkv + (size_t)g * group * d;
+                rope(k, 1, d, cos, sin);
+                rope(q, group, d, cos, sin);
+                memcpy(cache + k_slot + (size_t)g * d, k, (size_t)d * sizeof(float));
+                memcpy(cache + v_offset + k_slot + (size_t)g * d, v, (size_t)d * sizeof(float));
+                for (int hd = g * group; hd < (g + 1) * group; hd++)
+                    attend_head(m, cache, qkv + (size_t)hd * d, attn + (size_t)hd * d, scores + (size_t)hd * seq_len,
+                                g, block_table, seq_len);
+            }
             gemv_for(m->o[l], m->o_bias[l], attn, h, H, q_dim, 1); /* h += o(attn) */
-            #pragma omp single
             rms_norm(h, m->post_norm[l], x, H, m->eps);
             /* act[i] = silu(gate[i]) * up[i]: the gate row and its up row in one pass */
             const float *gu = m->gate_up[l];
@@ -214,7 +217,6 @@ int weft_decode_step(const weft_model *m, int64_t token_id, int64_t position, in
             }
             gemv_for(m->down[l], NULL, act, h, H, inter, 1); /* h += down(act) */
         }
-        #pragma omp single
         rms_norm(h, m->final_norm, x, H, m->eps);
         gemv_for(m->lm_head, NULL, x, logits, m->vocab, H, 0);
     }
