@@ -140,6 +140,9 @@ FLAGS: tuple[SettingFlag, ...] = (
     _s("--tenant-quotas", TENANTS, "tenant_quotas", "",
        "most KV blocks per executor a tenant may hold, name=blocks comma-separated; a contract asking more "
        "is refused", metavar="NAME=BLOCKS,..."),
+    _s("--tenant-weights", TENANTS, "tenant_weights", "",
+       "fair-share weight per tenant in the scheduler's queue, name=weight comma-separated (unnamed tenants "
+       "weigh 1; a weight-2 tenant gets twice the slots under contention)", metavar="NAME=WEIGHT,..."),
     _e("--tenant-partitions", TENANTS, "tenant_partitions", "",
        "KV partitions per tenant in every executor, name=reserved:credit blocks comma-separated "
        "(e.g. acme=32:16)", metavar="NAME=RESERVED:CREDIT,..."),

@@ -25,21 +25,23 @@ def test_passwords_nats_server_would_misparse_are_refused_naming_the_variable(ba
         nats_auth.server_env({"executor": bad})
 
 
-def test_only_executors_may_publish_heartbeats_load_and_kv_and_only_the_scheduler_reads_them():
+def test_only_executors_may_publish_heartbeats_load_and_kv_and_only_the_router_publishes_settings():
     perms = nats_auth.role_permissions()
     publishers = {role for role, p in perms.items() if any(s.startswith("weft.heartbeat") for s in p.publish)}
     assert publishers == {"executor"}
     assert perms["cachestore"].publish == ("weft.kv.cachestore",)
-    assert perms["router"] == nats_auth.Permissions()
-    assert set(perms["scheduler"].subscribe) == {"weft.heartbeat.>", "weft.load.>", "weft.kv.>"}
+    assert perms["router"] == nats_auth.Permissions(publish=("weft.settings.>",))
+    assert set(perms["scheduler"].subscribe) == {"weft.heartbeat.>", "weft.load.>", "weft.kv.>", "weft.settings.>"}
+    settings_publishers = {role for role, p in perms.items() if any(s.startswith("weft.settings") for s in p.publish)}
+    assert settings_publishers == {"router"}
 
 
 def test_config_names_passwords_by_variable_and_denies_everything_to_a_role_with_no_subjects():
     text = nats_auth.render_config()
     for role in nats_auth.ROLES:
         assert f"password: $WEFT_NATS_{role.upper()}_PASSWORD" in text
-    router_line = next(line for line in text.splitlines() if '"router"' in line)
-    assert router_line.count('{deny: [">"]}') == 2
+    cachestore_line = next(line for line in text.splitlines() if '"cachestore"' in line)
+    assert cachestore_line.split("subscribe")[1].count('{deny: [">"]}') == 1
     assert "tls" not in text
     tls = nats_auth.render_config(tls=nats_auth.TlsFiles("/c.pem", "/k.pem", "/ca.pem"))
     assert 'cert_file: "/c.pem"' in tls and 'key_file: "/k.pem"' in tls and 'ca_file: "/ca.pem"' in tls
