@@ -6,6 +6,7 @@
     OverloadedError      -> RESOURCE_EXHAUSTED / 429 (retry hint)
     SessionBusyError     -> ABORTED            / 409 (a hop of the session is running)
     SessionNotFoundError -> NOT_FOUND          / 404
+    SessionExistsError   -> ALREADY_EXISTS     / 409 session_exists (a fork's child id is in use)
     UpstreamUnavailable  -> UNAVAILABLE        / 503
     anything else        -> INTERNAL           / 500
 """
@@ -52,6 +53,11 @@ class SessionBusyError(RouterError):
 
 class SessionNotFoundError(RouterError):
     """The caller's tenant has no such session (another tenant's id reads the same)."""
+
+
+class SessionExistsError(RouterError):
+    """A fork named a child id the caller's tenant already uses (the scheduler's
+    ALREADY_EXISTS); the message names the id."""
 
 
 class UpstreamUnavailable(RouterError):

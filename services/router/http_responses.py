@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, SessionBusyError,
-                                    SessionNotFoundError, UpstreamError, UpstreamUnavailable)
+                                    SessionExistsError, SessionNotFoundError, UpstreamError, UpstreamUnavailable)
 from services.router.openai_format import error_body
 from services.router.schema import ServingNotes
 
@@ -24,6 +24,8 @@ def error_response(exc: BaseException) -> web.Response:
         status, body = 401, error_body(401, str(exc), None, "invalid_api_key")
     elif isinstance(exc, SessionBusyError):
         status, body = 409, error_body(409, str(exc), "session_id", "session_busy")
+    elif isinstance(exc, SessionExistsError):
+        status, body = 409, error_body(409, str(exc), "child_ids", "session_exists")
     elif isinstance(exc, SessionNotFoundError):
         status, body = 404, error_body(404, str(exc), "session_id", "session_not_found")
     elif isinstance(exc, OverloadedError):

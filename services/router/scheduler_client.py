@@ -24,8 +24,8 @@ from services.mesh.grpc_server import channel_options, error_origin_of
 from services.mesh.mesh_auth import mesh_channel
 from services.mesh.retry import is_retryable, rpc_retrying
 from services.mesh.timeline import CURRENT_TRACE, TRACEPARENT_KEY, downstream_spans
-from services.router.errors import (InvalidRequestError, OverloadedError, SessionBusyError, SessionNotFoundError,
-                                    UpstreamError, UpstreamUnavailable)
+from services.router.errors import (InvalidRequestError, OverloadedError, SessionBusyError, SessionExistsError,
+                                    SessionNotFoundError, UpstreamError, UpstreamUnavailable)
 from services.router.schema import ServingNotes, TokenChunk, TokenRequest
 from services.shared.vocabulary import RequestClass
 from weft.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -186,11 +186,6 @@ class JoinedSession:
     num_context_tokens: int  # the parent continues from this context
     ended_session_ids: tuple[str, ...]
 
-
-class SessionExistsError(SessionBusyError):
-    """A fork named a child id the tenant already uses (the scheduler's ALREADY_EXISTS).
-    A SessionBusyError, so both doors answer 409 / ABORTED; the HTTP door's code is
-    ``session_exists`` (services/router/session_routes.py)."""
 
 
 def domain_error(err: grpc.aio.AioRpcError) -> Exception:

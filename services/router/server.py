@@ -40,7 +40,7 @@ from services.mesh.logging import request_context
 from services.router import metrics as m
 from services.router.auth import KeyStore, bearer_token
 from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, SessionBusyError,
-                                    SessionNotFoundError, UpstreamError, UpstreamUnavailable)
+                                    SessionExistsError, SessionNotFoundError, UpstreamError, UpstreamUnavailable)
 from services.router.chat_messages import parse_message
 from services.router.delta_streams import merge
 from services.router.generation import Generator, fan_out
@@ -64,12 +64,14 @@ ROUTER_ERROR_RULES = (
     ErrorRule(OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     ErrorRule(SessionBusyError, grpc.StatusCode.ABORTED),
     ErrorRule(SessionNotFoundError, grpc.StatusCode.NOT_FOUND),
+    ErrorRule(SessionExistsError, grpc.StatusCode.ALREADY_EXISTS),
     ErrorRule(UpstreamUnavailable, grpc.StatusCode.UNAVAILABLE),
     ErrorRule(UpstreamError, grpc.StatusCode.UNAVAILABLE),
 )
 _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
            "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT,
-           "error": common_pb2.FINISH_REASON_ERROR, "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS}
+           "error": common_pb2.FINISH_REASON_ERROR, "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS,
+           "kv_quota": common_pb2.FINISH_REASON_KV_QUOTA}
 
 
 # What server reflection lists on the public port (grpcurl, Postman): the API, its
@@ -407,7 +409,7 @@ def _response(rid: str, index: int, delta: Delta, sampling: Sampling, relay: Too
     reason = delta.finish_reason
     if reason not in (None, "length", "kv_quota") and relay is not None and relay.num_calls:
         reason = "tool_calls"  # as HTTP's finish_reason; a cut reply stays "length" / "kv_quota"
-    finish = common_pb2.FINISH_REASON_KV_QUOTA if reason == "kv_quota" else _FINISH.get(reason, 0)
+    finish = _FINISH.get(reason, 0)
     return router_pb2.GenerateResponse(
         request_id=rid, index=index, text_delta=echo + text, token_ids_delta=list(delta.token_ids),
         logprobs_delta=list(delta.logprobs) if sampling.logprobs else [],

@@ -19,8 +19,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from services.router.errors import InvalidRequestError
-from services.router.openai_format import error_body
-from services.router.scheduler_client import EndedSession, ForkedSession, JoinedSession, SessionExistsError
+from services.router.scheduler_client import EndedSession, ForkedSession, JoinedSession
 from services.router.session_specs import HTTP_FIELDS, door_field, parse_fork, parse_join
 from services.router.validation import parse_session_key
 
@@ -70,8 +69,6 @@ class SessionRoutes:
         spec = parse_fork(request.match_info["session_id"], body.get("n"), body.get("child_ids"))
         try:
             forked = await self._control().fork_session(tenant, spec.session_id, list(spec.child_ids))
-        except SessionExistsError as exc:
-            return web.json_response(error_body(409, str(exc), "child_ids", "session_exists"), status=409)
         except InvalidRequestError as exc:
             raise door_field(exc, HTTP_FIELDS) from None
         return web.json_response({"id": forked.session_id, "object": "weft.session.fork",

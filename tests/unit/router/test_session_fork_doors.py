@@ -202,7 +202,7 @@ def test_grpc_fork_and_join_and_their_refusals(model_dir):
     fork, errors, join = asyncio.run(main())
     assert list(fork.child_session_ids) == ["p.f0", "p.f1"] and fork.num_context_tokens == 5
     assert errors["theirs"].code() == grpc.StatusCode.NOT_FOUND
-    assert errors["exists"].code() == grpc.StatusCode.ABORTED and "'p.f0'" in errors["exists"].details()
+    assert errors["exists"].code() == grpc.StatusCode.ALREADY_EXISTS and "'p.f0'" in errors["exists"].details()
     for name, field in (("n", "num_children"), ("ids", "child_session_ids[1]"), ("from", "from_session_id")):
         assert errors[name].code() == grpc.StatusCode.INVALID_ARGUMENT, name
         assert errors[name].details().startswith(f"{field}: "), (name, errors[name].details())
