@@ -211,15 +211,19 @@ class AgentPlane:
         new_turn = ctx.prompt_token_ids[len(ctx.prompt_token_ids) - ctx.num_new_tokens:]
         return self.intent.decide(ses.context_token_ids, new_turn)
 
-    def fallback(self, plan: HopPlan, num_ahead: int, num_slots: int, offered: Iterable[Rung] = ()) -> FallbackChoice:
+    def fallback(self, plan: HopPlan, num_ahead: int, num_slots: int, offered: Iterable[Rung] = (),
+                 num_cached_tokens: int = 0) -> FallbackChoice:
         """Contract check at admission; raises OverloadedError for FAIL_FAST. ``offered``:
         the degradation rungs live executors serve (a DEGRADE fallback may use one; never
-        for a DETERMINISTIC hop, which is served at full quality or not at all)."""
+        for a DETERMINISTIC hop, which is served at full quality or not at all).
+        ``num_cached_tokens``: the prompt's longest prefix an executor already holds (only
+        the rest is prefill in the TTFT estimate)."""
         if plan.request_class is RequestClass.DETERMINISTIC:
             offered = ()
+        num_new = max(0, len(plan.prompt_token_ids) - num_cached_tokens)
         plan.fallback = self.contracts.choose_fallback(
             plan.request.terms, plan.request_class is RequestClass.INTERACTIVE, num_ahead, num_slots,
-            len(plan.prompt_token_ids), offered)
+            num_new, offered)
         return plan.fallback
 
     # -- at placement -----------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -40,6 +41,9 @@ from dataclasses import dataclass
 from services.scheduler.state.sessions import Forked, Joined, SessionState, executor_session_id
 from services.shared.block_hash import extra_keys_for, hash_block_chain
 from services.shared.vocabulary import queue_order_key
+
+if TYPE_CHECKING:
+    from services.scheduler.policy.intent_shift import IntentShiftDecision
 
 log = structlog.get_logger(__name__)
 
@@ -64,10 +68,12 @@ class AgentSteps:
         self._plans: dict[str, HopPlan] = {}  # request id -> plan of a live hop
 
     # -- before admission -------------------------------------------------------------
-    def begin(self, job: Job) -> HopPlan:
+    def begin(self, job: Job, cached_tokens: Callable[[list[int]], int] | None = None) -> HopPlan:
         """Plan ``job``'s hop; raises InvalidScheduleRequest naming the field, or
-        OverloadedError for a FAIL_FAST contract that cannot be met. Until ``end``, the
-        plan is live (its priority is re-pushed to the executor)."""
+        OverloadedError for a FAIL_FAST contract that cannot be met. ``cached_tokens``:
+        the longest prefix of a prompt an executor holds, so a contract's TTFT estimate
+        prices only the prefill left to do (asked only when the hop has a TTFT ceiling).
+        Until ``end``, the plan is live (its priority is re-pushed to the executor)."""
         hop = job.hop
         sessions = self.plane.sessions
         sessions.claim(hop.tenant, hop.session_id, job.request_id)  # SessionBusyError: one hop at a time
@@ -78,7 +84,9 @@ class AgentSteps:
             ahead = a.num_ahead(queue_order_key(plan.priority(a.clock()))) + (
                 1 if a.num_in_flight >= a.max_in_flight else 0)
             # FAIL_FAST raises OverloadedError; DEGRADE may use a rung a live executor pool serves.
-            self.plane.fallback(plan, ahead, a.max_in_flight, self.membership.offered_rungs(job.model_id))
+            cached = (cached_tokens(plan.prompt_token_ids)
+                      if cached_tokens is not None and hop.terms.ttft_ceiling_ms else 0)
+            self.plane.fallback(plan, ahead, a.max_in_flight, self.membership.offered_rungs(job.model_id), cached)
         except BaseException:
             sessions.release_claim(hop.tenant, hop.session_id, job.request_id)
             raise
@@ -262,7 +270,7 @@ class AgentSteps:
                 asyncio.get_running_loop().create_task(self._demote(rec, ses, plan))
 
     # -- the intent check, awaited before ``begin`` -------------------------------------
-    async def judge_intent(self, job: Job) -> "IntentShiftDecision | None":
+    async def judge_intent(self, job: Job) -> IntentShiftDecision | None:
         """Judge whether ``job``'s hop turns away from its session's kept or demoted
         context, awaiting the embedding signal for at most the plane's ``intent_timeout_s``
         (past it, or with the cachestore down, the bigram fallback decides and

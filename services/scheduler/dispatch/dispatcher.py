@@ -103,7 +103,8 @@ class Dispatcher:
             intent = await self.agent.judge_intent(job)  # before begin: it may release the session's KV
             if intent is not None and intent.fallback_reason:
                 INTENT_FALLBACKS.labels(intent.fallback_reason).inc()
-        plan = self.agent.begin(job) if self.agent is not None else None
+        plan = (self.agent.begin(job, lambda p: self.cached_prefix_tokens(job.model_id, job.tenant, p))
+                if self.agent is not None else None)
         prompt = plan.prompt_token_ids if plan is not None else list(job.prompt_token_ids)
         with request_context(rid):
             t0 = time.monotonic()
@@ -173,9 +174,19 @@ class Dispatcher:
         return LoadSignal(admission_fraction=self.tenant_admission.load_fraction(),
                           kv_used_fraction=self.view.membership.kv_used_fraction(model_id))
 
+    def cached_prefix_tokens(self, model_id: str, tenant: str, prompt: Sequence[int]) -> int:
+        """Tokens of ``prompt``'s longest prefix that a placeable executor holds (KV index)."""
+        return max((c.num_matched_blocks * block_size for c, block_size in self._candidates(model_id, tenant, prompt)),
+                   default=0)
+
     def rank(self, model_id: str, tenant: str, prompt: Sequence[int], rung: Rung = Rung.NONE) -> list[Placement]:
         """Placeable executors serving ``rung``, best first. Hashes are computed exactly as
         the executor does: its block size and extra_keys_for(its model id, tenant, KV dtype)."""
+        return self.placer.rank([c for c, _ in self._candidates(model_id, tenant, prompt, rung)])
+
+    def _candidates(self, model_id: str, tenant: str, prompt: Sequence[int],
+                    rung: Rung = Rung.NONE) -> list[tuple[Candidate, int]]:
+        """Each placeable executor serving ``rung`` as a placement candidate, with its block size."""
         records = self.view.membership.placeable(model_id, rung)
         chains: dict[tuple[str, int, str], tuple[int, dict[str, int], list[int]]] = {}
         candidates = []
@@ -188,7 +199,7 @@ class Dispatcher:
             num_prompt_blocks, matched, hashes = chains[key]
             load = rec.load or ExecutorLoad()
             reported_used = max(0, load.num_blocks - load.num_free_blocks)
-            candidates.append(Candidate(
+            candidates.append((Candidate(
                 name=rec.name, address=rec.address, num_prompt_blocks=num_prompt_blocks,
                 num_matched_blocks=matched.get(rec.name, 0),
                 num_store_blocks=self.view.kv_index.num_store_blocks(hashes, matched.get(rec.name, 0)),
@@ -196,5 +207,5 @@ class Dispatcher:
                 num_blocks=rec.num_blocks or load.num_blocks,
                 num_active_requests=max(load.num_running + load.num_waiting, self.inflight.num_requests(rec.name)),
                 max_num_seqs=rec.max_num_seqs,
-            ))
-        return self.placer.rank(candidates)
+            ), rec.block_size))
+        return candidates

@@ -3,7 +3,8 @@
 NOTE: admission estimates a request's time to first token before it queues,
 
     ttft_est_ms = (requests ahead of it / in-flight slots) × mean request time (EWMA)
-                + new prompt tokens × prefill_ms_per_token
+                + new prompt tokens × prefill_ms_per_token   (new: past the longest prefix an
+                                                                 executor holds, per the KV index)
 
 and its time per output token from what recent requests saw, scaled by how much more
 crowded the executors will be,

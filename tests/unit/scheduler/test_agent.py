@@ -188,6 +188,20 @@ def test_fallback_path_follows_the_contract_when_the_ttft_ceiling_cannot_be_met(
         book.choose_fallback(ContractTerms(ttft_ceiling_ms=100, fallback=Fallback.FAIL_FAST), True, **tight)
 
 
+def test_the_admission_ttft_estimate_prices_only_the_prefill_an_executor_has_not_cached():
+    """A long hop whose prefix an executor holds meets a ceiling its whole prompt would
+    miss (the estimate used to price every prompt token as prefill)."""
+    plane = AgentPlane(make_prioritizer("weft"), make_pause_policy("keep"),
+                       ContractBook(prefill_ms_per_token=1.0, initial_request_ms=10))
+    terms = ContractTerms(ttft_ceiling_ms=200)
+    prompt = list(range(1000))
+    whole = plane.begin(HopRequest("r0", "t", prompt, terms=terms), 1000)
+    assert plane.fallback(whole, 0, 4).path is not Fallback.NONE  # 1000 tokens x 1 ms > 200 ms
+    cached = plane.begin(HopRequest("r1", "t", prompt, terms=terms), 1000)
+    choice = plane.fallback(cached, 0, 4, num_cached_tokens=960)
+    assert choice.path is Fallback.NONE and choice.ttft_estimate_ms < 200
+
+
 def test_tpot_ceiling_takes_the_fallback_once_observed_token_times_exceed_it_under_load():
     book = ContractBook(initial_tpot_ms=10)
     terms = ContractTerms(tpot_ceiling_ms=30)
