@@ -201,6 +201,8 @@ def test_every_catalogue_metric_is_exported_and_live_ones_move_when_their_event_
     put_and_get_a_block(mesh)
     # a hop of an agent session that calls a tool next: the scheduler decides its pause
     assert complete(mesh, prompt(20, 950), 4, session_id="obs-session", hop_index=0, expected_tool_ms=1500) == 200
+    # a contract whose TTFT ceiling no estimate meets: a fallback, and the ceiling missed
+    assert complete(mesh, prompt(20, 960), 4, contract={"ttft_ceiling_ms": 1, "fallback": "reroute"}) == 200
 
     texts, after = {}, {}
     for name in before:
@@ -233,9 +235,18 @@ def test_every_catalogue_metric_is_exported_and_live_ones_move_when_their_event_
         "weft_p99_latency_seconds": value(after["router"], "weft_p99_latency_seconds", quantile="0.99"),
         "weft_p99_attribution_seconds": value(after["router"], "weft_p99_attribution_seconds"),
         "weft_p99_verdict": value(after["router"], "weft_p99_verdict") == 1,
+        "weft_scheduler_priority": moved("weft_scheduler_priority"),
+        "weft_scheduler_fallbacks_total": moved("weft_scheduler_fallbacks_total", path="reroute"),
+        "weft_scheduler_ttft_ceiling_total": moved("weft_scheduler_ttft_ceiling_total", outcome="missed"),
+        "weft_scheduler_ttft_ceiling_ratio": moved("weft_scheduler_ttft_ceiling_ratio"),
     }
     live = {s.name for s in catalogue.CATALOGUE if s.live}
-    moved_elsewhere = {"weft_migrations_total"}  # test_a_killed_executor_... below (it kills one)
+    moved_elsewhere = {
+        "weft_migrations_total",  # test_a_killed_executor_... below (it kills one)
+        # needs a kept session's off-context turn: tests/unit/scheduler/test_decisions_scheduler.py
+        # (test_an_intent_shift_is_a_decision_an_event_and_a_count) moves it through a real scheduler
+        "weft_scheduler_intent_shift_total",
+    }
     assert set(increases) | moved_elsewhere == live, "a live metric without a check"
     assert [name for name, inc in increases.items() if not inc > 0] == []
     assert moved("weft_kv_lookup_tokens_total", tier="active", result="miss") > 0
