@@ -63,6 +63,8 @@ class AdminRoutes:
             patch = json.loads(await request.read() or b"null")
         except ValueError as exc:
             return _bad_request("(body)", f"not JSON: {exc}")
+        except RecursionError:  # json's decoder recurses once per level: a 500 before
+            return _bad_request("(body)", "nested too deeply")
         expected = request.headers.get("If-Match")
         try:
             expected_version = int(expected.strip().removeprefix("W/").strip('"')) if expected else None
@@ -75,6 +77,8 @@ class AdminRoutes:
                                      headers={"ETag": str(self.live.document.version)})
         except SettingsError as exc:
             return _bad_request(exc.field, str(exc))
+        except RecursionError:  # merge_patch recurses per level of a deep (but parseable) patch
+            return _bad_request("(body)", "nested too deeply")
         return web.json_response(self._body(), headers={"ETag": str(doc.version)})
 
     def _body(self) -> dict:

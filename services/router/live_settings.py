@@ -92,12 +92,13 @@ class RouterLiveSettings:
         current = self.document
         if isinstance(patch, dict) and "version" in patch:
             given = patch["version"]
-            if given != current.version:
+            if type(given) is not int or given != current.version:  # true and 1.0 equal 1 in Python
                 raise VersionConflict(f"the patch is against version {given}, the current one is {current.version}")
             patch = {k: v for k, v in patch.items() if k != "version"}
         if expected_version is not None and expected_version != current.version:
             raise VersionConflict(f"If-Match names version {expected_version}, the current one is {current.version}")
         new = current.merged(patch)
+        _check_keys_kept(current, new, by_admin_api=True)
         if new.same_settings(current):
             return current
         new = new.with_version(current.version + 1)
@@ -110,6 +111,7 @@ class RouterLiveSettings:
         keys = read_keys_file(self.keys_file) if self.keys_file else dict(self.document.keys)
         current = self.document
         new = LiveDocument(current.version, keys, base.sections)
+        _check_keys_kept(current, new, by_admin_api=False)
         if new.same_settings(current) and base.version <= current.version:
             return current
         return self._commit(new.with_version(max(current.version + 1, base.version)), "reload")
@@ -169,6 +171,21 @@ class RouterLiveSettings:
             log.error("live_settings_reload_refused", error=str(exc), running_version=self.document.version)
             return
         log.info("live_settings_reloaded", version=doc.version)
+
+
+def _check_keys_kept(current: LiveDocument, new: LiveDocument, *, by_admin_api: bool) -> None:
+    """Refuse a change that would open a router running with keys (an empty keys table
+    makes every caller the ``default`` tenant: a ``{"keys": null}`` patch, or a SIGHUP
+    while the keys file is empty or half written), or, through the admin API, remove its
+    last admin key (nobody could call the API again to undo it). Raises SettingsError."""
+    if current.keys and not new.keys:
+        raise SettingsError("keys", "would remove every API key and open this router to anyone "
+                                    "(the default tenant); a running router cannot drop authentication: "
+                                    "restart it without --keys-file to run open")
+    admins = [k for k, e in new.keys.items() if e.role == "admin"]
+    if by_admin_api and not admins and any(e.role == "admin" for e in current.keys.values()):
+        raise SettingsError("keys", "would remove the last admin key: nobody could call the admin API again "
+                                    "(edit the keys file and send SIGHUP to do that)")
 
 
 def _write_atomically(path: str, value: object) -> None:
