@@ -110,10 +110,18 @@ def load() -> ctypes.CDLL | None:
     compiler = os.environ.get("WEFT_NATIVE_CC", "gcc")
     try:
         path = build(compiler, cache_dir())
-        return _declare(ctypes.CDLL(str(path)))
+        try:
+            return _declare(ctypes.CDLL(str(path)))
+        except (OSError, AttributeError) as e:  # a truncated or foreign file under our name
+            # Build it anew once, or it would disable the native path at every start. A
+            # foreign library that did load keeps its name mapped in this process, so this
+            # process may still fall back; the next start loads the rebuilt file.
+            log.warning("native_decode_cache_rebuilt", path=str(path), reason=f"{type(e).__name__}: {e}")
+            path.unlink(missing_ok=True)
+            return _declare(ctypes.CDLL(str(build(compiler, cache_dir()))))
     except subprocess.CalledProcessError as e:
         reason = f"{compiler} failed: {(e.stderr or '').strip()[-400:]}"
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:
         reason = f"{type(e).__name__}: {e}"
     log.warning("native_decode_unavailable", reason=reason, fallback="torch decode path")
     return None
