@@ -116,6 +116,8 @@ class AgentSteps:
         if ses is None and not num_running and not already:
             return None
         released = await self._release_everywhere(tenant, session_id)
+        if ses is not None:  # the children it joined from pinned its context under their own ids
+            await asyncio.gather(*(self._release_everywhere(tenant, a) for a in sessions.absorbed_pins(ses)))
         log.info("session_ended", session_id=session_id, num_executors_released=released,
                  num_running_hops=num_running, ended_now=not already)
         return SessionEnd(not already, released, num_running)
@@ -154,7 +156,8 @@ class AgentSteps:
             joined.absorbed.pause_started_s = None
         for child in joined.ended:
             self._ended(tenant, child.session_id, child)
-        await asyncio.gather(*(self._release_everywhere(tenant, cid) for cid in joined.ended_ids))
+        ended = [*joined.ended_ids, *(a for child in joined.ended for a in self.plane.sessions.absorbed_pins(child))]
+        await asyncio.gather(*(self._release_everywhere(tenant, cid) for cid in ended))
         log.info("session_joined", session_id=session_id, from_session_id=from_id,
                  ended_session_ids=list(joined.ended_ids), num_context_tokens=len(joined.parent.context_token_ids))
         return joined

@@ -66,6 +66,7 @@ class SessionState:
     observed_pause_ms: float = 0.0  # EWMA of real tool-call lengths (0: none seen yet)
     parent_id: str = ""  # the session this one was forked from ("" for none)
     child_ids: list[str] = field(default_factory=list)  # live children forked from this one
+    absorbed_ids: list[str] = field(default_factory=list)  # children joined from: their pins hold this context
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,7 @@ class SessionTable:
                 raise SessionBusyError(from_id, running)
             absorbed = self.end(tenant, from_id)
             parent.child_ids.remove(from_id)
+            parent.absorbed_ids.extend([*child.absorbed_ids, from_id])  # released when the parent ends
             parent.context_token_ids = array("I", child.context_token_ids)
             parent.last_hop = child.last_hop
             parent.executor, parent.demoted = child.executor, child.demoted
@@ -302,6 +304,12 @@ class SessionTable:
                     ended.append(child)
             parent.child_ids.clear()
         return Joined(parent, absorbed, tuple(ended))
+
+    def absorbed_pins(self, ses: SessionState) -> list[str]:
+        """The ids of the children ``ses`` joined from whose pins still hold its context:
+        those no live session has taken since (a later fork's default ids reuse them)."""
+        return [a for a in ses.absorbed_ids
+                if (ses.tenant, a) not in self._sessions and (ses.tenant, a) not in self._running]
 
     def _program_of(self, tenant: str, session_id: str) -> str:
         """A hop that names no program belongs to its session's (a fork's children share
