@@ -286,11 +286,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def ForkSession(self, request: router_pb2.ForkSessionRequest, context: grpc.aio.ServicerContext):
         """Fork one of the caller's idle sessions (docs/sessions.md); a child id in use is
-        ABORTED (as a busy session), another tenant's session NOT_FOUND."""
+        ALREADY_EXISTS, another tenant's session NOT_FOUND."""
         tenant = self.keys.authenticate(_api_key(context))
         if self.sessions is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router has no scheduler to fork sessions")
-        spec = parse_fork(request.session_id, request.num_children if not request.child_session_ids else None,
+        # proto3's 0 is "not sent": a count sent with ids is refused as HTTP's n with child_ids is.
+        num_children = request.num_children if request.num_children or not request.child_session_ids else None
+        spec = parse_fork(request.session_id, num_children,
                           list(request.child_session_ids) or None, "num_children", "child_session_ids")
         forked = await self.sessions.fork_session(tenant, spec.session_id, list(spec.child_ids))
         m.REQUESTS.labels("grpc", "ForkSession", "OK").inc()
