@@ -56,8 +56,10 @@ class SettingsError(ValueError):
 
 # -- value checks: the shape of each setting's value ------------------------------------
 _NAME = r"[^\s=,:]+"
-_QUOTAS = re.compile(rf"^\s*({_NAME}\s*=\s*\d+\s*)(,\s*{_NAME}\s*=\s*\d+\s*)*$")
-_PARTITIONS = re.compile(rf"^\s*({_NAME}\s*=\s*\d+:\d+\s*)(,\s*{_NAME}\s*=\s*\d+:\d+\s*)*$")
+_COUNT = r"\d{1,18}"  # Python's int() refuses a string of over 4300 digits: the services would refuse it
+_QUOTAS = re.compile(rf"^\s*({_NAME}\s*=\s*{_COUNT}\s*)(,\s*{_NAME}\s*=\s*{_COUNT}\s*)*$")
+# No space around "=" or ":": the executor's parser (credit_audit.parse_partitions) refuses it.
+_PARTITIONS = re.compile(rf"^\s*({_NAME}={_COUNT}:{_COUNT}\s*)(,\s*{_NAME}={_COUNT}:{_COUNT}\s*)*$")
 _NUMBER = r"\d+(\.\d+)?"
 _THRESHOLD = re.compile(rf"^\s*(\w+)\s*=\s*({_NUMBER}):({_NUMBER})\s*$")
 
@@ -99,12 +101,18 @@ def _thresholds(value: object) -> str | None:
         return "must be a string like 'shed=0.95:0.75'"
     for item in filter(None, (p.strip() for p in value.split(","))):
         m = _THRESHOLD.match(item)
-        if m is None or m.group(1) not in RUNG_LABELS:
+        if m is None or m.group(1) not in RUNG_LABELS or m.group(1) == "none":  # none has no thresholds
             return f"{item!r}: expected rung=enter:exit with a rung of {', '.join(RUNG_LABELS)}"
         enter, exit_ = float(m.group(2)), float(m.group(4))
         if enter > 1 or exit_ > enter:
             return f"{item!r}: need 0 <= exit <= enter <= 1"
     return None
+
+
+def _partitions(value: object) -> str | None:
+    problem = _text(_PARTITIONS, "acme=32:16,globex=32:8")(value)
+    names = [item.partition("=")[0].strip() for item in value.split(",") if item.strip()] if not problem else []
+    return problem or (f"a partition is named twice in {value!r}" if len(set(names)) != len(names) else None)
 
 
 def _overcommit(value: object) -> str | None:
@@ -124,7 +132,7 @@ LIVE_SETTINGS: Mapping[str, Mapping[str, Callable[[object], str | None]]] = Mapp
         "block_second_ms": _number,
         "transfer_ms_per_block": _number,
         "default_tool_ms": _number,
-        "max_pinned_fraction": lambda v: _number(v, 0.0, 1.0),
+        "max_pinned_fraction": lambda v: _number(v, 0.0, 1.0, zero_ok=False, low_inclusive=False),  # as pause.py
         "tenant_quotas": _text(_QUOTAS, "acme=64,globex=32"),
         "degradation_rungs": _rungs,
         "degradation_thresholds": _thresholds,
@@ -132,7 +140,7 @@ LIVE_SETTINGS: Mapping[str, Mapping[str, Callable[[object], str | None]]] = Mapp
         "executor_overcommit": _overcommit,
     }),
     "executor": MappingProxyType({
-        "tenant_partitions": _text(_PARTITIONS, "acme=32:16,globex=32:8"),
+        "tenant_partitions": _partitions,
     }),
 })
 

@@ -122,3 +122,55 @@ def test_a_deeply_nested_patch_is_a_400_and_changes_nothing(tmp_path, body):
     assert status == 400, answer
     assert answer["error"]["param"] in ("(body)", "scheduler.policy")
     assert live.document.version == 1
+
+
+SCHEDULER_VALUES = [
+    {"max_pinned_fraction": 0}, {"max_pinned_fraction": 1}, {"degradation_thresholds": "none=1:1"},
+    {"degradation_thresholds": "shed=0:0"}, {"tenant_quotas": "acme=" + "9" * 5000}, {"tenant_quotas": "acme=0"},
+    {"tenant_quotas": "acme=1,acme=2"}, {"degradation_rungs": ",,,"}, {"degradation_min_dwell_s": 1e308},
+    {"block_second_ms": 0, "transfer_ms_per_block": 0, "prefill_ms_per_token": 0, "default_tool_ms": 0},
+    {"executor_overcommit": 1e308},
+]
+EXECUTOR_PARTITIONS = ["a=1:1,a=2:2", "a=" + "9" * 5000 + ":1", "a=0:0", " a = 4:2 , b=1:0"]
+
+
+def _scheduler_applies(overrides: dict) -> bool:
+    """What SchedulerLiveSettings.apply builds before it swaps anything in."""
+    import dataclasses
+
+    from services.scheduler.config import SchedulerConfig
+    from services.scheduler.policy.contracts import parse_tenant_quotas
+    from services.scheduler.policy.degradation import DegradationLadder
+    from services.scheduler.policy.pause import make_pause_policy
+    try:
+        new = dataclasses.replace(SchedulerConfig(), **overrides)
+        make_pause_policy(new.resolved_pause_policy, new.pause_costs)
+        parse_tenant_quotas(new.tenant_quotas)
+        DegradationLadder(new.ladder_config)
+    except ValueError:
+        return False
+    return True
+
+
+def _router_accepts(document: dict) -> bool:
+    from services.mesh.live_settings import LiveDocument
+    try:
+        LiveDocument.parse(document)
+    except SettingsError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("overrides", SCHEDULER_VALUES, ids=lambda v: str(v)[:40])
+def test_the_router_never_accepts_a_scheduler_value_the_scheduler_refuses(overrides):
+    """A 200 the scheduler then refuses leaves it on the old version for good (``weft ps``
+    flags it lagging) while the admin was told the change was made."""
+    if _router_accepts({"scheduler": overrides}):
+        assert _scheduler_applies(overrides)
+
+
+@pytest.mark.parametrize("partitions", EXECUTOR_PARTITIONS, ids=lambda v: v[:20])
+def test_the_router_never_accepts_a_partition_table_the_executor_cannot_parse(partitions):
+    from services.executor.policy.credit_audit import parse_partitions
+    if _router_accepts({"executor": {"tenant_partitions": partitions}}):
+        parse_partitions(partitions)
