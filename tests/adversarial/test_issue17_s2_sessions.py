@@ -4,13 +4,13 @@ is busy while its parent may still fork; a fork bomb (forks of forks) and a clie
 then ends every session it knows leave no pin behind on any executor; a join followed by
 ending the parent releases the absorbed child's pins too (they were left to their TTL),
 but never those of a live child that took its id since; a tenant's forks cannot evict
-another tenant's sessions from the scheduler's table (strict xfail: not fixed here)."""
+another tenant's sessions from the scheduler's table (fixed: the table evicts the oldest
+session of the tenant holding the most)."""
 from __future__ import annotations
 
 import asyncio
 
 import grpc
-import pytest
 
 from services.scheduler.state.sessions import SessionTable
 from tests.unit.scheduler.test_session_fork import PARENT_PROMPT, Mesh, gated, hop, refused
@@ -183,8 +183,6 @@ def test_ending_a_joined_parent_leaves_a_live_child_that_reuses_an_absorbed_id_p
     assert fakes["a"].released == ["t/p"] and "t/p.f0" in still_pinned(fakes)
 
 
-@pytest.mark.xfail(strict=True, reason="forks create sessions without compute, and the table's LRU bound is "
-                                       "shared by every tenant: one tenant's fork bomb evicts another's sessions")
 def test_one_tenants_fork_bomb_cannot_evict_another_tenants_session():
     table = SessionTable(max_sessions=64)
     for tenant, sid in (("victim", "v"), ("attacker", "p")):

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -126,6 +126,9 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def _trim_sessions(self) -> None:
+        _trim_fairly(self._sessions, self.max_sessions)
+
     def get(self, tenant: str, session_id: str) -> SessionState | None:
         return self._sessions.get((tenant, session_id))
 
@@ -188,7 +191,7 @@ class SessionTable:
             ses.mean_entropy = mean_entropy if not ses.mean_entropy else 0.5 * ses.mean_entropy + 0.5 * mean_entropy
         self._sessions[key] = ses
         self._sessions.move_to_end(key)
-        _trim(self._sessions, self.max_sessions)
+        self._trim_sessions()
         return ses
 
     def resumed(self, ses: SessionState) -> float | None:
@@ -269,7 +272,7 @@ class SessionTable:
             children.append(child)
         parent.child_ids.extend(child_ids)
         self._sessions.move_to_end((tenant, session_id))
-        _trim(self._sessions, self.max_sessions)
+        self._trim_sessions()
         return Forked(parent, tuple(children))
 
     def join(self, tenant: str, session_id: str, from_id: str, end_children: bool) -> Joined:
@@ -362,6 +365,16 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _trim_fairly(table: OrderedDict, limit: int) -> None:
+    """Bound ``table`` (keyed (tenant, id), oldest first) by evicting the oldest entry of
+    the tenant that holds the most: one tenant's burst of new sessions (a fork costs no
+    compute) evicts its own sessions before anyone else's."""
+    while len(table) > limit:
+        counts = Counter(tenant for tenant, _ in table)
+        heaviest = max(counts, key=counts.__getitem__)
+        del table[next(k for k in table if k[0] == heaviest)]
 
 
 def _trim(table: OrderedDict, limit: int) -> None:
