@@ -123,12 +123,16 @@ class WeftMesh:
         self.stub = self.channel = None
 
     async def start(self) -> None:
+        self.state = await self.launcher.start()
+
+    async def connect(self) -> None:
+        """Opens the client channel, once every engine has started: processes forked while
+        this process has gRPC channels open can abort at their start (epoll_wait on a bad fd)."""
         import grpc
 
         from weft.v1 import router_pb2_grpc
 
-        state = await self.launcher.start()
-        self.channel = grpc.aio.insecure_channel(state.grpc_address)
+        self.channel = grpc.aio.insecure_channel(self.state.grpc_address)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
     async def generate(self, rid: str, prompt: list[int], max_tokens: int, hints: Hints | None, on_first=None):
@@ -268,6 +272,9 @@ async def run_model(args, model_name: str) -> list[rep.RunSummary]:
         for c, engine in engines.items():
             print(f"[{model_name}] starting {c} ...", flush=True)
             await engine.start()
+        for engine in engines.values():
+            if isinstance(engine, WeftMesh):
+                await engine.connect()
         warm_spec = PeerWorkloadSpec(num_programs=args.spec.concurrency, concurrency=args.spec.concurrency,
                                      min_hops=2, max_hops=3, tool_median_s=0.1, output_tokens=args.spec.output_tokens)
         warm = make_peer_workload(warm_spec, 10_000, config["vocab_size"], max_context)
