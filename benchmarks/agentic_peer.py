@@ -73,7 +73,10 @@ class LlamaServer:
         import aiohttp
 
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        # a connection per request: reused keep-alive connections the server had closed failed
+        # requests mid-run ("Server disconnected", "Can not write request body")
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                             connector=aiohttp.TCPConnector(force_close=True, limit=0))
         deadline = time.monotonic() + 180
         while True:  # its own readiness endpoint answers 200 once the model is loaded
             try:
@@ -120,7 +123,7 @@ class WeftMesh:
 
         self.launcher = Launcher(UpOptions(model_dir=str(model_dir), num_executors=1, http_port=0, grpc_port=0,
                                            state_dir=state_dir / name, log_level="warning", settings=settings))
-        self.stub = self.channel = None
+        self.stub = self.channel = self.state = None
 
     async def start(self) -> None:
         self.state = await self.launcher.start()
