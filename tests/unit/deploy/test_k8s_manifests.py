@@ -9,6 +9,7 @@ import re
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from services.mesh import metric_catalogue, nats_auth
 from weft.launcher import k8s
@@ -234,3 +235,11 @@ def test_gpu_overlay_gives_every_executor_a_gpu_and_cpu_dev_none(rendered):
             limits = main_container(doc)["resources"]["limits"]
             expected = want if component(doc) == "executor" else None
             assert limits.get("nvidia.com/gpu") == expected, (target, doc["metadata"]["name"])
+
+
+def test_prometheus_adapter_rule_serves_the_executor_autoscalers_metric_per_pod():
+    values = yaml.safe_load((k8s.ROOT / "deploy" / "k8s" / "prometheus-adapter-values.yaml").read_text())
+    (rule,) = values["rules"]["custom"]
+    assert rule["name"]["as"] == k8s.EXECUTOR_HPA_METRIC
+    assert rule["seriesQuery"].startswith(k8s.EXECUTOR_HPA_METRIC + "{")
+    assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
