@@ -200,9 +200,8 @@ def test_every_workload_has_a_disruption_budget_and_scalable_ones_an_autoscaler(
         assert any(_selects(b["spec"]["selector"], labels) for b in budgets), doc["metadata"]["name"]
         if component(doc) == "executor":  # scales on a Weft metric, through the Prometheus adapter
             (metric,) = autoscalers[doc["metadata"]["name"]]["spec"]["metrics"]
-            name = metric["pods"]["metric"]["name"]
-            assert name in {m.name for m in metric_catalogue.CATALOGUE} and "executor" in metric_catalogue.metric(
-                name)._labelnames
+            (spec,) = [m for m in metric_catalogue.CATALOGUE if m.name == metric["pods"]["metric"]["name"]]
+            assert spec.service == "executor" and spec.kind == "gauge" and spec.waits_for is None
             assert doc["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
         if component(doc) == "router":
             (metric,) = autoscalers["router"]["spec"]["metrics"]
