@@ -6,6 +6,8 @@ and an autoscaler where the docs promise them."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import kubernetes_validate
 import pytest
@@ -242,3 +244,25 @@ def test_prometheus_adapter_rule_serves_the_executor_autoscalers_metric_per_pod(
     assert rule["name"]["as"] == k8s.EXECUTOR_HPA_METRIC
     assert rule["seriesQuery"].startswith(k8s.EXECUTOR_HPA_METRIC + "{")
     assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+
+
+def _declared_env(module: str) -> set[str]:
+    """The WEFT_* variables ``python -m <module> --help`` says the service reads."""
+    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
+                            cwd=k8s.ROOT)
+    assert result.returncode == 0, result.stderr
+    return set(re.findall(r"\[env\s+(WEFT_[A-Z0-9_]+)", result.stdout))
+
+
+def test_every_setting_kubernetes_adds_is_one_the_service_reads(rendered):
+    """An unknown variable is ignored silently, so a misspelt one would never take effect."""
+    added: dict[str, set[str]] = {}
+    for target in TARGETS:
+        for doc in workloads(rendered[target]):
+            spec = next(s for s in SERVICES if s.name == component(doc))
+            names = {e["name"] for e in main_container(doc)["env"]} - set(spec.settings)
+            added.setdefault(spec.name, set()).update(n for n in names if n.startswith("WEFT_"))
+    assert added["executor"], "the executor pools add settings"
+    for service, names in added.items():
+        if names:
+            assert names <= _declared_env(f"services.{service}"), service
