@@ -266,3 +266,17 @@ def test_every_setting_kubernetes_adds_is_one_the_service_reads(rendered):
     for service, names in added.items():
         if names:
             assert names <= _declared_env(f"services.{service}"), service
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_dependent_variable_refers_to_one_defined_before_it(rendered, target):
+    """Kubernetes expands $(NAME) only from variables listed earlier; a later one stays literal."""
+    for doc in workloads(rendered[target]):
+        defined: set[str] = set()
+        for e in main_container(doc)["env"]:
+            for ref in re.findall(r"\$\((\w+)\)", e.get("value", "")):
+                assert ref in defined, f"{doc['metadata']['name']}: {e['name']} uses $({ref}) before it is set"
+            defined.add(e["name"])
+    executor = next(w for w in workloads(rendered[target]) if component(w) == "executor")
+    advertise = next(e for e in main_container(executor)["env"] if e["name"] == "WEFT_EXECUTOR_ADVERTISE_ADDRESS")
+    assert advertise["value"] == f"$(POD_IP):{next(s for s in SERVICES if s.scalable).ports['executor_port']}"
