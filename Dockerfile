@@ -8,6 +8,12 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/weft
 
+# gcc builds the executor's native CPU decode step at its first start (plain C + OpenMP,
+# -march=native for the CPU it runs on; services/executor/model/native/). Without it the
+# executor warns once and keeps the slower torch path.
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 # CPU torch first, from PyTorch's CPU index (the default index ships CUDA wheels).
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
@@ -34,8 +40,10 @@ RUN python -m weft model make-tiny /opt/weft/models/tiny
 # tests/integration/test_compose.py runs these steps and checks the modes.
 RUN chmod -R a+rX /opt/weft
 
+# The model cache stays read-only; only the native decode library's cache is the user's.
 RUN useradd --system --uid 10001 weft \
- && mkdir -p /var/lib/weft/cachestore && chown weft /var/lib/weft/cachestore
+ && mkdir -p /var/lib/weft/cachestore && chown weft /var/lib/weft/cachestore \
+ && mkdir -p /opt/weft/cache/native && chown weft /opt/weft/cache/native
 USER weft
 
 EXPOSE 8000 50051

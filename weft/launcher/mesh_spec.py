@@ -1,7 +1,9 @@
 """The mesh's services, their commands and settings: ONE table for every way of running
 Weft. ``weft up`` (``weft/launcher/launcher.py``) renders it for local processes on loopback;
 ``compose.yaml`` holds the same table rendered for Docker Compose, and
-``tests/integration/test_compose.py`` checks that the two agree.
+``tests/integration/test_compose.py`` checks that the two agree; ``deploy/k8s/base`` is
+its rendering for Kubernetes (``python -m weft.launcher.k8s write``), checked equal to the
+generator's output by ``tests/unit/deploy``.
 
 Settings are ``WEFT_*`` environment variables (plus the odd runtime knob such as
 ``OMP_WAIT_POLICY``) (every service reads its config from
