@@ -58,14 +58,14 @@ class Hints:
 class LlamaServer:
     """``llama-server -np N`` as one engine; /completion, token-id prompts, streamed."""
 
-    def __init__(self, gguf: Path, *, slots: int, ctx_per_slot: int, threads: int) -> None:
+    def __init__(self, gguf: Path, *, slots: int, ctx_per_slot: int, threads: int, http_threads: int) -> None:
         from benchmarks.peers.build_llamacpp import find_binary
         from benchmarks.peers.llama_cpp import _free_port
 
         self.port = _free_port()
         self.cmd = [str(find_binary("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port",
                     str(self.port), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
-                    "-c", str(slots * ctx_per_slot)]
+                    "-c", str(slots * ctx_per_slot), "--threads-http", str(http_threads)]
         self.proc = None
         self.session = None
 
@@ -256,7 +256,8 @@ async def replay(engine, config: str, tag: str, programs: list[Program], chats: 
 
 def make_engine(config: str, model, args):
     if config == rep.PEER:
-        return LlamaServer(model.gguf, slots=args.peer_slots, ctx_per_slot=args.ctx_per_slot, threads=args.threads)
+        return LlamaServer(model.gguf, slots=args.peer_slots, ctx_per_slot=args.ctx_per_slot, threads=args.threads,
+                           http_threads=args.peer_http_threads)
     return WeftMesh(config, model.model_dir, args.state_dir / model.name, WEFT_SETTINGS[config])
 
 
@@ -336,6 +337,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-timeout-s", type=float, default=240.0,
                    help="deadline of one run; what is unfinished then counts with its time so far (default: 240)")
     p.add_argument("--peer-slots", type=int, default=6, help="llama-server -np (default: 6)")
+    p.add_argument("--peer-http-threads", type=int, default=64,
+                   help="llama-server --threads-http (default: 64; its own default, -np + 2, leaves requests beyond "
+                        "8 open ones waiting for a connection thread instead of in its queue)")
     p.add_argument("--ctx-per-slot", type=int, default=4096, help="llama-server context per slot; prompts fit it")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server threads (default: all CPUs; "
                    "Weft's executor takes torch's choice, also all CPUs)")
@@ -379,7 +383,8 @@ def main(argv=None) -> int:
                  f"Workload per seed: {s.num_programs} programs of {s.min_hops}–{s.max_hops} hops (Pareto alpha "
                  f"{s.pareto_alpha}), {s.concurrency} at once, {s.output_tokens} output tokens per hop and chat, "
                  f"log-normal tool pauses (median {s.tool_median_s} s), interactive requests at "
-                 f"{s.interactive_rate_per_s}/s; llama-server `-np {args.peer_slots} -t {args.threads}`; seeds "
+                 f"{s.interactive_rate_per_s}/s; llama-server `-np {args.peer_slots} -t {args.threads} --threads-http "
+                 f"{args.peer_http_threads}`; seeds "
                  f"{args.seeds}; a run's deadline {args.run_timeout_s:.0f} s.", ""]
         runs = asyncio.run(run_model(args, m))
         section = rep.model_section(m, runs, charts(args, m, runs))
