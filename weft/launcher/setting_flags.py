@@ -162,6 +162,9 @@ FLAGS: tuple[SettingFlag, ...] = (
     _e("--promote-before-prefill", POOL, "promote_before_prefill", "true",
        "load a prompt's prefix blocks from the cachestore before its prefill when cheaper than recompute",
        boolean=True),
+    _e("--native-decode", POOL, "native_decode", "true",
+       "on a CPU in float32, run a batch-1 decode step as one native C call (built with gcc at first use; "
+       "a failed build keeps the torch path)", boolean=True),
     _e("--max-num-seqs", POOL, "max_num_seqs", "64", "most requests computed in one step (max batch)", metavar="N"),
     _e("--max-num-batched-tokens", POOL, "max_num_batched_tokens", "2048", "most tokens computed in one step",
        metavar="N"),

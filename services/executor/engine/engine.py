@@ -73,6 +73,7 @@ class LLMEngine:
             backend_class(config.resolved_attention_backend),
             dtype=config.torch_dtype,
             device=config.device,
+            native_decode=config.native_decode,
         )
         del state_dict
         # Sliding-window attention is not implemented: cap the context at the window

@@ -95,6 +95,15 @@ def test_engine_greedy_tokens_are_the_same_with_the_native_step(checkpoint, monk
         assert native == plain
 
 
+def test_the_engine_config_turns_the_native_step_off(checkpoint, monkeypatch):
+    """EngineConfig.native_decode (weft up --no-native-decode, WEFT_EXECUTOR_NATIVE_DECODE)
+    reaches the model: the option existed but the engine never passed it on."""
+    monkeypatch.setenv("WEFT_NATIVE_DECODE", "1")
+    off = LLMEngine(checkpoint, EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=64, native_decode=False))
+    on = LLMEngine(checkpoint, EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=64, native_decode=True))
+    assert off.runner.native is None and on.runner.native is not None
+
+
 def test_a_failed_build_falls_back_to_the_torch_path(checkpoint, monkeypatch, tmp_path):
     """A missing compiler: one readable warning, no native decoder, the engine still serves."""
     monkeypatch.setenv("WEFT_CACHE_DIR", str(tmp_path))  # nothing cached: a build is needed

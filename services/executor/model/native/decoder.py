@@ -15,12 +15,8 @@ for a plan it covers).
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from services.executor.model.llama import LlamaModel
 
 _F32P = ctypes.POINTER(ctypes.c_float)
 
@@ -53,7 +49,7 @@ class NativeDecoder:
     fp32, contiguous (the model runner's). ``step`` mutates one slot of each and nothing
     else of the model's."""
 
-    def __init__(self, lib: ctypes.CDLL, model: LlamaModel, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(self, lib: ctypes.CDLL, model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> None:
         c = model.config
         self._lib = lib
         layers = model.layers
