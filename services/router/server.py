@@ -44,11 +44,12 @@ from services.router.errors import (AuthenticationError, InvalidRequestError, Ov
 from services.router.chat_messages import parse_message
 from services.router.delta_streams import merge
 from services.router.generation import Generator, fan_out
-from services.router.grpc_tools import (ToolCallRelay, assistant_tool_calls, to_proto, tool_choice_from_proto,
-                                        tools_from_proto, with_tool_grammar)
+from services.router.grpc_response import response_chunk
+from services.router.grpc_tools import (ToolCallRelay, assistant_tool_calls, tool_choice_from_proto, tools_from_proto,
+                                        with_tool_grammar)
 from services.router.prepare import ChatPrompt, Prompt, TextPrompt, TokenIdsPrompt
 from services.router.request_ids import grpc_request_id
-from services.router.schema import Delta, Sampling
+from services.router.schema import Sampling
 from services.router.session_specs import parse_fork, parse_join
 from services.router.structured_output import check_enforceable
 from services.router.tool_parsers import ToolCallFormat, select_format
@@ -68,10 +69,6 @@ ROUTER_ERROR_RULES = (
     ErrorRule(UpstreamUnavailable, grpc.StatusCode.UNAVAILABLE),
     ErrorRule(UpstreamError, grpc.StatusCode.UNAVAILABLE),
 )
-_FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
-           "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT,
-           "error": common_pb2.FINISH_REASON_ERROR, "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS,
-           "kv_quota": common_pb2.FINISH_REASON_KV_QUOTA}
 
 
 # What server reflection lists on the public port (grpcurl, Postman): the API, its
@@ -248,7 +245,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             started = [False] * sampling.n
             try:
                 async for i, delta in merged:
-                    yield _response(rid, i, delta, sampling, relays[i], "" if started[i] else echo)
+                    yield response_chunk(rid, i, delta, sampling, relays[i], "" if started[i] else echo)
                     started[i] = True
             except InvalidRequestError as exc:  # the executor's compiler names "grammar.<kind>"
                 if not exc.field.startswith("grammar"):
@@ -394,52 +391,3 @@ def _enum_name(enum, value: int, prefix: str) -> str:
     if value not in enum.values():
         return str(value)
     return enum.Name(value).removeprefix(prefix).lower()
-
-
-def _response(rid: str, index: int, delta: Delta, sampling: Sampling, relay: ToolCallRelay | None,
-              echo: str) -> router_pb2.GenerateResponse:
-    """One chunk of completion ``index``: with tools, the text without call markup and the
-    calls completed by this delta; logprobs as asked; ``echo`` before the first text."""
-    text, calls = delta.text, []
-    if relay is not None:
-        text, calls = relay.feed(delta.text)
-        if delta.finish_reason is not None:
-            rest, more = relay.flush()
-            text, calls = text + rest, calls + more
-    usage = common_pb2.Usage(num_prompt_tokens=delta.usage.prompt_tokens, num_cached_tokens=delta.usage.cached_tokens,
-                             num_output_tokens=delta.usage.completion_tokens)
-    reason = delta.finish_reason
-    if reason not in (None, "length", "kv_quota") and relay is not None and relay.num_calls:
-        reason = "tool_calls"  # as HTTP's finish_reason; a cut reply stays "length" / "kv_quota"
-    finish = _FINISH.get(reason, 0)
-    return router_pb2.GenerateResponse(
-        request_id=rid, index=index, text_delta=echo + text, token_ids_delta=list(delta.token_ids),
-        logprobs_delta=list(delta.logprobs) if sampling.logprobs else [],
-        top_logprobs_delta=_alternatives(delta.top_logprobs) if sampling.top_logprobs else [],
-        prompt_logprobs=list(delta.prompt_logprobs) if sampling.prompt_logprobs is not None else [],
-        prompt_top_logprobs=_alternatives(delta.prompt_top_logprobs) if sampling.prompt_logprobs else [],
-        tool_calls=to_proto(calls), finish_reason=finish,
-        usage=usage, executor=delta.executor,
-        degradation_rung=common_pb2.DegradationRung.Value(f"DEGRADATION_RUNG_{delta.degradation_rung.upper()}")
-        if delta.degradation_rung else 0,
-        num_migrations=delta.num_migrations, decisions=_decisions(delta),
-    )
-
-
-def _decisions(delta: Delta) -> common_pb2.SchedulingDecisions | None:
-    """The scheduler's decisions as they came (first chunk: all but the pause; last: the pause)."""
-    n = delta.notes
-    value = lambda enum, prefix, label: enum.Value(prefix + label.upper()) if label else 0  # noqa: E731
-    return None if n is None else common_pb2.SchedulingDecisions(
-        request_class=value(common_pb2.RequestClass, "REQUEST_CLASS_", n.request_class), priority=n.priority or 0.0,
-        queue_ms=n.queue_ms or 0, fallback_taken=value(common_pb2.FallbackPath, "FALLBACK_PATH_", n.fallback),
-        fallback_reason=n.fallback_reason, intent_shift=n.intent_shift, intent_distance=n.intent_distance,
-        degradation_rung=value(common_pb2.DegradationRung, "DEGRADATION_RUNG_", n.degradation_rung),
-        ttft_estimate_ms=n.ttft_estimate_ms, ttft_ceiling_ms=n.ttft_ceiling_ms,
-        ttft_achieved_ms=n.ttft_achieved_ms or 0, expected_cached_tokens=n.expected_cached_tokens,
-        pause_decision=value(common_pb2.PauseDecision, "PAUSE_DECISION_", n.pause_decision))
-
-
-def _alternatives(positions) -> list[common_pb2.TokenLogprobs]:
-    return [common_pb2.TokenLogprobs(token_ids=[t for t, _ in alts], logprobs=[lp for _, lp in alts])
-            for alts in positions]
