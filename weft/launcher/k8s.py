@@ -40,7 +40,12 @@ UID = 10001  # the Dockerfile's `weft` user
 PART_OF = {"app.kubernetes.io/part-of": "weft"}
 COMPONENT = "app.kubernetes.io/component"
 POOL = "weft.dev/pool"
-MONITORING_NAMESPACE_LABEL = "weft.dev/monitoring"  # namespaces whose Prometheus may scrape
+# The namespace whose Prometheus may scrape, by the label the API server sets and nobody can
+# change: a label of our own (weft.dev/monitoring=true) any namespace admin could put on theirs.
+MONITORING_NAMESPACE_LABEL = "kubernetes.io/metadata.name"
+MONITORING_NAMESPACE = "monitoring"
+# The cloud metadata endpoint (node credentials on AWS / GCP / Azure; IPv4 and AWS's IPv6): no pod needs it.
+METADATA_CIDRS = {"0.0.0.0/0": "169.254.169.254/32", "::/0": "fd00:ec2::254/128"}  # any address but it
 MESH_SECRET = "weft-mesh"  # Secret: mesh-secret, nats-<role>-password
 API_KEYS_SECRET = "weft-api-keys"  # Secret: keys.json ({key: tenant})
 MODELS_DIR = "/var/lib/weft/models"  # emptyDir the init container pulls the model into
@@ -62,7 +67,9 @@ RESOURCES = {  # requests / limits of the base (cpu-dev shrinks them, gpu adds G
     "executor": ({"cpu": "2", "memory": "4Gi"}, {"cpu": "4", "memory": "8Gi"}),
     "router": ({"cpu": "250m", "memory": "512Mi"}, {"cpu": "2", "memory": "2Gi"}),
 }
-REPLICAS = {"nats": 1, "scheduler": 1, "executor": 1, "router": 2}
+# Singletons only: an autoscaled Deployment (router, executors) sets no replicas, or every
+# `kubectl apply` would reset the autoscaler's count (and drain the executors it added).
+REPLICAS = {"nats": 1, "scheduler": 1}
 EXTRA_ENV = {  # Kubernetes-only settings, beside the table's (the structural test allows exactly these)
     "executor": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                  {"name": "WEFT_EXECUTOR_ADVERTISE_ADDRESS", "value": "$(POD_IP):{executor_port}"},
@@ -192,7 +199,8 @@ def pod(spec: ServiceSpec, labels: dict, ctx: Mapping[str, str], pool: Pool | No
     body: dict = {"securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
                                       "seccompProfile": {"type": "RuntimeDefault"}},
                   "terminationGracePeriodSeconds": TERMINATION_GRACE_S[spec.name],
-                  "enableServiceLinks": False}
+                  # No service uses the Kubernetes API: a compromised pod gets no token for it.
+                  "enableServiceLinks": False, "automountServiceAccountToken": False}
     if any(m["name"] == "models" for m in main["volumeMounts"]):
         body["initContainers"] = [model_pull()]
     body.update(containers=[main], volumes=volumes(spec))
@@ -225,15 +233,17 @@ def workloads(spec: ServiceSpec, ctx: Mapping[str, str]) -> list[dict]:
         # schedulers would split the mesh. Routers are stateless and roll.
         strategy = ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
                     if spec.name == "router" else {"type": "Recreate"})
+        replicas = {"replicas": REPLICAS[spec.name]} if spec.name in REPLICAS else {}
         docs.append({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(spec.name, labels), "spec": {
-            "replicas": REPLICAS[spec.name], "strategy": strategy, "selector": {"matchLabels": labels},
+            **replicas, "strategy": strategy, "selector": {"matchLabels": labels},
             "template": pod(spec, labels, ctx)}})
     if spec.name == "router":  # leave the Service's endpoints before the process stops accepting
         docs[-1]["spec"]["template"]["spec"]["containers"][0]["lifecycle"] = {"preStop": {"sleep": {"seconds": 5}}}
     docs.append(service)
-    budget = {"minAvailable": 1} if spec.name == "router" else {"maxUnavailable": 1}
+    # maxUnavailable, never minAvailable: minAvailable 1 over one pod (cpu-dev's single router)
+    # refused every eviction, so a node drain waited for ever.
     docs.append({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta(spec.name, labels),
-                 "spec": {**budget, "selector": {"matchLabels": labels}}})
+                 "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}}})
     if spec.name == "router":
         docs.append(hpa(spec.name, labels, "Deployment", 2, 6, {"type": "Resource", "resource": {
             "name": "cpu", "target": {"type": "Utilization", "averageUtilization": ROUTER_HPA_CPU_PERCENT}}}))
@@ -247,7 +257,7 @@ def executor_pool(spec: ServiceSpec, pool: Pool, ctx: Mapping[str, str]) -> list
     name = f"{spec.name}-{pool.name}"
     labels = {**PART_OF, COMPONENT: spec.name, POOL: pool.name}
     deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(name, labels), "spec": {
-        "replicas": REPLICAS[spec.name], "selector": {"matchLabels": labels},
+        "selector": {"matchLabels": labels},
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "template": pod(spec, labels, ctx, pool)}}
     budget = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta(name, labels),
@@ -268,7 +278,9 @@ def hpa(name: str, labels: dict, kind: str, low: int, high: int, metric: dict) -
 
 def network_policies() -> list[dict]:
     """Deny all ingress; admit the mesh to itself, anyone to the router's published ports,
-    and namespaces labelled ``weft.dev/monitoring=true`` to the metrics ports."""
+    and the ``monitoring`` namespace to the metrics ports. Egress is open but for the cloud
+    metadata endpoint (the model pull needs the internet; a compromised pod gets no node
+    credentials)."""
     router = next(s for s in SERVICES if s.name == "router")
     metrics = sorted({v for s in SERVICES for k, v in s.ports.items() if k.endswith("metrics_port")})
 
@@ -276,14 +288,21 @@ def network_policies() -> list[dict]:
         return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta(name, PART_OF),
                 "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": ingress}}
 
+    egress = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+              "metadata": meta("weft-egress-no-cloud-metadata", PART_OF),
+              "spec": {"podSelector": {"matchLabels": PART_OF}, "policyTypes": ["Egress"], "egress": [{"to": [
+                  {"namespaceSelector": {}},  # every pod of the cluster (the mesh, DNS)
+                  *({"ipBlock": {"cidr": cidr, "except": [metadata]}} for cidr, metadata in METADATA_CIDRS.items())]}]}}
+
     return [
         policy("weft-default-deny-ingress", {}, []),
         policy("weft-mesh-internal", {"matchLabels": PART_OF}, [{"from": [{"podSelector": {"matchLabels": PART_OF}}]}]),
         policy("weft-router-public", {"matchLabels": {**PART_OF, COMPONENT: "router"}},
                [{"ports": [{"protocol": "TCP", "port": router.ports[k]} for k in router.published]}]),
         policy("weft-metrics-scrape", {"matchLabels": PART_OF}, [{
-            "from": [{"namespaceSelector": {"matchLabels": {MONITORING_NAMESPACE_LABEL: "true"}}}],
+            "from": [{"namespaceSelector": {"matchLabels": {MONITORING_NAMESPACE_LABEL: MONITORING_NAMESPACE}}}],
             "ports": [{"protocol": "TCP", "port": p} for p in metrics]}]),
+        egress,
     ]
 
 
@@ -343,10 +362,13 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     write = commands.add_parser("write", help="write the kustomize base (deploy/k8s/base by default)")
     write.add_argument("--out", type=Path, default=BASE_DIR, help="directory to write; default: %(default)s")
-    commands.add_parser("check", help="exit 1 if the committed deploy/k8s/base differs from the table")
+    commands.add_parser("check", help="exit 1 (naming each file) if the committed deploy/k8s/base differs "
+                                      "from the table or holds a file the generator does not write")
     commands.add_parser("secrets", help="print the Secrets the base references (mesh secret, NATS passwords, "
                                         "one API key) with fresh random values; pipe to `kubectl apply -n NS -f -`")
     args = parser.parse_args(argv)
+    if args.command == "write" and args.out.exists() and not args.out.is_dir():
+        parser.error(f"write --out {args.out}: not a directory")
     if args.command == "secrets":
         sys.stdout.write(secrets_manifest())
         return 0
@@ -354,9 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         stale = [n for n, text in files.items() if not (BASE_DIR / n).is_file()
                  or (BASE_DIR / n).read_text(encoding="utf-8") != text]
+        extra = sorted(p.name for p in BASE_DIR.glob("*.yaml") if p.name not in files)
         for name in stale:
-            sys.stderr.write(f"deploy/k8s/base/{name} is stale: run python -m weft.launcher.k8s write\n")
-        return 1 if stale else 0
+            sys.stderr.write(f"{BASE_DIR / name} is stale (edited by hand?): run python -m weft.launcher.k8s write\n")
+        for name in extra:
+            sys.stderr.write(f"{BASE_DIR / name} is not generated: remove it (patch in an overlay instead)\n")
+        return 1 if stale or extra else 0
     args.out.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         (args.out / name).write_text(text, encoding="utf-8")
