@@ -70,8 +70,18 @@ RESOURCES = {  # requests / limits of the base (cpu-dev shrinks them, gpu adds G
 # Singletons only: an autoscaled Deployment (router, executors) sets no replicas, or every
 # `kubectl apply` would reset the autoscaler's count (and drain the executors it added).
 REPLICAS = {"nats": 1, "scheduler": 1}
+
+
+def _threads(name: str) -> dict:
+    """OpenMP's (hence torch's) thread count from the container's CPU limit, rounded up:
+    by default torch takes the node's cores, and a limited pod ran dozens of throttled threads."""
+    return {"name": "OMP_NUM_THREADS",
+            "valueFrom": {"resourceFieldRef": {"containerName": name, "resource": "limits.cpu", "divisor": "1"}}}
+
+
 EXTRA_ENV = {  # Kubernetes-only settings, beside the table's (the structural test allows exactly these)
-    "executor": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    **{s.name: [_threads(s.name)] for s in SERVICES if s.python},
+    "executor": [_threads("executor"), {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                  {"name": "WEFT_EXECUTOR_ADVERTISE_ADDRESS", "value": "$(POD_IP):{executor_port}"},
                  {"name": "WEFT_EXECUTOR_GRACE_S", "value": str(EXECUTOR_GRACE_S)}],
 }
@@ -217,8 +227,10 @@ def workloads(spec: ServiceSpec, ctx: Mapping[str, str]) -> list[dict]:
     if spec.scalable:
         return [obj for pool in POOLS for obj in executor_pool(spec, pool, ctx)]
     docs: list[dict] = []
+    # Ports clients dial; metrics are scraped per pod (annotations), and on Service `router`
+    # they would go public with it (a LoadBalancer) with their per-tenant labels.
     service_ports = [{"name": port_name(spec, k), "port": v, "targetPort": port_name(spec, k)}
-                     for k, v in spec.ports.items()]
+                     for k, v in spec.ports.items() if not k.endswith("metrics_port")]
     service = {"apiVersion": "v1", "kind": "Service", "metadata": meta(spec.name, labels),
                "spec": {"selector": labels, "ports": service_ports}}
     if spec.name == "cachestore":  # one pod, one disk: the archived tier survives a restart

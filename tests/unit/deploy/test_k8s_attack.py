@@ -12,6 +12,7 @@ import shutil
 import pytest
 import yaml
 
+from services.mesh import nats_auth
 from services.mesh.live_settings import SettingsFollower
 from services.router.auth import parse_keys
 from weft.launcher import k8s
@@ -181,3 +182,46 @@ def test_live_settings_do_not_flip_between_two_router_replicas():
 
     asyncio.run(republish())
     assert applied == [{"policy": "fcfs"}] and follower.version == 2
+
+
+def _main_container(doc) -> dict:
+    name = doc["spec"]["template"]["metadata"]["labels"][k8s.COMPONENT]
+    return next(c for c in doc["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_python_services_threads_follow_its_own_cpu_limit(rendered, target):
+    """torch sizes its pool by the node's cores, not the container's CPU limit: an executor
+    limited to 4 CPUs on a 64-core node ran dozens of threads and was throttled."""
+    for doc in _pod_templates(rendered[target]):
+        container = _main_container(doc)
+        if container["command"][0] != "python":
+            continue
+        env = {e["name"]: e for e in container["env"]}
+        assert env["OMP_NUM_THREADS"]["valueFrom"]["resourceFieldRef"] == {
+            "containerName": container["name"], "resource": "limits.cpu", "divisor": "1"}, doc["metadata"]["name"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_services_carry_no_metrics_port(rendered, target):
+    """Prometheus scrapes pods by annotation; a metrics port on Service `router` (per-tenant
+    labels) went public with it once an operator made that Service a LoadBalancer."""
+    metrics = {v for s in k8s.SERVICES for key, v in s.ports.items() if key.endswith("metrics_port")}
+    for service in objects(rendered[target], "Service"):
+        assert not {p["port"] for p in service["spec"]["ports"]} & metrics, service["metadata"]["name"]
+    (router,) = [s for s in objects(rendered[target], "Service") if s["metadata"]["name"] == "router"]
+    spec = next(s for s in k8s.SERVICES if s.name == "router")
+    assert sorted(p["port"] for p in router["spec"]["ports"]) == sorted(spec.ports[k] for k in spec.published)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_service_holds_only_its_own_nats_password(rendered, target):
+    """nats_auth's permissions mean nothing if a pod could log in as another role."""
+    for doc in _pod_templates(rendered[target]):
+        container = _main_container(doc)
+        keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in container["env"]
+                if "secretKeyRef" in e.get("valueFrom", {})}
+        passwords = {k for k in keys if k.startswith("nats-")}
+        want = ({f"nats-{r}-password" for r in nats_auth.ROLES} if container["name"] == "nats"
+                else {f"nats-{container['name']}-password"})
+        assert passwords == want, doc["metadata"]["name"]
