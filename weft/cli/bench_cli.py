@@ -1,5 +1,6 @@
 """``weft bench NAME [ARGS...]``: run a benchmark from ``benchmarks/`` (results under
-``benchmarks/results/``). ``weft bench agentic --help`` lists a benchmark's options."""
+``benchmarks/results/``). ``weft bench agentic --help`` lists a benchmark's options;
+``weft bench agentic --peer llama-server --help`` the comparison with llama.cpp's server."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,8 @@ BENCHMARKS = {"agentic": "benchmarks.agentic"}
 
 def register_bench(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="run a benchmark (agentic)", add_help=True,
-                                  description="Run a benchmark; arguments after its name go to it.")
+                                  description="Run a benchmark; arguments after its name go to it. "
+                                  "`weft bench agentic --peer llama-server` compares with llama.cpp's server.")
     bench.add_argument("name", choices=list(BENCHMARKS), help="which benchmark")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its arguments (see weft bench NAME --help)")
     bench.set_defaults(handler=_run)
