@@ -7,7 +7,7 @@ are small hand-written patches over this base.
 
 What Kubernetes adds to the table, and only here (``EXTRA_ENV``): an executor advertises
 its pod IP (a Deployment's pod hostname does not resolve) and gets a drain grace that fits
-inside its termination grace. Secret-backed settings (the mesh secret, each role's NATS
+inside its termination grace; every Python service sizes its threads by its CPU limit. Secret-backed settings (the mesh secret, each role's NATS
 password) are ``secretKeyRef``s to ``MESH_SECRET``; the base ships no Secret, and
 ``python -m weft.launcher.k8s secrets`` prints one with fresh random material.
 
@@ -72,10 +72,8 @@ RESOURCES = {  # requests / limits of the base (cpu-dev shrinks them, gpu adds G
 REPLICAS = {"nats": 1, "scheduler": 1}
 
 
-def _threads(name: str) -> dict:
-    """OpenMP's (hence torch's) thread count from the container's CPU limit, rounded up:
-    by default torch takes the node's cores, and a limited pod ran dozens of throttled threads."""
-    return {"name": "OMP_NUM_THREADS",
+def _threads(name: str) -> dict:  # torch took the node's cores: a limited pod ran dozens of throttled threads
+    return {"name": "OMP_NUM_THREADS",  # OpenMP's (hence torch's) threads: the CPU limit, rounded up
             "valueFrom": {"resourceFieldRef": {"containerName": name, "resource": "limits.cpu", "divisor": "1"}}}
 
 
