@@ -7,8 +7,8 @@ are small hand-written patches over this base.
 
 What Kubernetes adds to the table, and only here (``EXTRA_ENV``): an executor advertises
 its pod IP (a Deployment's pod hostname does not resolve) and gets a drain grace that fits
-inside its termination grace; every Python service sizes its threads by its CPU limit. Secret-backed settings (the mesh secret, each role's NATS
-password) are ``secretKeyRef``s to ``MESH_SECRET``; the base ships no Secret, and
+inside its termination grace; every Python service sizes its threads by its CPU limit.
+Secret-backed settings (the mesh secret, each role's NATS password) are ``secretKeyRef``s to ``MESH_SECRET``; the base ships no Secret, and
 ``python -m weft.launcher.k8s secrets`` prints one with fresh random material.
 
 Executors run one Deployment per degradation pool (``POOLS``): full quality and kv_int8,
@@ -204,7 +204,9 @@ def pod(spec: ServiceSpec, labels: dict, ctx: Mapping[str, str], pool: Pool | No
     metrics = next((v for k, v in spec.ports.items() if k.endswith("metrics_port")), None)
     annotations = ({"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics),
                     "prometheus.io/path": "/metrics"} if metrics else {})
+    # OnRootMismatch: the default (Always) re-owned every file of the cachestore's claim at each start.
     body: dict = {"securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
+                                      "fsGroupChangePolicy": "OnRootMismatch",
                                       "seccompProfile": {"type": "RuntimeDefault"}},
                   "terminationGracePeriodSeconds": TERMINATION_GRACE_S[spec.name],
                   # No service uses the Kubernetes API: a compromised pod gets no token for it.

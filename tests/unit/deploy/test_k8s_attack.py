@@ -225,3 +225,12 @@ def test_each_service_holds_only_its_own_nats_password(rendered, target):
         want = ({f"nats-{r}-password" for r in nats_auth.ROLES} if container["name"] == "nats"
                 else {f"nats-{container['name']}-password"})
         assert passwords == want, doc["metadata"]["name"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_restart_does_not_chown_the_whole_disk_tier(rendered, target):
+    """fsGroup's default policy (Always) re-owns every file of the 20 Gi claim at each start:
+    a cachestore full of archived blocks came back minutes late."""
+    for doc in _pod_templates(rendered[target]):
+        context = doc["spec"]["template"]["spec"]["securityContext"]
+        assert context.get("fsGroupChangePolicy") == "OnRootMismatch", doc["metadata"]["name"]
