@@ -8,8 +8,9 @@ are small hand-written patches over this base.
 What Kubernetes adds to the table, and only here (``EXTRA_ENV``): an executor advertises
 its pod IP (a Deployment's pod hostname does not resolve) and gets a drain grace that fits
 inside its termination grace; every Python service sizes its threads by its CPU limit.
-Secret-backed settings (the mesh secret, each role's NATS password) are ``secretKeyRef``s to ``MESH_SECRET``; the base ships no Secret, and
-``python -m weft.launcher.k8s secrets`` prints one with fresh random material.
+Secret-backed settings (the mesh secret, each role's NATS password) are ``secretKeyRef``s
+to ``MESH_SECRET``; the base ships no Secret, and ``python -m weft.launcher.k8s secrets``
+prints one with fresh random material.
 
 Executors run one Deployment per degradation pool (``POOLS``): full quality and kv_int8,
 as ``weft up --extra-executor`` starts them locally (docs/architecture.md, Degradation
