@@ -234,3 +234,20 @@ def test_a_restart_does_not_chown_the_whole_disk_tier(rendered, target):
     for doc in _pod_templates(rendered[target]):
         context = doc["spec"]["template"]["spec"]["securityContext"]
         assert context.get("fsGroupChangePolicy") == "OnRootMismatch", doc["metadata"]["name"]
+
+
+def _mib(quantity: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024}
+    return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_model_pull_fits_its_memory_limit_with_room_for_the_files_it_writes(rendered, target):
+    """`weft model pull smollm2-135m-instruct` peaks at ~903 MiB resident (k8s.MODEL_PULL_PEAK_MIB,
+    measured) and writes ~517 MiB that the same cgroup is charged for: a 1 Gi limit was 86 %
+    used by the process alone, an OOM kill away from a crash-looping init container."""
+    for doc in _pod_templates(rendered[target]):
+        for init in doc["spec"]["template"]["spec"].get("initContainers", []):
+            resources = init["resources"]
+            assert _mib(resources["limits"]["memory"]) >= 2 * k8s.MODEL_PULL_PEAK_MIB, doc["metadata"]["name"]
+            assert _mib(resources["requests"]["memory"]) >= k8s.MODEL_PULL_PEAK_MIB, doc["metadata"]["name"]
