@@ -251,3 +251,11 @@ def test_the_model_pull_fits_its_memory_limit_with_room_for_the_files_it_writes(
             resources = init["resources"]
             assert _mib(resources["limits"]["memory"]) >= 2 * k8s.MODEL_PULL_PEAK_MIB, doc["metadata"]["name"]
             assert _mib(resources["requests"]["memory"]) >= k8s.MODEL_PULL_PEAK_MIB, doc["metadata"]["name"]
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t.startswith("overlays/")])
+def test_overlay_namespaces_enforce_the_restricted_pod_security_standard(rendered, target):
+    """The pods meet `restricted`; without the label a later patch (or a neighbour with
+    create rights in the namespace) could run a root or privileged pod beside the mesh."""
+    (namespace,) = objects(rendered[target], "Namespace")
+    assert namespace["metadata"]["labels"].get("pod-security.kubernetes.io/enforce") == "restricted"
