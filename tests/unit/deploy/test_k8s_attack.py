@@ -6,6 +6,7 @@ file or crashes on a bad --out, Secrets that repeat or do not parse where they a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 
@@ -259,3 +260,20 @@ def test_overlay_namespaces_enforce_the_restricted_pod_security_standard(rendere
     create rights in the namespace) could run a root or privileged pod beside the mesh."""
     (namespace,) = objects(rendered[target], "Namespace")
     assert namespace["metadata"]["labels"].get("pod-security.kubernetes.io/enforce") == "restricted"
+
+
+def _default(config_class, name: str):
+    return next(f.default for f in dataclasses.fields(config_class) if f.name == name)
+
+
+def test_the_executor_autoscalers_target_is_reachable_under_the_default_overcommit():
+    """The scheduler keeps its backlog in its own queue and hands an executor at most
+    overcommit x max_num_seqs requests, so an executor's queue never exceeds
+    (overcommit - 1) x max_num_seqs: at overcommit 1 (or a target above that) the HPA saw
+    no queue and never scaled out, however long the scheduler's queue grew."""
+    from services.executor.engine.config import EngineConfig
+    from services.scheduler.config import SchedulerConfig
+
+    overcommit = _default(SchedulerConfig, "executor_overcommit")  # 0: no cap, executors hold the backlog
+    most_waiting = (overcommit - 1) * _default(EngineConfig, "max_num_seqs") if overcommit else float("inf")
+    assert float(k8s.EXECUTOR_HPA_TARGET) < most_waiting, (overcommit, most_waiting)
