@@ -12,9 +12,7 @@ Secret-backed settings (the mesh secret, each role's NATS password) are ``secret
 to ``MESH_SECRET``; the base ships no Secret, and ``python -m weft.launcher.k8s secrets``
 prints one with fresh random material.
 
-Executors run one Deployment per degradation pool (``POOLS``): full quality and kv_int8,
-as ``weft up --extra-executor`` starts them locally (docs/architecture.md, Degradation
-ladder); each pool scales on its own HPA.
+Executors run one Deployment per degradation pool (``POOLS``: full, kv_int8), each with its own HPA.
 """
 from __future__ import annotations
 
