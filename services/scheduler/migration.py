@@ -132,14 +132,21 @@ class StreamProgress:
 OpenAttempt = Callable[[Attempt], AsyncIterator[Piece]]
 
 
-async def migrating_stream(progress: StreamProgress, policy: MigrationPolicy,
-                           open_attempt: OpenAttempt) -> AsyncIterator[Piece]:
+async def migrating_stream(progress: StreamProgress, policy: MigrationPolicy, open_attempt: OpenAttempt,
+                           only_live: Callable[[str, frozenset[str]], bool] | None = None) -> AsyncIterator[Piece]:
     """Yield the pieces of successive attempts as one stream.
 
     ``open_attempt`` places an attempt on an executor not in ``attempt.exclude`` and
     returns its stream; it raises ``NoReplacement`` (at once, not from the stream) when
     none can be placed; the stream raises ``ExecutorFailed`` when its executor fails. Anything else it raises passes through untouched (bad input, deadline).
     Records every yielded piece in ``progress``.
+
+    ``only_live(executor, exclude)``: whether a *stalled* stream's executor is still live
+    (heartbeating) and no executor outside ``exclude`` could take the stream over. Then
+    the stall is a slow executor (every core busy prefilling), not a dead one, and leaving
+    it would end the request with nowhere to go: the stream keeps waiting on it, one stall
+    period at a time, until it moves, breaks, leaves the membership or another executor
+    becomes placeable (the request's deadline bounds the wait).
     """
     watch = StallWatch(policy)
     index = 0
@@ -148,14 +155,24 @@ async def migrating_stream(progress: StreamProgress, policy: MigrationPolicy,
         watch.restart()
         stream = await _open_with_wait(open_attempt, attempt, policy)
         executor = ""
+        pending: asyncio.Future | None = None  # the stream's next piece, kept across a waited-out stall
         try:
             while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(stream))
+                done, _ = await asyncio.wait((pending,), timeout=watch.timeout_s())
+                if not done:
+                    if executor and only_live is not None and only_live(executor, attempt.exclude):
+                        log.warning("stalled_on_the_only_live_executor", executor=executor, attempt=index,
+                                    waited_s=round(watch.timeout_s(), 2))
+                        watch.restart()
+                        continue
+                    raise ExecutorFailed(executor, f"no token for {watch.timeout_s():.1f}s")
+                done_piece, pending = pending, None
                 try:
-                    piece = await asyncio.wait_for(anext(stream), watch.timeout_s())
+                    piece = done_piece.result()
                 except StopAsyncIteration:
                     return
-                except asyncio.TimeoutError:
-                    raise ExecutorFailed(executor, f"no token for {watch.timeout_s():.1f}s") from None
                 executor = piece.executor or executor
                 if piece.is_placement_marker:
                     continue
@@ -187,6 +204,9 @@ async def migrating_stream(progress: StreamProgress, policy: MigrationPolicy,
             progress.num_migrations += 1
             log.info("request_migrating", attempt=index, num_replayed_tokens=len(progress.output_token_ids))
         finally:
+            if pending is not None:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
             await stream.aclose()
 
 

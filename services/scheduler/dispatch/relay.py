@@ -102,10 +102,14 @@ class Relay:
             except (ExecutorLostError, ExecutorCallError) as exc:
                 raise ExecutorFailed(executor, str(exc), _engine_failed(exc)) from exc
 
+        def only_live(executor: str, exclude: frozenset[str]) -> bool:
+            names = {p.name for pool in {rung, Rung.NONE} for p in self.rank(job.model_id, job.tenant, prompt, pool)}
+            return executor in names and not (names - exclude - {executor})
+
         first = True
         num_migrations_seen, last_piece_ns = 0, time.time_ns()
         try:
-            async for piece in migrating_stream(progress, self.migration, open_attempt):
+            async for piece in migrating_stream(progress, self.migration, open_attempt, only_live):
                 chunk = piece.payload
                 if progress.num_migrations != num_migrations_seen:
                     # What the move cost this request: the gap since the last piece before it.

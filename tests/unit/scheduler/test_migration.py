@@ -89,6 +89,47 @@ def test_attempts_are_bounded_then_a_clear_error():
     assert len(progress.output_token_ids) == 6  # what was sent stays sent, nothing repeated
 
 
+def slow(name: str, pause_at: int, pause_s: float):
+    async def stream(attempt: Attempt):
+        out = reference(attempt.prompt_token_ids, attempt.max_tokens)
+        for i, tok in enumerate(out):
+            await asyncio.sleep(pause_s if i == pause_at else 0.001)
+            yield Piece((tok,), name, i == len(out) - 1)
+    return stream
+
+
+def test_a_stall_on_the_only_live_executor_waits_for_it_instead_of_failing_the_request():
+    """Eight prefills at once on two cores: no token for longer than the stall ceiling
+    from the only executor, which is alive (heartbeating). Abandoning it ended the request
+    UNAVAILABLE 'no executor to continue on'; waiting delivers every token."""
+    prompt = (4, 2)
+    progress = StreamProgress(prompt, max_tokens=10, min_tokens=0, seed=None)
+    asked = []
+
+    def only_live(executor, exclude):
+        asked.append((executor, exclude))
+        return True
+
+    async def main():
+        return [p async for p in migrating_stream(progress, FAST, chooser({"a": slow("a", 5, 0.8)}), only_live)]
+    pieces = asyncio.run(asyncio.wait_for(main(), 10))
+    assert [t for p in pieces for t in p.token_ids] == reference(prompt, 10)
+    assert progress.num_migrations == 0 and progress.failed_executors == set()
+    assert asked and asked[0] == ("a", frozenset())
+
+
+def test_a_stall_migrates_when_another_executor_could_take_over():
+    prompt = (4, 2)
+    progress = StreamProgress(prompt, max_tokens=10, min_tokens=0, seed=None)
+
+    async def main():
+        pick = chooser({"a": executor("a", hang_after=4), "b": executor("b")})
+        return [p async for p in migrating_stream(progress, FAST, pick, lambda e, x: False)]
+    pieces = asyncio.run(asyncio.wait_for(main(), 10))
+    assert [t for p in pieces for t in p.token_ids] == reference(prompt, 10)
+    assert progress.failed_executors == {"a"}
+
+
 def test_no_replacement_within_the_wait_is_a_clear_error_not_a_hang():
     progress = StreamProgress((1,), max_tokens=50, min_tokens=0, seed=None)
     with pytest.raises(MigrationExhausted, match="no executor"):
