@@ -60,9 +60,9 @@ class LlamaServer:
 
     def __init__(self, gguf: Path, *, slots: int, ctx_per_slot: int, threads: int, http_threads: int) -> None:
         from benchmarks.peers.build_llamacpp import find_binary
-        from benchmarks.peers.llama_cpp import _free_port
+        from benchmarks.peers.llama_cpp import free_port
 
-        self.port = _free_port()
+        self.port = free_port()
         self.cmd = [str(find_binary("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port",
                     str(self.port), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
                     "-c", str(slots * ctx_per_slot), "--threads-http", str(http_threads)]

@@ -76,7 +76,7 @@ def batched_bench(gguf: Path, *, input_len: int, output_len: int, num_prompts: i
     return found
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -85,7 +85,7 @@ def _free_port() -> int:
 def server_greedy(gguf: Path, prompt: list[int], n: int, *, threads: int, cache: Path | None = None) -> list[int]:
     """The first ``n`` greedy tokens ``llama-server`` generates after the token ids ``prompt``
     (its end token, if it stops, is not among them)."""
-    port = _free_port()
+    port = free_port()
     cmd = [str(find_binary("llama-server", cache)), "-m", str(gguf), "--host", "127.0.0.1",
            "--port", str(port), "-t", str(threads), "-c", "2048", "-np", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
