@@ -14,8 +14,11 @@ WORKDIR /opt/weft
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 
-# CPU torch first, from PyTorch's CPU index (the default index ships CUDA wheels).
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# torch first, from PyTorch's CPU index by default (the default index ships CUDA wheels);
+# the Kubernetes gpu overlay's `weft:cuda` image is this file built with
+# `--build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t weft:cuda`.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
 
 COPY pyproject.toml README.md ./
 COPY weft ./weft
