@@ -162,11 +162,14 @@ def test_abort_rpc_ends_the_stream_with_abort_and_frees_blocks(mesh):
 
 
 def test_scheduler_deadline_propagates_to_the_executor(mesh):
+    # The deadline must pass while the request still runs: 2000 tokens (nearly the tiny
+    # model's whole context) take far longer than 0.1 s even on the native decode step
+    # (1500 tokens in 0.5 s did not: the request finished first).
     prompt = [(19 * i + 2) % 1000 + 1 for i in range(20)]
     with pytest.raises(grpc.RpcError) as err:
         collect(mesh.scheduler_stub().Generate(scheduler_pb2.ScheduleRequest(
             request_id="deadline-1", tenant="t-deadline", prompt_token_ids=prompt,
-            sampling=greedy(1500, ignore_eos=True)), timeout=0.5))
+            sampling=greedy(2000, ignore_eos=True)), timeout=0.1))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: all(_stats(mesh, n).num_running == 0 for n in mesh.executors), 5,
              "the executors to drop the expired request")
