@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import re
 import ssl
 import time
@@ -399,8 +398,3 @@ def _mesh_tls_context() -> ssl.SSLContext | None:
     if not security.client_tls:
         return None
     return ssl.create_default_context(cafile=security.tls_ca_path or security.tls_cert_path)
-
-
-def default_source(prefix: str) -> str:
-    """A bus name unique per process: ``<prefix>-<pid>``."""
-    return f"{prefix}-{os.getpid()}"
