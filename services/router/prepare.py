@@ -141,12 +141,24 @@ class RequestPreparer:
             return list(prompt.token_ids)
         if isinstance(prompt, TextPrompt):
             return await self.encode_async(prompt.text, prompt.field)
+        from services.router.chat_tokens import chat_tokens_for  # (one hunk: move to the imports)
+
+        # Control-token text inside the conversation's strings stays text (chat_tokens.py).
+        chat_tokens = chat_tokens_for(self.tokenizer)
+        shielded = chat_tokens.shield(prompt.messages, prompt.tools)
+        prompt = replace(prompt, messages=shielded.messages, tools=shielded.tools)
         render = self.render_continuation if continuation else self._render_chat
         if prompt.is_small:
             text = render(prompt)
         else:
             text = await asyncio.to_thread(render, prompt)
-        return await self.encode_async(text, prompt.field, add_special_tokens=False)
+        if not shielded.originals:
+            return await self.encode_async(text, prompt.field, add_special_tokens=False)
+        self.check_prompt_chars(text, prompt.field)
+        if len(text) <= OFFLOAD_TOKENIZE_CHARS:
+            return chat_tokens.encode(text, shielded.originals)
+        async with self._offload_slots:
+            return await asyncio.to_thread(chat_tokens.encode, text, shielded.originals)
 
     def render_continuation(self, prompt: ChatPrompt) -> str:
         """The text a stateful hop's new messages add to the session's context.

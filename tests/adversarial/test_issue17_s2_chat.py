@@ -2,8 +2,9 @@
 empty message, a hop of only an assistant turn, content that spells the router's own
 sentinel, content holding the template's control tokens. The session's context plus the
 continuation must still be the whole conversation rendered at once. Control tokens typed
-inside content are encoded as control tokens (a tool result can close its own turn and
-open a system turn): strict xfail, in the full rendering as in the continuation."""
+inside content were encoded as control tokens (a tool result closed its own turn and
+opened a system turn); they are text now, in the full rendering as in the continuation
+(services/router/chat_tokens.py)."""
 from __future__ import annotations
 
 import pytest
@@ -32,9 +33,6 @@ def test_context_plus_continuation_is_the_whole_conversation_for_hostile_message
     assert context_of(p, tokenizer) + ids(p, new, continuation=True) == whole
 
 
-@pytest.mark.xfail(strict=True, reason="rendered text is tokenized with special tokens parsed, so '<|im_end|>' "
-                                       "typed in content becomes the end-of-turn token (full rendering too); fix: "
-                                       "encode message contents apart from the template's own markup")
 def test_control_tokens_inside_a_tool_result_are_text_not_turn_boundaries(smol_dir):  # noqa: F811
     p, tokenizer = preparer(smol_dir)
     eot = tokenizer.token_to_id("<|im_end|>")
