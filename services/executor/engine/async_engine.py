@@ -172,6 +172,16 @@ class AsyncEngine:
         self._send(cmd)
         return await asyncio.wrap_future(cmd.done)
 
+    def peek(self, fn: Callable[[LLMEngine], object]) -> object:
+        """Run a read-only ``fn(engine)`` here, now, without waiting for the step in progress.
+
+        Only for lookups that tolerate a result one step stale and read the engine's state
+        through single dict / attribute reads (each atomic under the GIL), never by
+        iterating a container the engine thread mutates: e.g. "how many of these block
+        hashes are cached" before a promotion, where a stale answer costs a wasted or a
+        missed load, never a wrong result (the import itself runs through ``call``)."""
+        return fn(self.engine)
+
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stopping.set()
         self._inbox.put(None)

@@ -12,8 +12,11 @@ overheads are priced in; each request's computed prompt tokens over its time fro
 submission to first token), seeded with conservative defaults. Loading happens only for the run of blocks
 right after the local (GPU) hits: a hash chain cannot skip a block.
 
-Everything here runs on the event loop; engine state is touched only through
-``AsyncEngine.call`` (between steps), so a step never waits on the network.
+Everything here runs on the event loop; engine state is changed only through
+``AsyncEngine.call`` (between steps), so a step never waits on the network. The one read
+before the lookup (how many prompt blocks are already local) is an ``AsyncEngine.peek``:
+waiting for the step in progress to end would add up to a whole step to every request's
+time to first token, and a count one step stale only shifts which blocks are looked up.
 """
 from __future__ import annotations
 
@@ -114,8 +117,10 @@ class Promoter:
         hashes = self.prompt_hashes(token_ids, tenant_salt)
         if not hashes:
             return PromotionResult(0, 0, 0, 0, 0.0, False)
-        num_local = await self.transfer.engine.call(lambda e: len(e.pool.get_cached_blocks(hashes)))
+        num_local = self.transfer.engine.peek(lambda e: len(e.pool.get_cached_blocks(hashes)))
         rest = hashes[num_local:]
+        if not rest:  # every block is local: nothing to ask the store
+            return PromotionResult(num_local, 0, 0, 0, 0.0, False)
         try:
             tiers = await self.client.contains(rest)
         except Exception as exc:  # noqa: BLE001 - a store problem is a miss, never a failed request
