@@ -42,7 +42,14 @@ from benchmarks import agentic_peer_report as rep  # noqa: E402
 from benchmarks.agentic_workload import Chat, PeerWorkloadSpec, Program, make_peer_workload  # noqa: E402
 
 WEFT_SETTINGS = {rep.HINTS: {}, rep.NO_HINTS: {},
-                 rep.FCFS: {"policy": "fcfs", "preemption_policy": "fcfs", "demote": "false"}}
+                 rep.FCFS: {"policy": "fcfs", "preemption_policy": "fcfs", "demote": "false"},
+                 # one-difference ablations of the default (hints sent; not run unless named in --configs)
+                 "weft-no-demote": {"demote": "false"},
+                 "weft-fcfs-order": {"preemption_policy": "fcfs"},
+                 "weft-no-finish-demote": {"demote_on_finish": "never"},
+                 "weft-fcfs-policy": {"policy": "fcfs"}}
+
+ABLATIONS = tuple(c for c in WEFT_SETTINGS if c not in rep.CONFIGS)
 
 
 @dataclass(frozen=True)
@@ -326,7 +333,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=["smollm2", "bench", "both"], default="both",
                    help="SmolLM2-135M-Instruct, the 55 M bench preset, or both (default: both)")
     p.add_argument("--configs", default=",".join(rep.CONFIGS),
-                   help=f"comma-separated configurations (default: all of {', '.join(rep.CONFIGS)})")
+                   help=f"comma-separated configurations (default: all of {', '.join(rep.CONFIGS)}); one-difference "
+                        f"ablations of the default mesh, hints sent: {', '.join(ABLATIONS)}")
     p.add_argument("--seeds", default="0,1,2", help="workload seeds, each replayed once per configuration")
     p.add_argument("--num-programs", type=int, default=24, help="agent programs per seed (default: 24)")
     p.add_argument("--concurrency", type=int, default=8, help="programs running at once (default: 8)")
@@ -347,8 +355,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="agentic.md and PNGs")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    if unknown := [c for c in args.configs if c not in rep.CONFIGS]:
-        p.error(f"unknown configs {unknown}; choose from {list(rep.CONFIGS)}")
+    if unknown := [c for c in args.configs if c not in rep.CONFIGS + ABLATIONS]:
+        p.error(f"unknown configs {unknown}; choose from {list(rep.CONFIGS + ABLATIONS)}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     args.spec = PeerWorkloadSpec(num_programs=args.num_programs, concurrency=args.concurrency,
                                  max_hops=args.max_hops, tool_median_s=args.tool_median_s,

@@ -128,6 +128,7 @@ FIGURES = (("jct_p50_s", "program p50 s", ".1f"), ("jct_p99_s", "program p99 s",
 
 def model_section(model: str, runs: list[RunSummary], chart_files: list[str]) -> list[str]:
     configs = [c for c in CONFIGS if any(r.config == c for r in runs)]
+    configs += [c for c in dict.fromkeys(r.config for r in runs) if c not in CONFIGS]  # ablations, as run
     rows = [[c] + [median_range([getattr(r, f) for r in runs if r.config == c], fmt) for f, _, fmt in FIGURES]
             + [str(sum(r.num_errors for r in runs if r.config == c)),
                str(sum(r.num_censored for r in runs if r.config == c))] for c in configs]
@@ -136,7 +137,8 @@ def model_section(model: str, runs: list[RunSummary], chart_files: list[str]) ->
            "A run is cut off at its deadline: unfinished programs and chats count with their time so far "
            "(lower bounds), so a cut-off engine's ratios understate how much slower it was.", ""]
     rows = []
-    for num, den in ((PEER, HINTS), (PEER, NO_HINTS), (PEER, FCFS), (NO_HINTS, HINTS), (FCFS, HINTS)):
+    extra = tuple((c, HINTS) for c in configs if c not in CONFIGS)  # ablations against the default
+    for num, den in ((PEER, HINTS), (PEER, NO_HINTS), (PEER, FCFS), (NO_HINTS, HINTS), (FCFS, HINTS)) + extra:
         for metric, what in (("jct_p99_s", "program p99"), ("ttft_int_p99_ms", "interactive TTFT p99")):
             r = ratio(runs, num, den, metric)
             if r.per_seed:
