@@ -78,10 +78,18 @@ class ModelRunner:
         sequence state (the engine applies the result)."""
         input_ids, positions, meta, sample_rows, row_starts = self._prepare(plan)
         items = plan.decodes + plan.prefills
-        if self.native is not None and len(items) == 1 and plan.decodes and items[0].samples:
-            # one decode and nothing else: the whole step in one native call
-            logits = self.native.step(int(input_ids[0]), int(positions[0]), int(meta.slot_mapping[0]),
-                                      meta.decode_block_tables[0], meta.decode_seq_lens_host[0])
+        native = self.native
+        if (native is not None and not plan.prefills and native.covers(len(plan.decodes))
+                and all(item.samples for item in items)):
+            # decodes only (each sampling): the whole step in one native call, decode.c for
+            # one row, decode_batch.c for several (fp32 KV and no attention-mass tracking
+            # were checked when self.native was made)
+            if len(items) == 1:
+                logits = native.step(int(input_ids[0]), int(positions[0]), int(meta.slot_mapping[0]),
+                                     meta.decode_block_tables[0], meta.decode_seq_lens_host[0])
+            else:
+                logits = native.step_rows(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
+                                          meta.decode_seq_lens, meta.decode_seq_lens_host)
             sampled = items
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)

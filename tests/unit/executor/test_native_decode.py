@@ -87,7 +87,7 @@ def _greedy(path, monkeypatch, native: str, prompts: list[list[int]]) -> tuple[l
 
 def test_engine_greedy_tokens_are_the_same_with_the_native_step(checkpoint, monkeypatch):
     """A lone request (every decode step native, 20 tokens over several blocks) and a
-    pair (batched decodes: the torch path) give the same tokens as with native off."""
+    pair (batched decodes: the multi-row native step) give the same tokens as with native off."""
     for prompts in ([[5, 9, 200, 31, 7]], [[5, 9, 200], [44, 3, 900, 12, 8, 1]]):
         native, used = _greedy(checkpoint, monkeypatch, "1", prompts)
         plain, unused = _greedy(checkpoint, monkeypatch, "0", prompts)

@@ -9,78 +9,12 @@
  * per layer are barriers (spinning briefly under GOMP_SPINCOUNT) instead of the ~4
  * parallel regions per layer torch opens, and no Python runs between the ops.
  *
- * Layouts (all row-major fp32, the tensors torch already holds):
- *   weights        [out_features, in_features]
- *   kv cache       [2, num_blocks, block_size, num_kv_heads, head_dim]   ([0] K, [1] V)
- *                  slot = block_id * block_size + offset_in_block
- *   cos / sin      [max_positions, head_dim]  (HF's cat(freqs, freqs) tables, sin unsigned)
- *   gate_up        [2 * intermediate, hidden]: gate rows first, then up rows
+ * Layouts and the helpers shared with the multi-row step (decode_batch.c): llama_step.h.
  *
  * Built with the system gcc `-O3 -march=native -fopenmp`; it links the same libgomp.so.1
  * soname torch loads, so both share one OpenMP runtime and thread pool.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <omp.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-/* Floats ahead of the current column a row stream prefetches (1 KiB: the next rows of
- * the thread's contiguous range arrive while this one is summed). */
-#define PREFETCH_AHEAD 256
-
-/* ---- one weight row against one vector ---------------------------------------------- */
-
-#if defined(__AVX512F__)
-static float dot(const float *w, const float *x, int k) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0; /* 4 independent FMA chains */
-    int i = 0;
-    for (; i + 64 <= k; i += 64) {
-        _mm_prefetch((const char *)(w + i + PREFETCH_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + i + PREFETCH_AHEAD + 16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + i + PREFETCH_AHEAD + 32), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + i + PREFETCH_AHEAD + 48), _MM_HINT_T0);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
-    }
-    for (; i < k; i += 16) { /* tail: masked loads of the last < 64 columns */
-        __mmask16 m = (k - i >= 16) ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1u);
-        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_maskz_loadu_ps(m, x + i), a0);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-static float dot(const float *w, const float *x, int k) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int i = 0;
-    for (; i + 32 <= k; i += 32) {
-        _mm_prefetch((const char *)(w + i + PREFETCH_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + i + PREFETCH_AHEAD + 16), _MM_HINT_T0);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
-    }
-    __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    float sum = _mm_cvtss_f32(s);
-    for (; i < k; i++) sum += w[i] * x[i];
-    return sum;
-}
-#else
-static float dot(const float *w, const float *x, int k) {
-    float s = 0.f;
-    for (int j = 0; j < k; j++) s += w[j] * x[j];
-    return s;
-}
-#endif
+#include "llama_step.h"
 
 /* Inside a parallel region: y[o] (+)= W[o, :] . x + b[o] for o in [0, n), each thread
  * owning one contiguous range of rows (one sequential stream). accumulate != 0 adds into
@@ -100,70 +34,6 @@ void weft_gemv(const float *W, const float *b, const float *x, float *y, int n, 
 }
 
 /* ---- the decode step ----------------------------------------------------------------- */
-
-typedef struct {
-    int32_t hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, num_layers;
-    int32_t block_size, num_blocks;
-    float eps, scale;
-    const float *embed;       /* [vocab, hidden] */
-    const float *final_norm;  /* [hidden] */
-    const float *lm_head;     /* [vocab, hidden] (the embedding when tied) */
-    const float *cos, *sin;   /* [max_positions, head_dim] */
-    /* per layer, arrays of num_layers pointers (bias pointers may be NULL) */
-    const float *const *input_norm;  /* [hidden] */
-    const float *const *qkv;         /* [q_dim + 2 * kv_dim, hidden] */
-    const float *const *qkv_bias;    /* [q_dim + 2 * kv_dim] or NULL */
-    const float *const *o;           /* [hidden, q_dim] */
-    const float *const *o_bias;      /* [hidden] or NULL */
-    const float *const *post_norm;   /* [hidden] */
-    const float *const *gate_up;     /* [2 * intermediate, hidden] */
-    const float *const *down;        /* [hidden, intermediate] */
-    float *const *kv_cache;          /* [2, num_blocks, block_size, num_kv_heads, head_dim] */
-} weft_model;
-
-/* HF's LlamaRMSNorm in fp32: x / sqrt(mean(x^2) + eps) * w. One thread. */
-static void rms_norm(const float *x, const float *w, float *y, int n, float eps) {
-    float ss = 0.f;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float r = 1.f / sqrtf(ss / (float)n + eps);
-    for (int i = 0; i < n; i++) y[i] = x[i] * r * w[i];
-}
-
-/* HF's x * cos + rotate_half(x) * sin over `heads` vectors of head_dim d, in place. */
-static void rope(float *x, int heads, int d, const float *cos, const float *sin) {
-    int half = d / 2;
-    for (int h = 0; h < heads; h++) {
-        float *v = x + (size_t)h * d;
-        for (int j = 0; j < half; j++) {
-            float x1 = v[j], x2 = v[j + half];
-            v[j] = x1 * cos[j] + (-x2) * sin[j];
-            v[j + half] = x2 * cos[j + half] + x1 * sin[j + half];
-        }
-    }
-}
-
-/* One query head over its sequence's keys/values (read through the block table). */
-static void attend_head(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
-                        int kv_head, const int32_t *block_table, int seq_len) {
-    int d = m->head_dim, kvh = m->num_kv_heads, bs = m->block_size;
-    size_t v_offset = (size_t)m->num_blocks * bs * kvh * d;
-    float mx = -INFINITY;
-    for (int t = 0; t < seq_len; t++) {
-        const float *k = cache + ((size_t)block_table[t / bs] * bs + t % bs) * kvh * d + (size_t)kv_head * d;
-        float s = dot(q, k, d) * m->scale;
-        scores[t] = s;
-        if (s > mx) mx = s;
-    }
-    float sum = 0.f;
-    for (int t = 0; t < seq_len; t++) { scores[t] = expf(scores[t] - mx); sum += scores[t]; }
-    float inv = 1.f / sum;
-    for (int j = 0; j < d; j++) out[j] = 0.f;
-    for (int t = 0; t < seq_len; t++) {
-        const float *v = cache + v_offset + ((size_t)block_table[t / bs] * bs + t % bs) * kvh * d + (size_t)kv_head * d;
-        float p = scores[t] * inv;
-        for (int j = 0; j < d; j++) out[j] += p * v[j];
-    }
-}
 
 /* One decode step of one sequence: token `token_id` at `position`, whose K/V go to cache
  * slot `slot`; `block_table` [ceil(seq_len / block_size)] lists the sequence's blocks and

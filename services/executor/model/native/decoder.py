@@ -1,4 +1,5 @@
-"""One batch-1 decode step in one C call (``decode.c``), over the model's own tensors.
+"""A decode step in one C call, over the model's own tensors: one sequence (``decode.c``)
+or R sequences at once (``decode_batch.c``).
 
 The C side gets raw pointers into tensors torch owns: the model's row-major fp32 weights
 (kept beside oneDNN's packed copies, see linear.py), its RoPE tables and the runner's KV
@@ -6,11 +7,11 @@ cache. ``NativeDecoder`` holds references to every tensor it hands out, so none 
 while the C struct points at it; the KV cache tensors must not be replaced afterwards
 (the model runner allocates them once).
 
-What it covers: one sequence, one new token, fp32 weights and KV cache, the Llama
-family's plain forward (qkv bias, o bias, tied or untied lm_head, GQA). Everything else
-(prefill, batches, int8 KV, compression's attention mass, prompt logprobs) stays on the
-torch path; the model runner decides once per step (``NativeDecoder.step`` is only called
-for a plan it covers).
+What it covers: decode only (one new token per sequence), fp32 weights and KV cache, the
+Llama family's plain forward (qkv bias, o bias, tied or untied lm_head, GQA). Everything
+else (prefill, int8 KV, compression's attention mass, prompt logprobs) stays on the torch
+path; the model runner decides once per step (``step`` / ``step_rows`` are only called for
+a plan they cover).
 """
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ import ctypes
 import torch
 
 _F32P = ctypes.POINTER(ctypes.c_float)
+
+# Most decode rows one native step takes; a step with more goes through torch.
+# Step times per row count: benchmarks/results/native_batch.md.
+MAX_ROWS = 64
 
 
 class _ModelStruct(ctypes.Structure):
@@ -43,11 +48,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class NativeDecoder:
-    """Batch-1 fp32 decode steps for ``model`` writing into ``kv_caches``.
+    """fp32 decode steps for ``model`` writing into ``kv_caches``.
 
     ``kv_caches``: one tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]
-    fp32, contiguous (the model runner's). ``step`` mutates one slot of each and nothing
-    else of the model's."""
+    fp32, contiguous (the model runner's). ``step`` mutates one slot of each, ``step_rows``
+    one slot per row, and nothing else of the model's."""
 
     def __init__(self, lib: ctypes.CDLL, model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> None:
         c = model.config
@@ -83,6 +88,11 @@ class NativeDecoder:
         self._max_position = model.cos.shape[0]
         self._vocab = model.lm_head.out_features
 
+    @staticmethod
+    def covers(num_rows: int) -> bool:
+        """Whether a decode-only step of ``num_rows`` rows runs natively (1..MAX_ROWS)."""
+        return 1 <= num_rows <= MAX_ROWS
+
     def step(self, token_id: int, position: int, slot: int, block_table: torch.Tensor,
              seq_len: int) -> torch.Tensor:  # [1, vocab] fp32 logits
         """Decode ``token_id`` at ``position``: its K/V go to cache ``slot``; attention reads
@@ -95,6 +105,33 @@ class NativeDecoder:
         logits = torch.empty((1, self._vocab), dtype=torch.float32)
         rc = self._lib.weft_decode_step(self._struct_ref, token_id, position, slot, block_table.data_ptr(),
                                         seq_len, logits.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("native decode step could not allocate its scratch buffer")
+        return logits
+
+    def step_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  seq_lens_host: tuple[int, ...]) -> torch.Tensor:  # [R, vocab] fp32 logits
+        """Decode R sequences at once: row r decodes ``token_ids[r]`` at ``positions[r]``
+        (int64 [R]), its K/V go to cache slot ``slots[r]`` (int64 [R]); attention reads row
+        r's first ``seq_lens[r]`` (int32 [R]; ``seq_lens_host`` the same as ints) cache
+        entries through ``block_tables[r]`` (int32 [R, W], W >= each row's block count).
+        Slots must be distinct (each row owns its last block)."""
+        rows = token_ids.shape[0]
+        for t, dtype in ((token_ids, torch.int64), (positions, torch.int64), (slots, torch.int64),
+                         (seq_lens, torch.int32), (block_tables, torch.int32)):
+            if t.dtype != dtype or not t.is_contiguous() or t.shape[0] != rows:
+                raise ValueError(f"step_rows needs contiguous {dtype} inputs with {rows} rows, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+        if len(seq_lens_host) != rows or min(seq_lens_host) < 1:
+            raise ValueError("every row needs a sequence length >= 1")
+        low, high = torch.aminmax(positions)
+        if low < 0 or high >= self._max_position:
+            raise ValueError(f"a position in [{int(low)}, {int(high)}] is outside the RoPE table")
+        logits = torch.empty((rows, self._vocab), dtype=torch.float32)
+        rc = self._lib.weft_decode_rows(self._struct_ref, rows, token_ids.data_ptr(), positions.data_ptr(),
+                                        slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                                        seq_lens.data_ptr(), logits.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise MemoryError("native decode step could not allocate its scratch buffer")
         return logits

@@ -1,6 +1,7 @@
-"""Build, cache and load the native decode library (``decode.c``), or say why not.
+"""Build, cache and load the native decode library (``decode.c``: one sequence,
+``decode_batch.c``: several; ``llama_step.h`` what both share), or say why not.
 
-The C source is compiled at first use with the system C compiler into
+The C sources are compiled at first use with the system C compiler into
 ``$WEFT_CACHE_DIR/native/`` (default ``~/.cache/weft/native/``), named by a hash of the
 source, the flags, the compiler and the CPU, so a changed source, flag or machine builds
 anew and an unchanged one loads in milliseconds. Concurrent builders (several executors
@@ -28,7 +29,8 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("decode.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "decode_batch.c"))
+HEADERS = (Path(__file__).with_name("llama_step.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120
 
@@ -59,7 +61,8 @@ def _cpu_signature() -> str:
 
 def library_path(compiler: str, directory: Path) -> Path:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_signature().encode()):
+    sources = [p.read_bytes() for p in SOURCES + HEADERS]
+    for part in (*sources, " ".join(FLAGS).encode(), compiler.encode(), _cpu_signature().encode()):
         digest.update(part)
         digest.update(b"\0")
     return directory / f"decode-{digest.hexdigest()[:16]}.so"
@@ -79,7 +82,7 @@ def build(compiler: str, directory: Path) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=directory)
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
+            subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
                            capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
             os.replace(tmp, target)
         finally:
@@ -94,6 +97,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.weft_gemv.restype = None
     lib.weft_decode_step.argtypes = [p, i64, i64, i64, p, i32, p, i32]
     lib.weft_decode_step.restype = ctypes.c_int
+    lib.weft_decode_rows.argtypes = [p, i32, p, p, p, p, i32, p, p, i32]
+    lib.weft_decode_rows.restype = ctypes.c_int
     return lib
 
 

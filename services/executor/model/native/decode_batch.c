@@ -1,0 +1,206 @@
+/* Weft's native multi-row CPU decode: one Llama decode step for R sequences (one new token
+ * each, each with its own position, cache slot, block table and length) in one C call.
+ *
+ * NOTE: why a separate step. At batch 1 a step is bound by memory bandwidth (decode.c); at
+ * R rows the same weights feed R dot products each, so the step turns compute-bound in
+ * fp32 (SmolLM2 at 16 rows: ~4.3 GFLOP against ~540 MB of weights). The GEMM here streams
+ * every weight row from DRAM once and dots it with all R activation rows, register-blocked:
+ *
+ *            X rows r0 .. r0+3 (L1/L2, re-read per tile)
+ *            x0  x1  x2  x3
+ *   W row o0 [a00 a01 a02 a03]     16 AVX-512 accumulators: each 16-float chunk of a
+ *   W row o1 [a10 ...        ]     weight row is loaded once and FMA'd into 4 of them,
+ *   W row o2 [...            ]     each x chunk once into 4: 8 loads per 16 FMAs.
+ *   W row o3 [...         a33]     One transpose-add tree reduces the 16 sums at the end.
+ *
+ * The 4-row weight tile (4 x in_features floats, <= 24 KiB) stays in L1 while every block
+ * of 4 activation rows passes over it; the next tile is prefetched during the first pass.
+ * Each thread owns one contiguous range of tiles, as the batch-1 GEMV owns rows. The whole
+ * step runs inside ONE parallel region (6 barriers per layer: the batch-1 step's 5 plus
+ * one between writing every row's K/V and attending, so no row can read a slot another row
+ * is writing, as on the torch path). Attention is one (row, query head) per iteration.
+ */
+#include "llama_step.h"
+
+#define TILE_W 4 /* weight rows per register tile */
+#define TILE_R 4 /* activation rows per register tile */
+
+#if defined(__AVX512F__)
+/* The 16 sums of acc[a][b] (a, b < 4) into out[a * 4 + b]: a transpose-add tree (45 ops
+ * instead of 16 separate horizontal reductions). */
+static inline void reduce_tile(__m512 acc[TILE_W][TILE_R], float *out) {
+    __m512 s[8], u[4];
+    __m512 *v = &acc[0][0];
+    for (int p = 0; p < 8; p++) /* per 128-bit lane: [v0a+v0c, v1a+v1c, v0b+v0d, v1b+v1d] */
+        s[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+    for (int q = 0; q < 4; q++) { /* per 128-bit lane: [v0, v1, v2, v3] partial sums */
+        __m512d a = _mm512_castps_pd(s[2 * q]), b = _mm512_castps_pd(s[2 * q + 1]);
+        u[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD)));
+}
+
+/* out[a * TILE_R + b] = W[a, :] . X[b, :] for a < nw, b < nr. w: [nw, k] rows of the
+ * weight; x: [nr, ldx] activation rows; prefetch: the next tile's first row or NULL.
+ * Always inlined with constant nw / nr, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void tile_dots(const float *w, int k, const float *x, int ldx,
+                                                            const int nw, const int nr, const float *prefetch,
+                                                            float *out) {
+    __m512 acc[TILE_W][TILE_R];
+    for (int a = 0; a < TILE_W; a++)
+        for (int b = 0; b < TILE_R; b++) acc[a][b] = _mm512_setzero_ps();
+    for (int i = 0; i < k; i += 16) {
+        __mmask16 m = (k - i >= 16) ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1u);
+        __m512 wv[TILE_W];
+        for (int a = 0; a < nw; a++) wv[a] = _mm512_maskz_loadu_ps(m, w + (size_t)a * k + i);
+        if (prefetch)
+            for (int a = 0; a < nw; a++) _mm_prefetch((const char *)(prefetch + (size_t)a * k + i), _MM_HINT_T0);
+        for (int b = 0; b < nr; b++) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)b * ldx + i);
+            for (int a = 0; a < nw; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xv, acc[a][b]);
+        }
+    }
+    if (nw == TILE_W && nr == TILE_R) {
+        reduce_tile(acc, out);
+    } else {
+        for (int a = 0; a < nw; a++)
+            for (int b = 0; b < nr; b++) out[a * TILE_R + b] = _mm512_reduce_add_ps(acc[a][b]);
+    }
+}
+
+static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *prefetch,
+                          float *out) {
+#define TILE_CASE(W_, R_) \
+    if (nw == W_ && nr == R_) { tile_dots(w, k, x, ldx, W_, R_, prefetch, out); return; }
+    TILE_CASE(4, 4) TILE_CASE(4, 3) TILE_CASE(4, 2) TILE_CASE(4, 1)
+    TILE_CASE(3, 4) TILE_CASE(3, 3) TILE_CASE(3, 2) TILE_CASE(3, 1)
+    TILE_CASE(2, 4) TILE_CASE(2, 3) TILE_CASE(2, 2) TILE_CASE(2, 1)
+    TILE_CASE(1, 4) TILE_CASE(1, 3) TILE_CASE(1, 2) TILE_CASE(1, 1)
+#undef TILE_CASE
+}
+#else
+/* Without AVX-512: one dot per (weight row, activation row); same results, slower. */
+static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *prefetch,
+                          float *out) {
+    (void)prefetch;
+    for (int a = 0; a < nw; a++)
+        for (int b = 0; b < nr; b++) out[a * TILE_R + b] = dot(w + (size_t)a * k, x + (size_t)b * ldx, k);
+}
+#endif
+
+static inline int min_int(int a, int b) { return a < b ? a : b; }
+
+/* Inside a parallel region: Y[r, o] (+)= W[o, :] . X[r, :] + b[o] for r < R, o < n.
+ * W [n, k]; X [R, ldx]; Y [R, ldy]. accumulate != 0 adds into Y (a residual). Each thread
+ * owns a contiguous range of 4-row weight tiles. Ends with the loop's barrier. */
+static void gemm_rows_for(const float *W, const float *b, const float *X, int ldx, float *Y, int ldy, int n, int k,
+                          int R, int accumulate) {
+    const int tiles = (n + TILE_W - 1) / TILE_W;
+    #pragma omp for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const int o0 = t * TILE_W, nw = min_int(TILE_W, n - o0);
+        const float *w = W + (size_t)o0 * k;
+        for (int r0 = 0; r0 < R; r0 += TILE_R) {
+            const int nr = min_int(TILE_R, R - r0);
+            float out[TILE_W * TILE_R];
+            const float *next = (r0 == 0 && t + 1 < tiles) ? w + (size_t)TILE_W * k : NULL;
+            tile_dispatch(w, k, X + (size_t)r0 * ldx, ldx, nw, nr, next, out);
+            for (int a = 0; a < nw; a++)
+                for (int r = 0; r < nr; r++) {
+                    float v = out[a * TILE_R + r] + (b ? b[o0 + a] : 0.f);
+                    float *y = Y + (size_t)(r0 + r) * ldy + o0 + a;
+                    *y = accumulate ? *y + v : v;
+                }
+        }
+    }
+}
+
+/* Inside a parallel region: act[r, i] = silu(gate[r, i]) * up[r, i] for i < inter, the gate
+ * rows' tile and its up rows' tile in one pass over the R rows. gu [2 * inter, H]. */
+static void gate_up_rows_for(const float *gu, const float *X, float *act, int inter, int H, int R) {
+    const int tiles = (inter + TILE_W - 1) / TILE_W;
+    #pragma omp for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const int i0 = t * TILE_W, nw = min_int(TILE_W, inter - i0);
+        const float *wg = gu + (size_t)i0 * H, *wu = gu + (size_t)(inter + i0) * H;
+        for (int r0 = 0; r0 < R; r0 += TILE_R) {
+            const int nr = min_int(TILE_R, R - r0), last = t + 1 == tiles;
+            float g[TILE_W * TILE_R], u[TILE_W * TILE_R];
+            tile_dispatch(wg, H, X + (size_t)r0 * H, H, nw, nr, (r0 == 0 && !last) ? wg + (size_t)TILE_W * H : NULL, g);
+            tile_dispatch(wu, H, X + (size_t)r0 * H, H, nw, nr, (r0 == 0 && !last) ? wu + (size_t)TILE_W * H : NULL, u);
+            for (int a = 0; a < nw; a++)
+                for (int r = 0; r < nr; r++) {
+                    float gv = g[a * TILE_R + r];
+                    act[(size_t)(r0 + r) * inter + i0 + a] = gv / (1.f + expf(-gv)) * u[a * TILE_R + r];
+                }
+        }
+    }
+}
+
+/* One decode step of R sequences: row r decodes token_ids[r] at positions[r], its K/V go
+ * to cache slot slots[r]; block_tables [R, table_stride] lists each row's blocks and
+ * seq_lens[r] counts its tokens including this one. Writes the R K/V slots of every layer
+ * and logits [R, vocab]; reads nothing else it does not own. Returns 0, or -1 when out
+ * of memory. */
+int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const int64_t *positions,
+                     const int64_t *slots, const int32_t *block_tables, int table_stride, const int32_t *seq_lens,
+                     float *logits, int num_threads) {
+    const int H = m->hidden, d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
+    const int q_dim = nh * d, kv_dim = nkv * d, qkv_dim = q_dim + 2 * kv_dim, inter = m->intermediate;
+    const int group = nh / nkv;
+    if (num_threads < 1) num_threads = 1;
+    int max_len = 1;
+    for (int r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
+    /* scratch: h [R, H] | qkv [R, qkv_dim] | attn [R, q_dim] | act [R, inter]
+     *          | scores [threads, max_len] | x [threads, R, H] */
+    size_t n_scratch = (size_t)R * (H + qkv_dim + q_dim + inter) + (size_t)num_threads * max_len
+                       + (size_t)num_threads * R * H;
+    float *buf = (float *)malloc(n_scratch * sizeof(float));
+    if (!buf) return -1;
+    float *h = buf, *qkv = h + (size_t)R * H, *attn = qkv + (size_t)R * qkv_dim, *act = attn + (size_t)R * q_dim;
+    float *scores = act + (size_t)R * inter, *xs = scores + (size_t)num_threads * max_len;
+    for (int r = 0; r < R; r++) memcpy(h + (size_t)r * H, m->embed + (size_t)token_ids[r] * H, (size_t)H * sizeof(float));
+    const size_t v_offset = (size_t)m->num_blocks * m->block_size * kv_dim;
+
+    #pragma omp parallel num_threads(num_threads)
+    {
+        /* Each thread normalises all R rows of h into its own x (cheaper than a barrier). */
+        const int tid = omp_get_thread_num();
+        float *x = xs + (size_t)tid * R * H, *sc = scores + (size_t)tid * max_len;
+        for (int l = 0; l < m->num_layers; l++) {
+            float *cache = m->kv_cache[l];
+            for (int r = 0; r < R; r++) rms_norm(h + (size_t)r * H, m->input_norm[l], x + (size_t)r * H, H, m->eps);
+            gemm_rows_for(m->qkv[l], m->qkv_bias[l], x, H, qkv, qkv_dim, qkv_dim, H, R, 0);
+            /* rope each row's key and query heads at its position, write its K/V slot */
+            #pragma omp for schedule(static)
+            for (int p = 0; p < R * nkv; p++) {
+                const int r = p / nkv, g = p % nkv;
+                const float *cos = m->cos + (size_t)positions[r] * d, *sin = m->sin + (size_t)positions[r] * d;
+                float *row = qkv + (size_t)r * qkv_dim;
+                float *k = row + q_dim + (size_t)g * d, *v = k + kv_dim;
+                rope(k, 1, d, cos, sin);
+                rope(row + (size_t)g * group * d, group, d, cos, sin);
+                const size_t k_slot = (size_t)slots[r] * kv_dim + (size_t)g * d;
+                memcpy(cache + k_slot, k, (size_t)d * sizeof(float));
+                memcpy(cache + v_offset + k_slot, v, (size_t)d * sizeof(float));
+            }
+            /* every slot written (the barrier above): attend, one (row, query head) each */
+            #pragma omp for schedule(dynamic, 1)
+            for (int p = 0; p < R * nh; p++) {
+                const int r = p / nh, hd = p % nh;
+                attend_head(m, cache, qkv + (size_t)r * qkv_dim + (size_t)hd * d, attn + (size_t)r * q_dim + (size_t)hd * d,
+                            sc, hd / group, block_tables + (size_t)r * table_stride, seq_lens[r]);
+            }
+            gemm_rows_for(m->o[l], m->o_bias[l], attn, q_dim, h, H, H, q_dim, R, 1); /* h += o(attn) */
+            for (int r = 0; r < R; r++) rms_norm(h + (size_t)r * H, m->post_norm[l], x + (size_t)r * H, H, m->eps);
+            gate_up_rows_for(m->gate_up[l], x, act, inter, H, R);
+            gemm_rows_for(m->down[l], NULL, act, inter, h, H, H, inter, R, 1); /* h += down(act) */
+        }
+        for (int r = 0; r < R; r++) rms_norm(h + (size_t)r * H, m->final_norm, x + (size_t)r * H, H, m->eps);
+        gemm_rows_for(m->lm_head, NULL, x, H, logits, m->vocab, m->vocab, H, R, 0);
+    }
+    free(buf);
+    return 0;
+}
