@@ -327,7 +327,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             raise InvalidRequestError("cachestore_address", f"executor {self.name}: {self.no_tiers_reason}")
         r = await self.tiers.demoter.demote(
             request.block_hashes, request.token_ids, request.tenant_salt, request.priority,
-            request.expected_pause_ms, request.evict_local)
+            request.expected_pause_ms, request.evict_local, request.evict_first)
         return executor_pb2.DemoteBlocksResponse(
             num_demoted_blocks=r.num_demoted_blocks, num_already_stored_blocks=r.num_already_stored_blocks,
             num_missing_blocks=r.num_missing_blocks, demoted_bytes=r.demoted_bytes,

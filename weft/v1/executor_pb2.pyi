@@ -106,20 +106,22 @@ class ReleaseSessionResponse(_message.Message):
     def __init__(self, num_unpinned_blocks: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class DemoteBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes", "token_ids", "tenant_salt", "priority", "expected_pause_ms", "evict_local")
+    __slots__ = ("block_hashes", "token_ids", "tenant_salt", "priority", "expected_pause_ms", "evict_local", "evict_first")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_PAUSE_MS_FIELD_NUMBER: _ClassVar[int]
     EVICT_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIRST_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     tenant_salt: str
     priority: float
     expected_pause_ms: int
     evict_local: bool
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., tenant_salt: _Optional[str] = ..., priority: _Optional[float] = ..., expected_pause_ms: _Optional[int] = ..., evict_local: _Optional[bool] = ...) -> None: ...
+    evict_first: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., tenant_salt: _Optional[str] = ..., priority: _Optional[float] = ..., expected_pause_ms: _Optional[int] = ..., evict_local: _Optional[bool] = ..., evict_first: _Optional[bool] = ...) -> None: ...
 
 class DemoteBlocksResponse(_message.Message):
     __slots__ = ("num_demoted_blocks", "num_already_stored_blocks", "num_missing_blocks", "demoted_bytes", "num_evicted_blocks")

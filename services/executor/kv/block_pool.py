@@ -314,6 +314,16 @@ class BlockPool:
             self._events.append(BlockRemoved(tuple(removed)))
         return len(removed)
 
+    def queue_for_eviction(self, block_hashes: Iterable[BlockHash]) -> int:
+        """Put the given hashes' blocks, where free, first in line for eviction (the LRU
+        end an allocation takes from), keeping their order; returns how many moved. Held
+        blocks are left alone: they join the queue by recency when released."""
+        moved = [self._cached[h] for h in block_hashes
+                 if h in self._cached and self._cached[h].ref_cnt == 0]
+        for block in reversed(moved):  # the first hash ends up first in line
+            self._free_cached.move_to_end(block.block_id, last=False)
+        return len(moved)
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; only possible when no block is in use."""
         if any(b.ref_cnt for b in self.blocks):

@@ -57,9 +57,13 @@ class Demoter:
         return hash_block_chain(list(token_ids), self.block_size, extra_keys_for(self.model_id, tenant_salt))
 
     async def demote(self, block_hashes: Sequence[int] = (), token_ids: Sequence[int] = (), tenant_salt: str = "",
-                     priority: float = 0.0, expected_pause_ms: int = 0, evict_local: bool = False) -> DemotionResult:
-        """Send the named blocks the store lacks. Raises the store's gRPC error when the
-        upload fails (the local copies are then kept, whatever ``evict_local`` says)."""
+                     priority: float = 0.0, expected_pause_ms: int = 0, evict_local: bool = False,
+                     evict_first: bool = False) -> DemotionResult:
+        """Send the named blocks the store lacks. ``evict_local``: then forget the local
+        copies the store holds; ``evict_first``: keep them, first in line for eviction (a
+        pause's demotion: a resume before the pool needs the room finds them here).
+        Raises the store's gRPC error when the upload fails (the local copies are then
+        kept in their place, whatever the flags say)."""
         hashes = list(dict.fromkeys([*block_hashes, *self.sequence_hashes(token_ids, tenant_salt)]))
         if not hashes:
             return DemotionResult(0, 0, 0, 0, 0)
@@ -74,9 +78,11 @@ class Demoter:
             sent_bytes = sum(p.size_bytes for p in payloads)
             DEMOTED_BLOCKS.inc(len(payloads))
         evicted = 0
+        safe = stored + [p.block_hash for p in payloads]
         if evict_local:
-            safe = stored + [p.block_hash for p in payloads]
             evicted = await self.transfer.engine.call(lambda e: e.pool.evict_cached(safe))
+        elif evict_first:
+            evicted = await self.transfer.engine.call(lambda e: e.pool.queue_for_eviction(safe))
         log.info("blocks_demoted", num_demoted=len(payloads), num_already_stored=len(stored),
                  num_missing=missing, num_evicted=evicted)
         return DemotionResult(len(payloads), len(stored), missing, sent_bytes, evicted)

@@ -141,7 +141,7 @@ class ChannelPool:
                             expected_pause_ms: int) -> None:
         await self._unary(self.stub(address).DemoteBlocks(executor_pb2.DemoteBlocksRequest(
             token_ids=token_ids, tenant_salt=tenant, priority=priority, expected_pause_ms=expected_pause_ms,
-            evict_local=True), timeout=10.0))
+            evict_first=True), timeout=10.0))
 
     async def promote_blocks(self, address: str, token_ids: Sequence[int], tenant: str) -> None:
         # force: the pause policy already priced the round trip when it chose demote.
