@@ -12,19 +12,29 @@ and a JSON merge patch (RFC 7386) that sets one to ``null`` returns it to the fl
 ``keys`` is the keys file (services/router/auth.py); it lives in the router and never
 travels on the bus.
 
-NOTE: one writer. The router is the only service that holds the whole document (from its
-``--settings`` file, its keys file and the admin API); it validates a change as a whole
-(all or nothing; ``SettingsError`` names the field), bumps ``version`` and publishes the
-document without keys on ``weft.settings.<router>``, again every few seconds so that a
-service that starts late or missed one converges. A service applies its section
-(``SettingsFollower``) by swapping whole objects its owners hold, and reports the version
-it runs on the gauge ``weft_settings_version{service}``; one that refuses a section (a
-partition table larger than its pool) keeps the old one and its old version, so
-``weft ps`` / ``weft top`` show it lagging. The services re-check a section with their own
-parsers; the checks here are the shape of each value, so a typo is a 400 at the router.
+NOTE: routers write, newest wins. Only routers hold the whole document (from the
+``--settings`` file, the keys file and the admin API); a router validates a change as a
+whole (all or nothing; ``SettingsError`` names the field), bumps ``version``, stamps it
+and publishes it without keys on ``weft.settings.<router>``, again every few seconds so
+that a service that starts late or missed one converges. Kubernetes runs several routers,
+each republishing, so every document carries a stamp and the newest one wins everywhere::
+
+    stamp = (updated_at, version, writer)   compared in that order: a later change wins,
+                                            the same second goes to the higher version,
+                                            then to the larger writer id (a tie-break only)
+
+A service applies its section (``SettingsFollower``) only from a document newer than the
+one it runs, by swapping whole objects its owners hold, and reports the version it runs on
+the gauge ``weft_settings_version{service}``; one that refuses a section (a partition table
+larger than its pool) keeps the old one and its old version, so ``weft ps`` / ``weft top``
+show it lagging, and tries again when the document is republished. A router that hears a
+newer document from another router adopts it, keys included (services/router/live_settings.py).
+The services re-check a section with their own parsers; the checks here are the shape of
+each value, so a typo is a 400 at the router.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -43,7 +53,11 @@ BUS_KIND = "settings"  # subject weft.settings.<router name> (nats_auth.py: only
 SETTINGS_VERSION = metrics.gauge("weft_settings_version",
                                  "Version of the live-settings document this service runs (docs/live_config.md).",
                                  ["service"])
+ROUTER_BUS_KIND = "routersettings"  # weft.routersettings.<router>: the whole document, keys included, routers only
 ROLES = ("tenant", "admin")
+STAMP_FIELDS = ("updated_at", "writer", "origin")  # set by the router that made the change, never by a patch
+# What made a document: a router's files as it started ("files"), or a change while running.
+ORIGINS = ("files", "admin_api", "reload")
 
 
 class SettingsError(ValueError):
@@ -159,19 +173,35 @@ class LiveDocument:
     version: int = 0
     keys: Mapping[str, KeyEntry] = field(default_factory=dict)
     sections: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # overrides only
+    updated_at: float = 0.0  # unix seconds of the change (0: a router's files, not claimed yet)
+    writer: str = ""  # the router that made it (RouterLiveSettings.writer)
+    origin: str = "files"  # one of ORIGINS; kept when another router adopts the document
+
+    @property
+    def stamp(self) -> tuple[float, int, str]:
+        """What "newer" means between two documents (the module's NOTE)."""
+        return (self.updated_at, self.version, self.writer)
 
     @classmethod
     def parse(cls, value: object, *, keys_required: bool = False) -> LiveDocument:
         """A whole document from decoded JSON; raises SettingsError naming the field."""
         if not isinstance(value, dict):
             raise SettingsError("(document)", "must be a JSON object")
-        unknown = sorted(set(value) - {"version", "keys", *LIVE_SETTINGS})
+        unknown = sorted(set(value) - {"version", "keys", *STAMP_FIELDS, *LIVE_SETTINGS})
         if unknown:
             raise SettingsError(unknown[0], f"not a live setting section; sections: "
                                             f"{', '.join(LIVE_SETTINGS)} (and version, keys)")
         version = value.get("version", 0)
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise SettingsError("version", f"must be an integer >= 0, got {version!r}")
+        updated_at, writer = value.get("updated_at", 0.0), value.get("writer", "")
+        if _number(updated_at) is not None:
+            raise SettingsError("updated_at", f"must be unix seconds >= 0, got {updated_at!r}")
+        if not isinstance(writer, str):
+            raise SettingsError("writer", f"must be a string, got {writer!r}")
+        origin = value.get("origin", "files")
+        if origin not in ORIGINS:
+            raise SettingsError("origin", f"must be one of {', '.join(ORIGINS)}, got {origin!r}")
         keys = parse_keys(value.get("keys", {}))
         sections: dict[str, Mapping[str, object]] = {}
         for section, checks in LIVE_SETTINGS.items():
@@ -188,28 +218,42 @@ class LiveDocument:
                     raise SettingsError(where, problem)
             if given:
                 sections[section] = MappingProxyType(dict(given))
-        return cls(version, MappingProxyType(keys), MappingProxyType(sections))
+        return cls(version, MappingProxyType(keys), MappingProxyType(sections), float(updated_at), writer, origin)
 
     def merged(self, patch: object) -> LiveDocument:
         """This document with a JSON merge patch applied and validated as a whole; the
         version is NOT bumped here (the caller's ``with_version``)."""
         if not isinstance(patch, dict):
             raise SettingsError("(patch)", "a merge patch must be a JSON object")
+        stamped = sorted(set(patch) & set(STAMP_FIELDS))
+        if stamped:
+            raise SettingsError(stamped[0], "is set by the router that makes the change, not by a patch")
         return LiveDocument.parse(merge_patch(self.to_json(), patch))
 
     def with_version(self, version: int) -> LiveDocument:
-        return LiveDocument(version, self.keys, self.sections)
+        return LiveDocument(version, self.keys, self.sections, self.updated_at, self.writer, self.origin)
 
-    def to_json(self, *, redact_keys: bool = False) -> dict:
-        keys = {(redacted(k) if redact_keys else k): {"tenant": e.tenant, "role": e.role}
+    def stamped(self, version: int, updated_at: float, writer: str, origin: str) -> LiveDocument:
+        return LiveDocument(version, self.keys, self.sections, updated_at, writer, origin)
+
+    def stamp_json(self) -> dict:
+        return {"updated_at": self.updated_at, "writer": self.writer, "origin": self.origin}
+
+    def to_json(self, *, key_ids: bool = False) -> dict:
+        """The settings (no stamp); ``key_ids``: each key shown as ``key_id(key)``."""
+        keys = {(key_id(k) if key_ids else k): {"tenant": e.tenant, "role": e.role}
                 for k, e in self.keys.items()}
         return {"version": self.version, "keys": keys,
                 **{name: dict(values) for name, values in self.sections.items()}}
 
     def bus_payload(self) -> bytes:
-        """What goes on the bus: everything but the keys."""
-        return json.dumps({"version": self.version, **{n: dict(v) for n, v in self.sections.items()}},
-                          sort_keys=True).encode()
+        """What goes on weft.settings: everything but the keys."""
+        return json.dumps({"version": self.version, **self.stamp_json(),
+                           **{n: dict(v) for n, v in self.sections.items()}}, sort_keys=True).encode()
+
+    def router_payload(self) -> bytes:
+        """What goes on weft.routersettings (routers only): the whole document, keys included."""
+        return json.dumps({**self.to_json(), **self.stamp_json()}, sort_keys=True).encode()
 
     def same_settings(self, other: LiveDocument) -> bool:
         return self.to_json() | {"version": 0} == other.to_json() | {"version": 0}
@@ -238,8 +282,20 @@ def parse_keys(value: object) -> dict[str, KeyEntry]:
 
 
 def redacted(key: str) -> str:
-    """A key as logs and GET show it: its first 4 characters."""
+    """A key as logs and error fields show it: its first 4 characters."""
     return key[:4] + "…" if len(key) > 4 else "…"
+
+
+KEY_ID_PREFIX_MIN_CHARS = 12  # shorter keys show no characters of their own
+
+
+def key_id(key: str) -> str:
+    """A key as the admin API lists it: its first 4 characters (keys of 12 or more) and
+    the first 12 hex digits of its SHA-256, ``sk-a…3f2a9c1d0b7e``. Distinct keys that share
+    a prefix stay apart, and an operator checks a key with
+    ``printf %s "$KEY" | sha256sum | cut -c1-12``; the key itself cannot be read back."""
+    prefix = key[:4] if len(key) >= KEY_ID_PREFIX_MIN_CHARS else ""
+    return f"{prefix}…{hashlib.sha256(key.encode('utf-8', 'surrogateescape')).hexdigest()[:12]}"
 
 
 def merge_patch(target: object, patch: object) -> object:
@@ -255,16 +311,16 @@ def merge_patch(target: object, patch: object) -> object:
     return out
 
 
-def decode_bus_payload(data: bytes) -> tuple[int, dict[str, dict]]:
-    """(version, section -> overrides) of a bus document; SettingsError when malformed."""
+def decode_bus_payload(data: bytes, *, keys_allowed: bool = False) -> LiveDocument:
+    """A document from the bus; SettingsError when malformed. Keys travel only between
+    routers (``keys_allowed``: weft.routersettings), never on weft.settings."""
     try:
         value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise SettingsError("(document)", f"not JSON: {exc}") from None
-    if isinstance(value, dict) and "keys" in value:
+    if isinstance(value, dict) and "keys" in value and not keys_allowed:
         raise SettingsError("keys", "never travels on the bus")
-    doc = LiveDocument.parse(value)
-    return doc.version, {name: dict(values) for name, values in doc.sections.items()}
+    return LiveDocument.parse(value)
 
 
 # -- a service following the router's documents ------------------------------------------
@@ -272,16 +328,22 @@ Apply = Callable[[dict[str, object]], Awaitable[None] | None]
 
 
 class SettingsFollower:
-    """Hands this service's section of each new document to ``apply`` (which swaps whole
-    objects or raises ValueError to refuse it) and reports the version it runs."""
+    """Hands this service's section of each newer document to ``apply`` (which swaps whole
+    objects, or raises to refuse it) and reports the version it runs.
+
+    A document counts as handled only once ``apply`` succeeded: one it refused (ValueError:
+    the section does not fit this service) or that failed (any other error) is logged with
+    the reason and tried again when it is republished. An older document (a router still
+    republishing what it had before another router's change) is ignored."""
 
     def __init__(self, service: str, section: str, apply: Apply) -> None:
         self.service = service
         self.section = section
         self._apply = apply
         self.version = 0
+        self.stamp: tuple[float, int, str] | None = None  # of the document in force; None: none yet
         self._applied: dict[str, object] = {}  # this service's overrides now in force
-        self._last: tuple[int, dict] | None = None  # (version, section) last handled: applied or refused
+        self._failed: tuple[tuple, str] | None = None  # (stamp, reason) of the last failure, logged once
         SETTINGS_VERSION.labels(service).set(0)
 
     async def subscribe(self, bus) -> None:
@@ -289,26 +351,32 @@ class SettingsFollower:
 
     async def receive(self, data: bytes) -> None:
         try:
-            version, sections = decode_bus_payload(data)
+            doc = decode_bus_payload(data)
         except SettingsError as exc:
             log.warning("live_settings_malformed", service=self.service, error=str(exc))
             return
-        overrides = sections.get(self.section, {})
-        if self._last == (version, overrides):
-            return  # the periodic republish of what runs (or was refused) already
-        # Not "version > running": a router restarted without a settings file counts from 1
-        # again, and it is the one writer, so what it sends now is what runs.
-        self._last = (version, overrides)
+        if self.stamp is not None and doc.stamp <= self.stamp:
+            return  # the periodic republish of what runs, or an older document from another router
+        overrides = dict(doc.sections.get(self.section, {}))
         if overrides != self._applied:
             try:
                 result = self._apply(dict(overrides))
                 if result is not None:
                     await result
-            except ValueError as exc:
-                log.error("live_settings_refused", service=self.service, version=version, error=str(exc),
-                          running_version=self.version)
+            except Exception as exc:  # noqa: BLE001  (any failure: keep the old settings, retry on republish)
+                self._log_failure(doc, exc)
                 return
-            self._applied = dict(overrides)
-        self.version = version
-        SETTINGS_VERSION.labels(self.service).set(version)
-        log.info("live_settings_applied", service=self.service, version=version, overrides=self._applied)
+            self._applied = overrides
+        self.stamp, self.version, self._failed = doc.stamp, doc.version, None
+        SETTINGS_VERSION.labels(self.service).set(doc.version)
+        log.info("live_settings_applied", service=self.service, version=doc.version, writer=doc.writer,
+                 overrides=self._applied)
+
+    def _log_failure(self, doc: LiveDocument, exc: Exception) -> None:
+        """An error the first time a document fails with a reason, debug on each retry."""
+        reason = str(exc) or type(exc).__name__
+        event = "live_settings_refused" if isinstance(exc, ValueError) else "live_settings_apply_failed"
+        repeat = self._failed == (doc.stamp, reason)
+        self._failed = (doc.stamp, reason)
+        (log.debug if repeat else log.error)(event, service=self.service, version=doc.version, error=reason,
+                                             running_version=self.version, retry="when republished")

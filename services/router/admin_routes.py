@@ -1,6 +1,6 @@
 """The admin API of the live settings (docs/live_config.md).
 
-    GET   /v1/weft/admin/settings   the document (keys shown by their first 4 characters)
+    GET   /v1/weft/admin/settings   the document, keys listed by ``key_id`` (never the key itself)
     PATCH /v1/weft/admin/settings   a JSON merge patch (RFC 7386); ``If-Match: <version>``
                                     (or ``"version"`` in the body) refuses a stale change
 
@@ -9,6 +9,12 @@ one is 401, a tenant's key 403. A value that cannot apply is 400 naming the fiel
 (``param``), a stale version 409, and neither changes anything. A change answers 200
 with the new document; services apply it within ``WEFT_SETTINGS_REPUBLISH_S`` and report
 the version they run (``weft ps``).
+
+A key is listed as ``key_id(key)`` (services/mesh/live_settings.py): its first 4
+characters (keys of 12 or more characters) and the first 12 hex digits of its SHA-256,
+``"sk-a…3f2a9c1d0b7e": {"tenant": "acme", "role": "tenant"}``. Two keys that share a
+prefix stay two entries. The body also carries the stamp that decides which router's
+document wins (``updated_at``, ``writer``, ``origin``: services/router/live_settings.py).
 """
 from __future__ import annotations
 
@@ -82,7 +88,8 @@ class AdminRoutes:
         return web.json_response(self._body(), headers={"ETag": str(doc.version)})
 
     def _body(self) -> dict:
-        return {**self.live.document.to_json(redact_keys=True),
+        doc = self.live.document
+        return {**doc.to_json(key_ids=True), **doc.stamp_json(),
                 "live_settings": {section: list(checks) for section, checks in LIVE_SETTINGS.items()}}
 
 

@@ -10,6 +10,31 @@ a temporary file renamed over the old one), so a later SIGHUP or restart keeps i
 no file configured it lives in memory until the router restarts. The version goes up by
 one per change; a settings file may carry a higher one (``"version": 40``), which wins.
 
+NOTE: several routers (Kubernetes' autoscaler runs 2-6). Each stamps its documents
+(``updated_at``, its ``writer`` id, the version, and the ``origin``: its files, or a change
+while running) and also sends its whole document, keys included, on
+``weft.routersettings.<router>``, which only routers read. A router that hears a newer
+document than its own (``LiveDocument.stamp``) adopts it, keys included, and republishes
+it unchanged, so every router and every service converge on the newest change, whichever
+replica took it::
+
+    start: the document of its files, stamped 0 (older than anything claimed or changed)
+      │ listen one republish period and a half: adopt another router's *change*
+      │ (a PATCH or a SIGHUP reload, origin != files), never its files
+      ▼
+    claim: still our own document? stamp it now: our files are the newest files (a rolling
+      │    restart with a new keys Secret), and a lone router restarted without a settings
+      │    file is the truth again
+      ▼
+    republish forever; PATCH / SIGHUP stamp now; any newer document is adopted at once
+
+So a change made while running survives new replicas and rolling restarts; a file edited
+for a rolling restart after such a change takes effect with SIGHUP (or a PATCH) on one
+router. A document adopted from another router is not written to this router's files (a
+Secret mount is read-only; the router that took the change wrote its own). Two PATCHes on
+two replicas within one republish period: the later one wins everywhere, the other is
+replaced (its caller got 200: ``If-Match`` guards a change within one replica only).
+
 Settings read from the environment (until RouterConfig has them: docs/live_config.md):
 ``WEFT_SETTINGS_FILE``, ``WEFT_NATS_URL`` (the bus; empty: the document stays in this
 router), ``WEFT_SETTINGS_REPUBLISH_S`` (default 2).
@@ -18,15 +43,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import secrets
 import signal
-from collections.abc import Mapping
+import socket
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
-from services.mesh.live_settings import BUS_KIND, SETTINGS_VERSION, LiveDocument, SettingsError
+from services.mesh.live_settings import (BUS_KIND, ROUTER_BUS_KIND, SETTINGS_VERSION, LiveDocument, SettingsError,
+                                        decode_bus_payload)
 from services.router.auth import KeyStore, read_keys_file
 
 log = structlog.get_logger(__name__)
@@ -57,6 +87,16 @@ class LiveOptions:
             raise ValueError(f"{REPUBLISH_ENV} must be in (0, 3600), got {republish_s}")
         return cls(env.get(SETTINGS_FILE_ENV, ""), env.get(NATS_URL_ENV, ""), republish_s)
 
+    @property
+    def listen_s(self) -> float:
+        """How long a starting router listens for other routers' documents before it claims its own."""
+        return 1.5 * self.republish_s
+
+
+def default_writer() -> str:
+    """This router process's writer id: host (the pod's name in Kubernetes), pid, a random tail."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
 
 def read_settings_file(path: str) -> LiveDocument:
     """The document in ``path`` (no keys: those live in the keys file); SettingsError naming the field."""
@@ -75,12 +115,17 @@ class RouterLiveSettings:
     """Holds the current document; every change goes through ``_commit`` (validated
     already, swapped in one assignment, then published)."""
 
-    def __init__(self, keys: KeyStore, keys_file: str, options: LiveOptions) -> None:
+    def __init__(self, keys: KeyStore, keys_file: str, options: LiveOptions, writer: str = "",
+                 clock: Callable[[], float] = time.time) -> None:
+        """``writer``: this router's id (default ``default_writer()``); ``clock``: unix seconds."""
         self.keys = keys
         self.keys_file = keys_file
         self.options = options
+        self.writer = writer or default_writer()
+        self._clock = clock
         base = read_settings_file(options.settings_file)
-        self.document = LiveDocument(max(base.version, 1), keys.entries, base.sections)
+        self.document = LiveDocument(max(base.version, 1), keys.entries, base.sections, 0.0, self.writer, "files")
+        self.listening = True  # until ``claim``: adopt only other routers' changes, not their files
         self.bus = None
         self._republish: asyncio.Task | None = None
         SETTINGS_VERSION.labels("router").set(self.document.version)
@@ -101,7 +146,7 @@ class RouterLiveSettings:
         _check_keys_kept(current, new, by_admin_api=True)
         if new.same_settings(current):
             return current
-        new = new.with_version(current.version + 1)
+        new = new.stamped(current.version + 1, self._now(), self.writer, "admin_api")
         self._persist(current, new)
         return self._commit(new, "admin_api")
 
@@ -114,15 +159,43 @@ class RouterLiveSettings:
         _check_keys_kept(current, new, by_admin_api=False)
         if new.same_settings(current) and base.version <= current.version:
             return current
-        return self._commit(new.with_version(max(current.version + 1, base.version)), "reload")
+        return self._commit(new.stamped(max(current.version + 1, base.version), self._now(), self.writer, "reload"),
+                            "reload")
 
-    def _commit(self, new: LiveDocument, cause: str) -> LiveDocument:
+    def adopt(self, data: bytes) -> LiveDocument:
+        """Another router's whole document (weft.routersettings): adopted, keys included,
+        when it is newer than ours; ours kept otherwise, or when it would open this router
+        (no keys while it runs with keys). Raises SettingsError when malformed."""
+        new = decode_bus_payload(data, keys_allowed=True)
+        current = self.document
+        if new.writer == self.writer or new.stamp <= current.stamp:
+            return current  # our own echo, or older than what we hold
+        if self.listening and new.origin == "files":
+            return current  # another router's files are no newer than ours: we claim ours
+        _check_keys_kept(current, new, by_admin_api=False)
+        return self._commit(new, "adopted", publish=False)
+
+    def claim(self) -> LiveDocument:
+        """After listening at start: our own document, still unreplaced, is stamped now."""
+        self.listening = False
+        current = self.document
+        if current.writer != self.writer:
+            return current  # adopted another router's change
+        return self._commit(current.stamped(current.version, self._now(), self.writer, current.origin), "claimed",
+                            publish=False)
+
+    def _now(self) -> float:
+        """Now, and always after the document held (another router's clock may run ahead)."""
+        return max(self._clock(), math.nextafter(self.document.updated_at, math.inf))
+
+    def _commit(self, new: LiveDocument, cause: str, publish: bool = True) -> LiveDocument:
         self.keys.replace(new.keys)  # validated already: cannot raise
         self.document = new
         SETTINGS_VERSION.labels("router").set(new.version)
         log.info("live_settings_changed", version=new.version, cause=cause, num_keys=len(new.keys),
+                 writer=new.writer, updated_at=new.updated_at,
                  overrides={n: dict(v) for n, v in new.sections.items()})
-        if self.bus is not None:
+        if self.bus is not None and publish:
             asyncio.get_running_loop().create_task(self.publish())
         return new
 
@@ -137,7 +210,15 @@ class RouterLiveSettings:
     # -- the bus ------------------------------------------------------------------------
     async def publish(self) -> None:
         if self.bus is not None:
-            await self.bus.publish_document(BUS_KIND, self.document.bus_payload())
+            doc = self.document
+            await self.bus.publish_document(BUS_KIND, doc.bus_payload())
+            await self.bus.publish_document(ROUTER_BUS_KIND, doc.router_payload())
+
+    async def _on_router_document(self, data: bytes) -> None:
+        try:
+            self.adopt(data)
+        except SettingsError as exc:
+            log.warning("live_settings_peer_refused", error=str(exc), running_version=self.document.version)
 
     async def start(self) -> None:
         """Connect the bus (when configured), republish forever, reload on SIGHUP."""
@@ -145,12 +226,14 @@ class RouterLiveSettings:
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         if not self.options.nats_url:
             log.info("live_settings_local_only", reason=f"{NATS_URL_ENV} not set: the document stays in this router")
+            self.claim()  # no other router to hear
             return
         from services.mesh.nats_bus import EventBus
 
         self.bus = EventBus(self.options.nats_url, "router")
         await self.bus.start()
         await self.bus.require_login()
+        await self.bus.subscribe_documents(ROUTER_BUS_KIND, self._on_router_document)
         self._republish = asyncio.create_task(self._republish_forever(), name="settings-republish")
 
     async def stop(self) -> None:
@@ -160,6 +243,8 @@ class RouterLiveSettings:
             await self.bus.close()
 
     async def _republish_forever(self) -> None:
+        await asyncio.sleep(self.options.listen_s)  # another router's newer document is adopted meanwhile
+        self.claim()
         while True:
             await self.publish()
             await asyncio.sleep(self.options.republish_s)

@@ -165,16 +165,15 @@ def test_secrets_command_writes_only_the_manifest_to_stdout(capsys):
     assert err == "" and [d["kind"] for d in yaml.safe_load_all(out)] == ["Secret", "Secret"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Kubernetes runs 2-6 routers (HPA) and each is a live-settings writer publishing its own document "
-    "every WEFT_SETTINGS_REPUBLISH_S: after an admin PATCH on one replica, services flip between the "
-    "patched and the old document (and keys changed there apply on that replica only). Needs one writer "
-    "(leader election, or routers sharing the document) in services/router/live_settings.py"))
 def test_live_settings_do_not_flip_between_two_router_replicas():
+    """Kubernetes runs 2-6 routers, each republishing its document every
+    WEFT_SETTINGS_REPUBLISH_S: after an admin PATCH on one replica, services flipped
+    between the patched and the old document. Now the newest stamp wins everywhere."""
     applied: list[dict] = []
     follower = SettingsFollower("scheduler", "scheduler", applied.append)
-    patched = json.dumps({"version": 2, "scheduler": {"policy": "fcfs"}}).encode()  # replica A, after PATCH
-    stale = json.dumps({"version": 1}).encode()  # replica B, republishing what it started with
+    patched = json.dumps({"version": 2, "updated_at": 200.0, "writer": "router-a",  # replica A, after PATCH
+                          "scheduler": {"policy": "fcfs"}}).encode()
+    stale = json.dumps({"version": 1, "updated_at": 100.0, "writer": "router-b"}).encode()  # replica B, as started
 
     async def republish() -> None:
         for _ in range(3):
