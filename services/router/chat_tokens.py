@@ -25,7 +25,8 @@ added token's ``lstrip`` / ``rstrip`` (eat the whitespace beside it) is honoured
 way. Added tokens that are not special (a ``<tool_call>`` marker some vocabularies add as
 plain text) are still matched, as transformers does with ``split_special_tokens``.
 
-Immutable after construction; safe to share between threads.
+Safe to share between threads. The plain-text copy of the tokenizer (~0.1 s to build for
+SmolLM2's) is made the first time a conversation needs it, in the caller's worker thread.
 """
 from __future__ import annotations
 
@@ -67,8 +68,10 @@ class ChatTokens:
         # issue 17's session asks for one); a tokenizer without one (a test double)
         # knows no special tokens, so every conversation takes the plain path.
         backend: HFTokenizer | None = getattr(tokenizer, "_backend", None)
+        self._backend = backend
         self._specials: dict[str, _Special] = {}
-        self._plain: HFTokenizer | None = None
+        self._plain: HFTokenizer | None = None  # built on first use (``_plain_backend``)
+        self._plain_lock = threading.Lock()
         if backend is None:
             self._pattern = None
             return
@@ -78,8 +81,14 @@ class ChatTokens:
         # Longest first: a token that begins another must not cut it short.
         names = sorted(self._specials, key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, names))) if names else None
-        self._plain = HFTokenizer.from_str(backend.to_str())
-        self._plain.encode_special_tokens = True  # special tokens' text is text
+
+    def _plain_backend(self) -> HFTokenizer:
+        with self._plain_lock:
+            if self._plain is None:
+                plain = HFTokenizer.from_str(self._backend.to_str())
+                plain.encode_special_tokens = True  # special tokens' text is text
+                self._plain = plain
+            return self._plain
 
     def shield(self, messages: tuple[dict[str, Any], ...],
                tools: tuple[dict[str, Any], ...] | None) -> Shielded:
@@ -113,9 +122,11 @@ class ChatTokens:
 
     def encode(self, text: str, originals: Mapping[str, str]) -> list[int]:
         """Ids of a rendered shielded conversation (``add_special_tokens=False``): the
-        special tokens in ``text`` are markup, each placeholder is its text as plain text."""
-        if self._pattern is None or self._plain is None:
+        special tokens in ``text`` are markup, each placeholder is its text as plain text.
+        Call it from a worker thread: the first call builds the plain-text tokenizer."""
+        if self._pattern is None:
             raise ValueError("this tokenizer knows no special tokens: nothing to shield")
+        plain = self._plain_backend()
         ids: list[int] = []
         pieces: list[str] = []  # text between markup tokens, then the token's id in ``marks``
         marks: list[_Special] = []
@@ -133,7 +144,7 @@ class ChatTokens:
             for placeholder, original in originals.items():
                 piece = piece.replace(placeholder, original)
             if piece:
-                ids.extend(self._plain.encode(piece, add_special_tokens=False).ids)
+                ids.extend(plain.encode(piece, add_special_tokens=False).ids)
             if i < len(marks):
                 ids.append(marks[i].token_id)
         return ids

@@ -155,9 +155,7 @@ class RequestPreparer:
         if not shielded.originals:
             return await self.encode_async(text, prompt.field, add_special_tokens=False)
         self.check_prompt_chars(text, prompt.field)
-        if len(text) <= OFFLOAD_TOKENIZE_CHARS:
-            return chat_tokens.encode(text, shielded.originals)
-        async with self._offload_slots:
+        async with self._offload_slots:  # rare (typed control tokens): always off the loop
             return await asyncio.to_thread(chat_tokens.encode, text, shielded.originals)
 
     def render_continuation(self, prompt: ChatPrompt) -> str:
