@@ -137,7 +137,7 @@ def model_section(model: str, runs: list[RunSummary], chart_files: list[str]) ->
            "A run is cut off at its deadline: unfinished programs and chats count with their time so far "
            "(lower bounds), so a cut-off engine's ratios understate how much slower it was.", ""]
     rows = []
-    extra = tuple((c, HINTS) for c in configs if c not in CONFIGS)  # ablations against the default
+    extra = tuple(pair for c in configs if c not in CONFIGS for pair in ((PEER, c), (c, HINTS)))  # ablations
     for num, den in ((PEER, HINTS), (PEER, NO_HINTS), (PEER, FCFS), (NO_HINTS, HINTS), (FCFS, HINTS)) + extra:
         for metric, what in (("jct_p99_s", "program p99"), ("ttft_int_p99_ms", "interactive TTFT p99")):
             r = ratio(runs, num, den, metric)
