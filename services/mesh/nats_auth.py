@@ -9,7 +9,9 @@ with one user per *role* and an allow list per user (nats-server ``authorization
     scheduler   nothing                                     weft.heartbeat.>  weft.load.>  weft.kv.>
                                                             weft.settings.>
     cachestore  weft.kv.<its name> (default ``cachestore``)  nothing
-    router      weft.settings.>  (live settings)            nothing
+    router      weft.settings.>  (live settings)            weft.routersettings.>
+                weft.routersettings.>  (the whole document,
+                keys included, for the other routers)
 
 Nothing uses request/reply, so no role gets ``_INBOX.>``. The bus (nats_bus.py) drops an
 event whose header names a source other than its subject's, so the right to publish on
@@ -84,11 +86,14 @@ def role_permissions(cachestore_sources: tuple[str, ...] = ("cachestore",)) -> d
     # The live-settings document (live_settings.py): the router alone writes it, so the
     # right to publish there is the right to reconfigure the mesh.
     settings = (f"weft.{_SETTINGS_KIND}.>",)
+    # Routers also share the whole document, API keys included, among themselves (the
+    # newest wins across replicas): a subject no other role may read.
+    routers = ("weft.routersettings.>",)
     return {
         "executor": Permissions(publish=events, subscribe=settings),
         "scheduler": Permissions(subscribe=events + settings),
         "cachestore": Permissions(publish=tuple(f"weft.kv.{name}" for name in cachestore_sources)),
-        "router": Permissions(publish=settings),
+        "router": Permissions(publish=settings + routers, subscribe=routers),
     }
 
 

@@ -30,7 +30,10 @@ def test_only_executors_may_publish_heartbeats_load_and_kv_and_only_the_router_p
     publishers = {role for role, p in perms.items() if any(s.startswith("weft.heartbeat") for s in p.publish)}
     assert publishers == {"executor"}
     assert perms["cachestore"].publish == ("weft.kv.cachestore",)
-    assert perms["router"] == nats_auth.Permissions(publish=("weft.settings.>",))
+    assert perms["router"] == nats_auth.Permissions(publish=("weft.settings.>", "weft.routersettings.>"),
+                                                    subscribe=("weft.routersettings.>",))
+    readers = {role for role, p in perms.items() if any(s.startswith("weft.routersettings") for s in p.subscribe)}
+    assert readers == {"router"}  # the document with the keys reaches routers only
     assert set(perms["scheduler"].subscribe) == {"weft.heartbeat.>", "weft.load.>", "weft.kv.>", "weft.settings.>"}
     settings_publishers = {role for role, p in perms.items() if any(s.startswith("weft.settings") for s in p.publish)}
     assert settings_publishers == {"router"}
