@@ -136,11 +136,24 @@ def _overcommit(value: object) -> str | None:
     return problem
 
 
+def _priority_weights(value: object) -> str | None:
+    if not isinstance(value, str):
+        return f"must be a string like 'las=0.5,aging_s=10', got {type(value).__name__}"
+    from services.scheduler.policy.priority import parse_priority_weights  # pure, no torch
+
+    try:
+        parse_priority_weights(value)
+    except ValueError as exc:
+        return str(exc).removeprefix("priority_weights: ")
+    return None
+
+
 # section -> setting -> check (None: fine, else what is wrong). Only settings whose owner
 # swaps a whole object for them while streams run; docs/live_config.md lists the rest.
 LIVE_SETTINGS: Mapping[str, Mapping[str, Callable[[object], str | None]]] = MappingProxyType({
     "scheduler": MappingProxyType({
         "policy": _choice("weft", "fcfs", "priority"),
+        "priority_weights": _priority_weights,
         "pause_policy": _choice("auto", "cost", "keep", "demote", "drop"),
         "prefill_ms_per_token": _number,
         "block_second_ms": _number,

@@ -53,7 +53,7 @@ def build_dispatcher(config: SchedulerConfig, view: MeshView, channels: ChannelP
     admission = Admission(config.max_in_flight, config.max_queue, config.retry_after_ms)
     inflight = InflightTracker()
     plane = AgentPlane(
-        make_prioritizer(config.policy), make_pause_policy(config.resolved_pause_policy, config.pause_costs),
+        make_prioritizer(config.policy, config.weft_weights), make_pause_policy(config.resolved_pause_policy, config.pause_costs),
         ContractBook(parse_tenant_quotas(config.tenant_quotas), config.prefill_ms_per_token),
         intent_detector(cachestore, config.model_dir, config.intent_shift_threshold), SessionTable(config.max_sessions),
         block_size_of=lambda name: getattr(view.membership.get(name), "block_size", 16), can_demote=config.demote,

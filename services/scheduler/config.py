@@ -88,6 +88,10 @@ class SchedulerConfig(ServiceOptions):
     max_pinned_fraction: float = option("Most of an executor's pool that kept sessions may pin.", default=0.5)
     priority_interval_s: float = option("Seconds between re-estimations of running requests' priority "
                                         "(--policy weft).", default=0.5)
+    priority_weights: str = option(
+        "--policy weft: weights of the priority terms over the defaults, name=value comma-separated: las "
+        "(least attained service per program, 1), slack (contract deadline, 1), fresh (a resumed session's hot "
+        "KV, 0.5), entropy (0.5), aging_s (seconds of waiting worth one class level, 30).", default="")
     demote: bool = option("Let the pause policy demote paused sessions to the cachestore's host tier "
                           "(executor DemoteBlocks / PromoteBlocks).", default=True)
     intent_shift_threshold: float = option("Distance (0..1) of a new turn from its session's context above "
@@ -133,6 +137,7 @@ class SchedulerConfig(ServiceOptions):
         from services.scheduler.policy.contracts import parse_tenant_quotas
 
         parse_tenant_quotas(self.tenant_quotas)
+        self.weft_weights  # validates priority_weights
         if self.priority_interval_s <= 0:
             raise ValueError(f"priority_interval_s must be > 0, got {self.priority_interval_s}")
         if not 0 < self.intent_shift_threshold <= 1 or self.max_sessions < 1:
@@ -158,6 +163,12 @@ class SchedulerConfig(ServiceOptions):
         return PauseCosts(prefill_ms_per_token=self.prefill_ms_per_token, block_second_ms=self.block_second_ms,
                           transfer_ms_per_block=self.transfer_ms_per_block, default_pause_ms=self.default_tool_ms,
                           max_pinned_fraction=self.max_pinned_fraction)
+
+    @property
+    def weft_weights(self):
+        from services.scheduler.policy.priority import parse_priority_weights
+
+        return parse_priority_weights(self.priority_weights)
 
     @property
     def resolved_pause_policy(self) -> str:

@@ -1,7 +1,7 @@
 """The scheduler's live settings: apply the ``scheduler`` section of the router's document
 (services/mesh/live_settings.py) by swapping whole objects the request path holds.
 
-    policy                       AgentPlane.prioritizer (+ the re-prioritisation loop, weft only)
+    policy, priority_weights     AgentPlane.prioritizer (+ the re-prioritisation loop, weft only)
     pause_policy, pause costs    AgentPlane.pause_policy
     tenant_quotas                ContractBook.tenant_quotas (one dict, replaced)
     prefill_ms_per_token         ContractBook.prefill_ms_per_token and the pause costs
@@ -60,7 +60,7 @@ class SchedulerLiveSettings:
     def apply(self, overrides: Mapping[str, object]) -> None:
         new = self.candidate(overrides)
         # Build every object first: a failure here leaves the running ones untouched.
-        prioritizer = make_prioritizer(new.policy)
+        prioritizer = make_prioritizer(new.policy, new.weft_weights)
         pause_policy = make_pause_policy(new.resolved_pause_policy, new.pause_costs)
         quotas = parse_tenant_quotas(new.tenant_quotas)
         ladder = DegradationLadder(new.ladder_config) if new.ladder_config != self.config.ladder_config else None

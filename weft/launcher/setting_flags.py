@@ -101,6 +101,10 @@ FLAGS: tuple[SettingFlag, ...] = (
        "(higher: prefix reuse weighs more than load)", metavar="W"),
     _s("--retry-after-ms", SCHEDULING, "retry_after_ms", "200", "retry hint sent with an overload refusal",
        metavar="MS"),
+    _s("--priority-weights", SCHEDULING, "priority_weights", "",
+       "--policy weft: weights of the priority terms over the defaults, name=value comma-separated: las (least "
+       "attained service per program, 1), slack (contract deadline, 1), fresh (0.5), entropy (0.5), aging_s "
+       "(seconds of waiting worth one class level, 30); live (docs/live_config.md)", metavar="NAME=W,..."),
     _s("--priority-interval-s", SCHEDULING, "priority_interval_s", "0.5",
        "seconds between re-estimations of running requests' priority (--policy weft)", metavar="S"),
     # -- tool-call pauses ---------------------------------------------------------------

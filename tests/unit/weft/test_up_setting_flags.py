@@ -39,7 +39,7 @@ SAMPLES = {
     "max_prefill_chunk": "256", "max_model_len": "1024", "device": "cuda:1", "num_threads": "2",
     "host_capacity_bytes": "4096", "disk_capacity_bytes": "8192", "request_timeout_s": "30",
     "max_body_bytes": "65536", "tool_call_parser": "hermes", "served_model_name": "m",
-    "continuation_attempts": "0", "migration_attempts": "1",
+    "continuation_attempts": "0", "migration_attempts": "1", "priority_weights": "las=0.5,aging_s=10",
 }
 
 
