@@ -48,6 +48,7 @@ WEFT_SETTINGS = {rep.HINTS: {}, rep.NO_HINTS: {},
                  "weft-fcfs-order": {"preemption_policy": "fcfs"},
                  "weft-no-finish-demote": {"demote_on_finish": "never"},
                  "weft-fcfs-policy": {"policy": "fcfs"},
+                 "weft-no-las": {"priority_weights": "las=0"},
                  # the KV pool at llama-server's token capacity (1 GiB fp32: 22.7 K SmolLM2 tokens vs its
                  # 6 x 4096 f16), with and without hints
                  "weft-kv1g": {"kv_cache_memory_bytes": str(1 << 30)},
