@@ -26,11 +26,10 @@
 #define TILE_R 4 /* activation rows per register tile */
 
 #if defined(__AVX512F__)
-/* The 16 sums of acc[a][b] (a, b < 4) into out[a * 4 + b]: a transpose-add tree (45 ops
- * instead of 16 separate horizontal reductions). */
-static inline void reduce_tile(__m512 acc[TILE_W][TILE_R], float *out) {
+/* The 16 sums of v[i] (i < 16) into out[i]: a transpose-add tree (45 ops instead of 16
+ * separate horizontal reductions). */
+static inline void reduce16(const __m512 *v, float *out) {
     __m512 s[8], u[4];
-    __m512 *v = &acc[0][0];
     for (int p = 0; p < 8; p++) /* per 128-bit lane: [v0a+v0c, v1a+v1c, v0b+v0d, v1b+v1d] */
         s[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
     for (int q = 0; q < 4; q++) { /* per 128-bit lane: [v0, v1, v2, v3] partial sums */
@@ -42,28 +41,44 @@ static inline void reduce_tile(__m512 acc[TILE_W][TILE_R], float *out) {
     _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD)));
 }
 
+/* acc[a][b] += W[a, i:i+16] . X[b, i:i+16] (m masks the columns past k). */
+#define TILE_STEP(LOAD)                                                                         \
+    do {                                                                                        \
+        __m512 wv[TILE_W];                                                                      \
+        for (int a = 0; a < nw; a++) wv[a] = LOAD(w + (size_t)a * k + i);                       \
+        if (prefetch)                                                                           \
+            for (int a = 0; a < nw; a++)                                                        \
+                _mm_prefetch((const char *)(prefetch + (size_t)a * k + i), _MM_HINT_T0);        \
+        for (int b = 0; b < nr; b++) {                                                          \
+            __m512 xv = LOAD(x + (size_t)b * ldx + i);                                          \
+            __asm__("" : "+v"(xv)); /* one load into a register, not one folded into each FMA */ \
+            for (int a = 0; a < nw; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xv, acc[a][b]);     \
+        }                                                                                       \
+    } while (0)
+#define LOAD_FULL(p) _mm512_loadu_ps(p)
+#define LOAD_MASKED(p) _mm512_maskz_loadu_ps(m, p)
+
 /* out[a * TILE_R + b] = W[a, :] . X[b, :] for a < nw, b < nr. w: [nw, k] rows of the
  * weight; x: [nr, ldx] activation rows; prefetch: the next tile's first row or NULL.
- * Always inlined with constant nw / nr, so the accumulators live in registers. */
+ * Always inlined with constant nw / nr, so the accumulators live in registers (acc is
+ * never address-taken: copied out for the reduction, or gcc spills it every iteration). */
 static inline __attribute__((always_inline)) void tile_dots(const float *w, int k, const float *x, int ldx,
                                                             const int nw, const int nr, const float *prefetch,
                                                             float *out) {
     __m512 acc[TILE_W][TILE_R];
     for (int a = 0; a < TILE_W; a++)
         for (int b = 0; b < TILE_R; b++) acc[a][b] = _mm512_setzero_ps();
-    for (int i = 0; i < k; i += 16) {
-        __mmask16 m = (k - i >= 16) ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1u);
-        __m512 wv[TILE_W];
-        for (int a = 0; a < nw; a++) wv[a] = _mm512_maskz_loadu_ps(m, w + (size_t)a * k + i);
-        if (prefetch)
-            for (int a = 0; a < nw; a++) _mm_prefetch((const char *)(prefetch + (size_t)a * k + i), _MM_HINT_T0);
-        for (int b = 0; b < nr; b++) {
-            __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)b * ldx + i);
-            for (int a = 0; a < nw; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xv, acc[a][b]);
-        }
+    int i = 0;
+    for (; i + 16 <= k; i += 16) TILE_STEP(LOAD_FULL);
+    if (i < k) {
+        const __mmask16 m = (__mmask16)((1u << (k - i)) - 1u);
+        TILE_STEP(LOAD_MASKED);
     }
     if (nw == TILE_W && nr == TILE_R) {
-        reduce_tile(acc, out);
+        __m512 v[TILE_W * TILE_R];
+        for (int a = 0; a < TILE_W; a++)
+            for (int b = 0; b < TILE_R; b++) v[a * TILE_R + b] = acc[a][b];
+        reduce16(v, out);
     } else {
         for (int a = 0; a < nw; a++)
             for (int b = 0; b < nr; b++) out[a * TILE_R + b] = _mm512_reduce_add_ps(acc[a][b]);
