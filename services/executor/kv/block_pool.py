@@ -315,12 +315,14 @@ class BlockPool:
         return len(removed)
 
     def queue_for_eviction(self, block_hashes: Iterable[BlockHash]) -> int:
-        """Put the given hashes' blocks, where free, first in line for eviction (the LRU
-        end an allocation takes from), keeping their order; returns how many moved. Held
-        blocks are left alone: they join the queue by recency when released."""
+        """Put the given hashes' blocks (a chain, in chain order), where free, first in
+        line for eviction (the LRU end an allocation takes from), the chain's tail first as
+        ``free`` does: a prefix outlives its suffixes, so an eviction of a few blocks
+        leaves the rest of the chain reachable by a prefix match. Returns how many moved.
+        Held blocks are left alone: they join the queue by recency when released."""
         moved = [self._cached[h] for h in block_hashes
                  if h in self._cached and self._cached[h].ref_cnt == 0]
-        for block in reversed(moved):  # the first hash ends up first in line
+        for block in moved:  # each goes before the ones moved earlier: the last hash ends up first
             self._free_cached.move_to_end(block.block_id, last=False)
         return len(moved)
 

@@ -78,7 +78,8 @@ class Demoter:
             sent_bytes = sum(p.size_bytes for p in payloads)
             DEMOTED_BLOCKS.inc(len(payloads))
         evicted = 0
-        safe = stored + [p.block_hash for p in payloads]
+        held_by_store = {*stored, *(p.block_hash for p in payloads)}
+        safe = [h for h in hashes if h in held_by_store]  # chain order, whichever the store held before
         if evict_local:
             evicted = await self.transfer.engine.call(lambda e: e.pool.evict_cached(safe))
         elif evict_first:
