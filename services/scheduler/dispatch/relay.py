@@ -189,15 +189,9 @@ class Relay:
             # Blocks the executor already holds (a fork's shared prefix) are used by reference, not anew.
             shared = placement.num_matched_blocks
             self.inflight.start(placement.name, job.request_id, num_blocks_spanned(prompt_len, block_size) - shared)
-            sent_any = False
+            sent_any = handed_on = counted = False
             try:
                 async for chunk in stream:
-                    if not sent_any:
-                        PLACED.labels(placement.name).inc()
-                        PROMPT_BLOCKS.inc(num_full_blocks(prompt_len, block_size))
-                        MATCHED_BLOCKS.inc(placement.num_matched_blocks)
-                        log.info("request_placed", executor=placement.name,
-                                 num_matched_blocks=placement.num_matched_blocks, queue_ms=queue_ms)
                     self.inflight.update(placement.name, job.request_id,
                                          num_blocks_spanned(prompt_len + chunk.num_output_tokens, block_size) - shared)
                     if chunk.finished and chunk.trailer_spans is not None:
@@ -208,8 +202,11 @@ class Relay:
                         trace.add_downstream(await chunk.trailer_spans())
                     chunk.executor = chunk.executor or placement.name
                     chunk.queue_ms = queue_ms if not sent_any else 0
+                    handed_on = True
                     yield chunk
                     sent_any = True
+                    if not counted:  # after the first chunk went on: its log line and metrics are not on its path
+                        counted = _count_placement(placement, prompt_len, block_size, queue_ms)
                 return
             except ExecutorCallError as exc:
                 if not sent_any and exc.unavailable and i + 1 < len(attempts):
@@ -221,6 +218,19 @@ class Relay:
             finally:
                 stream.cancel()  # no-op when the call finished; aborts the executor's request otherwise
                 self.inflight.finish(placement.name, job.request_id)
+                if handed_on and not counted:  # the consumer stopped at the first chunk
+                    _count_placement(placement, prompt_len, block_size, queue_ms)
+
+
+def _count_placement(placement: Placement, prompt_len: int, block_size: int, queue_ms: int) -> bool:
+    """Count a request its executor answered (metrics and the ``request_placed`` line),
+    once, after its first chunk was handed on. Returns True (counted)."""
+    PLACED.labels(placement.name).inc()
+    PROMPT_BLOCKS.inc(num_full_blocks(prompt_len, block_size))
+    MATCHED_BLOCKS.inc(placement.num_matched_blocks)
+    log.info("request_placed", executor=placement.name, num_matched_blocks=placement.num_matched_blocks,
+             queue_ms=queue_ms)
+    return True
 
 
 def _first_token(d: Decisions, trace: Trace) -> None:
