@@ -4,6 +4,9 @@ position and block table, some rows sharing prefix blocks), writes the same K/V 
 and is what the engine runs for a decode-only batch, with the same greedy tokens."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -15,7 +18,14 @@ from services.executor.engine.sampling_params import SamplingParams
 from services.executor.model.config import ModelConfig
 from services.executor.model.llama import LlamaModel
 from services.executor.model.native import decoder as native_decoder
+from services.executor.model.native import library
 from weft.testing.tiny_model import make_tiny_checkpoint, model_config_dict, random_weights
+
+# without a compiler (or with WEFT_NATIVE_DECODE=0) there is no native step to test; the
+# torch fallback is tested in test_native_decode.py
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("WEFT_NATIVE_CC", "gcc")) is None or not library.native_enabled(),
+    reason="needs gcc and WEFT_NATIVE_DECODE not 0")
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128
