@@ -242,18 +242,23 @@ class SchedulerClient:
             call, resp = await self._open(message, timeout_s, metadata, request.request_id)
         except grpc.aio.AioRpcError as err:
             raise domain_error(err) from None
+        finished = False
         try:
             while resp is not grpc.aio.EOF:
-                if resp.finish_reason and trace is not None:
-                    # The scheduler's and executor's spans come in the trailers, right
-                    # after this last message: take them before the stream is closed.
-                    trace.add_downstream(await downstream_spans(call))
+                finished = finished or bool(resp.finish_reason)
                 yield from_proto(resp)
                 resp = await call.read()
         except grpc.aio.AioRpcError as err:
             raise domain_error(err) from None
         finally:
-            call.cancel()
+            try:
+                if finished and trace is not None:
+                    # The scheduler's and executor's spans come in the trailers right after the
+                    # last message: read once that message went on (a one-chunk reply's first
+                    # token does not wait for them), before the call is cancelled.
+                    trace.add_downstream(await downstream_spans(call))
+            finally:
+                call.cancel()
 
     async def _open(self, message, timeout_s: float, metadata, request_id: str):
         """Start the call and read its first message: (call, first message or EOF).

@@ -95,12 +95,15 @@ class Relay:
         async def pieces(call: ExecutorCall, placements: list[Placement], attempt_queue_ms: int):
             executor = placements[0].name
             yield placement_marker(executor)  # a stall before the first token is pinned on it
+            chunks = self._attempt(job, call, placements, attempt_queue_ms, trace)
             try:
-                async for chunk in self._attempt(job, call, placements, attempt_queue_ms, trace):
+                async for chunk in chunks:
                     executor = chunk.executor or executor
                     yield Piece(chunk.token_ids, chunk.executor, chunk.finished, chunk)
             except (ExecutorLostError, ExecutorCallError) as exc:
                 raise ExecutorFailed(executor, str(exc), _engine_failed(exc)) from exc
+            finally:
+                await chunks.aclose()  # reads the executor's spans now, before this trace finishes
 
         def only_live(executor: str, exclude: frozenset[str]) -> bool:
             names = {p.name for pool in {rung, Rung.NONE} for p in self.rank(job.model_id, job.tenant, prompt, pool)}
@@ -190,16 +193,15 @@ class Relay:
             shared = placement.num_matched_blocks
             self.inflight.start(placement.name, job.request_id, num_blocks_spanned(prompt_len, block_size) - shared)
             sent_any = handed_on = counted = False
+            trailer_spans = None  # the executor's spans, read after its last chunk went on
             try:
                 async for chunk in stream:
                     self.inflight.update(placement.name, job.request_id,
                                          num_blocks_spanned(prompt_len + chunk.num_output_tokens, block_size) - shared)
                     if chunk.finished and chunk.trailer_spans is not None:
-                        # The executor's spans are in the trailers that follow this last
-                        # message: take them now, as the consumer may close us after it.
                         trace.span("scheduler.executor_call", call_ns, time.time_ns(), executor=placement.name,
                                    attempt=i, num_matched_blocks=placement.num_matched_blocks)
-                        trace.add_downstream(await chunk.trailer_spans())
+                        trailer_spans = chunk.trailer_spans
                     chunk.executor = chunk.executor or placement.name
                     chunk.queue_ms = queue_ms if not sent_any else 0
                     handed_on = True
@@ -216,10 +218,17 @@ class Relay:
                     raise ExecutorLostError(f"executor {placement.name} failed mid-stream: {exc.details}") from exc
                 raise
             finally:
-                stream.cancel()  # no-op when the call finished; aborts the executor's request otherwise
-                self.inflight.finish(placement.name, job.request_id)
-                if handed_on and not counted:  # the consumer stopped at the first chunk
-                    _count_placement(placement, prompt_len, block_size, queue_ms)
+                try:
+                    if trailer_spans is not None:
+                        # The executor's spans are in the trailers right after its last message:
+                        # read once that message went on (a one-chunk reply's first token does not
+                        # wait for them), when the consumer closes us or asks for more.
+                        trace.add_downstream(await trailer_spans())
+                finally:
+                    stream.cancel()  # no-op when the call finished; aborts the executor's request otherwise
+                    self.inflight.finish(placement.name, job.request_id)
+                    if handed_on and not counted:  # the consumer stopped at the first chunk
+                        _count_placement(placement, prompt_len, block_size, queue_ms)
 
 
 def _count_placement(placement: Placement, prompt_len: int, block_size: int, queue_ms: int) -> bool:

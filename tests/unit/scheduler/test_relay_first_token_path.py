@@ -1,15 +1,18 @@
 """What the relay keeps off a request's first-token path (issue 16, mesh overhead): the
 placement's metrics and its ``request_placed`` log line are recorded after the first chunk
-was handed on, and still exactly once, also when the consumer stops at that chunk."""
+was handed on, and still exactly once, also when the consumer stops at that chunk; the
+executor's spans (its call's trailers) are read after its last chunk went on, and still
+reach the request's timeline before it is finished."""
 from __future__ import annotations
 
 import asyncio
 
 from services.scheduler.dispatch import relay
 from services.scheduler.dispatch.dispatcher import Dispatcher
-from services.scheduler.dispatch.job import Job
+from services.mesh.timeline import Span
+from services.scheduler.dispatch.job import Chunk, Job
 from services.scheduler.policy.admission import Admission
-from tests.unit.scheduler.test_dispatcher import ByName, FakePort, mesh
+from tests.unit.scheduler.test_dispatcher import ByName, FakePort, FakeStream, mesh
 
 
 def _placed(executor: str) -> float:
@@ -52,6 +55,50 @@ def test_a_consumer_that_stops_at_the_first_chunk_still_gets_its_placement_count
     assert first.token_ids and not first.finished
     assert _placed("a") - before == 1
     assert [line["event"] for line in lines] == ["request_placed"]
+
+
+EXECUTOR_SPAN = Span("t" * 32, "e" * 16, "p" * 16, "executor.request", "executor", 1, 2)
+
+
+class TrailedStream(FakeStream):
+    """One finished chunk whose executor spans (trailers) come only once ``trailers`` is set."""
+
+    def __init__(self, call, trailers: asyncio.Event) -> None:
+        super().__init__("ok", call, "a")
+        self.trailers = trailers
+
+    async def __aiter__(self):
+        async def spans():
+            await self.trailers.wait()
+            return [EXECUTOR_SPAN]
+        yield Chunk((9,), True, "a", num_prompt_tokens=3, num_output_tokens=1, trailer_spans=spans)
+
+
+class TrailedPort(FakePort):
+    def __init__(self, trailers: asyncio.Event) -> None:
+        super().__init__({"a": "ok"})
+        self.trailers = trailers
+
+    def generate(self, address, call, timeout_s, traceparent):
+        self.calls.append((address, call))
+        return TrailedStream(call, self.trailers)
+
+
+def test_a_one_chunk_reply_goes_on_before_the_executor_trailers_and_the_timeline_still_gets_them():
+    async def main():
+        trailers = asyncio.Event()
+        dispatcher = Dispatcher(mesh("a"), ByName(), Admission(4, 4), TrailedPort(trailers))
+        finished: list[list[Span]] = []
+        stream = dispatcher.generate(Job("r3", [1, 2, 3], "m", "t", max_tokens=1), finished.append)
+        # The old relay read the trailers before handing the chunk on: this wait ran out.
+        chunk = await asyncio.wait_for(anext(stream), 5)
+        assert chunk.finished and chunk.token_ids == (9,) and finished == []
+        trailers.set()  # they follow the last message on the wire
+        assert [c async for c in stream] == []
+        return finished
+
+    finished = asyncio.run(asyncio.wait_for(main(), 10))
+    assert len(finished) == 1 and EXECUTOR_SPAN in finished[0]  # in the scheduler's spans when it finished
 
 
 class _Recorder:
