@@ -7,7 +7,9 @@
 
 SIGHUP re-reads both files. A PATCH is written back to the files it changes (atomically:
 a temporary file renamed over the old one), so a later SIGHUP or restart keeps it; with
-no file configured it lives in memory until the router restarts. The version goes up by
+no file configured, or one that cannot be written (the keys Secret Kubernetes mounts
+read-only; logged as ``live_settings_not_persisted``), it lives in memory, shared with the
+other routers, until every router restarts. The version goes up by
 one per change; a settings file may carry a higher one (``"version": 40``), which wins.
 
 NOTE: several routers (Kubernetes' autoscaler runs 2-6). Each stamps its documents
@@ -19,6 +21,7 @@ it unchanged, so every router and every service converge on the newest change, w
 replica took it::
 
     start: the document of its files, stamped 0 (older than anything claimed or changed)
+      │ once NATS is connected (hearing nobody during an outage proves nothing),
       │ listen one republish period and a half: adopt another router's *change*
       │ (a PATCH or a SIGHUP reload, origin != files), never its files
       ▼
@@ -200,12 +203,21 @@ class RouterLiveSettings:
         return new
 
     def _persist(self, old: LiveDocument, new: LiveDocument) -> None:
-        """Write what changed to its file, so SIGHUP and restarts keep it."""
+        """Write what changed to its file, so SIGHUP and restarts keep it. A file that
+        cannot be written (Kubernetes mounts the keys Secret read-only) does not refuse
+        the change: it runs, shared with the other routers, until every router restarts,
+        as with no file configured; the failure is logged."""
+        writes = []
         if self.keys_file and dict(new.keys) != dict(old.keys):
-            _write_atomically(self.keys_file, {k: {"tenant": e.tenant, "role": e.role} for k, e in new.keys.items()})
+            writes.append((self.keys_file, {k: {"tenant": e.tenant, "role": e.role} for k, e in new.keys.items()}))
         if self.options.settings_file:
-            body = {k: v for k, v in new.to_json().items() if k != "keys"}
-            _write_atomically(self.options.settings_file, body)
+            writes.append((self.options.settings_file, {k: v for k, v in new.to_json().items() if k != "keys"}))
+        for path, body in writes:
+            try:
+                _write_atomically(path, body)
+            except OSError as exc:
+                log.error("live_settings_not_persisted", file=path, error=str(exc), version=new.version,
+                          detail="the change runs until every router restarts; edit the file (or its Secret) to keep it")
 
     # -- the bus ------------------------------------------------------------------------
     async def publish(self) -> None:
@@ -243,6 +255,11 @@ class RouterLiveSettings:
             await self.bus.close()
 
     async def _republish_forever(self) -> None:
+        # Listen once connected: a router that starts while NATS is unreachable hears no
+        # other router, and its files, claimed as the newest document, would replace the
+        # change the running routers hold as soon as NATS is back.
+        while not await self.bus.wait_connected(self.options.republish_s):
+            pass
         await asyncio.sleep(self.options.listen_s)  # another router's newer document is adopted meanwhile
         self.claim()
         while True:
@@ -274,9 +291,18 @@ def _check_keys_kept(current: LiveDocument, new: LiveDocument, *, by_admin_api: 
 
 
 def _write_atomically(path: str, value: object) -> None:
+    """Replace ``path`` in one rename. The temporary copy (API keys, for the keys file) is
+    created with the file's own mode (0600 for a new one), never the umask's, and removed
+    when the write fails."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    if target.exists():
-        os.chmod(tmp, target.stat().st_mode & 0o777)
-    os.replace(tmp, target)
+    mode = target.stat().st_mode & 0o777 if target.exists() else 0o600
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
+        os.chmod(tmp, mode)  # an older copy left by a crash keeps its own mode through O_CREAT
+        os.replace(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise

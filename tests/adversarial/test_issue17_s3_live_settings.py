@@ -1,0 +1,155 @@
+"""Issue 17 (session 3, attack): live settings across router replicas, as an unlucky
+operator meets them (services/router/live_settings.py).
+
+- A key added through the admin API on Kubernetes: the keys file is a Secret mount,
+  read-only, and writing the change back raised, so the PATCH was an HTTP 500 and
+  changed nothing, although the routers share the document precisely so that such a key
+  works on every replica. The change runs now (shared with the other routers) and the
+  failed write is logged: it lives until every router restarts, like a change made with
+  no file configured.
+- A router that starts while NATS is unreachable heard no other router during its listen
+  window and claimed its own files as the newest document; once NATS was back, every
+  running router adopted them and a PATCH made before (a key, a policy) was reverted
+  mesh-wide. It listens once connected now.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from structlog.testing import capture_logs
+
+from services.mesh import nats_bus
+from services.mesh.live_settings import ROUTER_BUS_KIND
+from services.router.admin_routes import AdminRoutes
+from services.router.auth import KeyStore
+from services.router.live_settings import LiveOptions, RouterLiveSettings
+
+ADMIN = "sk-admin-000001"
+KEYS = {ADMIN: {"tenant": "ops", "role": "admin"}, "sk-acme-0001": "acme"}
+DEADLINE_S = 10.0
+
+
+def _router(tmp_path, name: str, options: LiveOptions = LiveOptions(), clock=None) -> RouterLiveSettings:
+    folder = tmp_path / name
+    folder.mkdir()
+    keys_file = folder / "keys.json"
+    keys_file.write_text(json.dumps(KEYS))
+    kwargs = {"clock": clock} if clock else {}
+    return RouterLiveSettings(KeyStore.from_file(keys_file), str(keys_file), options, writer=name, **kwargs)
+
+
+def test_a_key_added_through_the_admin_api_works_when_the_keys_file_is_read_only(tmp_path, monkeypatch):
+    live = _router(tmp_path, "router-a")
+
+    def read_only(src, dst):  # a Secret volume: EROFS, whoever the process runs as
+        raise OSError(errno.EROFS, "Read-only file system", str(dst))
+
+    monkeypatch.setattr(os, "replace", read_only)
+
+    async def scenario():
+        app = web.Application()
+        AdminRoutes(live).register(app)
+        async with TestClient(TestServer(app)) as client:
+            reply = await client.patch("/v1/weft/admin/settings", headers={"Authorization": f"Bearer {ADMIN}"},
+                                       json={"keys": {"sk-globex-0001": "globex"}})
+            return reply.status
+
+    with capture_logs() as logs:
+        status = asyncio.run(scenario())
+    assert status == 200  # was 500, and the key was refused
+    assert live.keys.authenticate("sk-globex-0001") == "globex"
+    assert b"sk-globex-0001" in live.document.router_payload()  # shared with the other routers
+    assert any(e["event"] == "live_settings_not_persisted" for e in logs)
+
+
+class _UnreachableBus:
+    """EventBus while NATS is down: connecting never succeeds until ``connect`` is called."""
+
+    instances: list[_UnreachableBus] = []
+
+    def __init__(self, url: str, source: str) -> None:
+        self.published: dict[str, bytes] = {}
+        self.handlers = []
+        self.connected = asyncio.Event()
+        self.asked = asyncio.Event()  # the router waits for the connection
+        self.sent = asyncio.Event()
+        _UnreachableBus.instances.append(self)
+
+    async def start(self) -> None:
+        pass
+
+    async def require_login(self) -> None:
+        pass  # returns when NATS is unreachable (an outage the bus rides out)
+
+    async def subscribe_documents(self, kind, handler) -> None:
+        self.handlers.append((kind, handler))
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        self.asked.set()
+        try:
+            await asyncio.wait_for(self.connected.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def publish_document(self, kind: str, data: bytes) -> bool:
+        self.published[kind] = data
+        self.sent.set()
+        return True
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_router_started_during_a_nats_outage_does_not_revert_a_running_change(tmp_path, monkeypatch):
+    running = _router(tmp_path, "router-a")
+    running.claim()
+    running.patch({"keys": {"sk-globex-0001": "globex"}, "scheduler": {"policy": "fcfs"}})
+    monkeypatch.setattr(nats_bus, "EventBus", _UnreachableBus)
+    starting = _router(tmp_path, "router-b", LiveOptions(nats_url="nats://down:4222", republish_s=0.01))
+
+    async def scenario():
+        await starting.start()
+        bus = _UnreachableBus.instances[-1]
+        waiting = asyncio.ensure_future(bus.asked.wait())
+        sent = asyncio.ensure_future(bus.sent.wait())
+        await asyncio.wait([waiting, sent], timeout=DEADLINE_S, return_when=asyncio.FIRST_COMPLETED)
+        claimed_while_down = sent.done()
+        if not claimed_while_down:
+            assert waiting.done(), "the starting router neither waited for NATS nor published"
+            # NATS is back: the subscription delivers the running router's republish, then connects.
+            for kind, handler in bus.handlers:
+                if kind == ROUTER_BUS_KIND:
+                    await handler(running.document.router_payload())
+            bus.connected.set()
+            await asyncio.wait_for(bus.sent.wait(), DEADLINE_S)
+        for task in (waiting, sent):
+            task.cancel()
+        await starting.stop()
+        return claimed_while_down, bus.published[ROUTER_BUS_KIND]
+
+    claimed_while_down, published = asyncio.run(scenario())
+    running.adopt(published)  # what the running router hears from the new replica
+    assert not claimed_while_down, "claimed its files while NATS was unreachable"
+    assert running.keys.authenticate("sk-globex-0001") == "globex"
+    assert dict(running.document.sections["scheduler"]) == {"policy": "fcfs"}
+    assert starting.document == running.document
+
+
+def test_a_failed_write_back_leaves_no_copy_of_the_keys_beside_the_file(tmp_path, monkeypatch):
+    live = _router(tmp_path, "router-a")
+    os.chmod(live.keys_file, 0o600)
+
+    def refused(src, dst):  # e.g. the keys file replaced by a directory of the same name
+        raise OSError(errno.EISDIR, "Is a directory", str(dst))
+
+    monkeypatch.setattr(os, "replace", refused)
+    with capture_logs():
+        live.patch({"keys": {"sk-globex-0001": "globex"}})
+    assert sorted(p.name for p in (tmp_path / "router-a").iterdir()) == ["keys.json"]  # was: + .keys.json.<pid>.tmp
