@@ -300,8 +300,8 @@ def _write_atomically(path: str, value: object) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as out:
+            os.fchmod(fd, mode)  # before writing: a copy left by a crash kept its own mode through O_CREAT
             out.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
-        os.chmod(tmp, mode)  # an older copy left by a crash keeps its own mode through O_CREAT
         os.replace(tmp, target)
     except OSError:
         tmp.unlink(missing_ok=True)
