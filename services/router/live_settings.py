@@ -154,11 +154,14 @@ class RouterLiveSettings:
         return self._commit(new, "admin_api")
 
     def reload(self) -> LiveDocument:
-        """Re-read the keys file and the settings file (SIGHUP); a bad file changes nothing."""
+        """Re-read the keys file and the settings file (SIGHUP); a bad file changes nothing.
+        What has no file (keys, or settings: Kubernetes configures no settings file) keeps
+        what runs, a PATCH included: a SIGHUP for a new keys Secret reverts no setting."""
         base = read_settings_file(self.options.settings_file)
         keys = read_keys_file(self.keys_file) if self.keys_file else dict(self.document.keys)
         current = self.document
-        new = LiveDocument(current.version, keys, base.sections)
+        sections = base.sections if self.options.settings_file else current.sections
+        new = LiveDocument(current.version, keys, sections)
         _check_keys_kept(current, new, by_admin_api=False)
         if new.same_settings(current) and base.version <= current.version:
             return current

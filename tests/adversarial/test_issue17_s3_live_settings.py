@@ -177,3 +177,17 @@ def test_a_service_follows_new_routers_after_a_router_whose_clock_ran_a_day_ahea
     fresh.patch({"scheduler": {"policy": "priority"}})
     asyncio.run(follower.receive(fresh.document.bus_payload()))
     assert applied[-1] == {"policy": "priority"}
+
+
+def test_a_sighup_for_new_keys_keeps_the_settings_patched_when_no_settings_file_is_configured(tmp_path):
+    """Kubernetes sets no settings file; docs/live_config.md says to SIGHUP one router to
+    pick up a new keys Secret. The reload took the sections from the absent file (none),
+    so every setting changed through the admin API reverted on every router."""
+    live = _router(tmp_path, "router-a")
+    live.claim()
+    live.patch({"scheduler": {"policy": "fcfs", "tenant_quotas": "acme=64"}})
+    (tmp_path / "router-a" / "keys.json").write_text(json.dumps({**KEYS, "sk-rotated-0001": "acme"}))
+    with capture_logs():
+        live.reload()
+    assert live.keys.authenticate("sk-rotated-0001") == "acme"
+    assert dict(live.document.sections["scheduler"]) == {"policy": "fcfs", "tenant_quotas": "acme=64"}
