@@ -38,6 +38,7 @@ import hashlib
 import json
 import math
 import re
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -55,6 +56,9 @@ SETTINGS_VERSION = metrics.gauge("weft_settings_version",
                                  ["service"])
 ROUTER_BUS_KIND = "routersettings"  # weft.routersettings.<router>: the whole document, keys included, routers only
 ROLES = ("tenant", "admin")
+# A stamp further ahead of a service's own clock than this was written by a clock that runs
+# fast (SettingsFollower.receive): it must not hold the service once that router is gone.
+MAX_CLOCK_AHEAD_S = 60.0
 STAMP_FIELDS = ("updated_at", "writer", "origin")  # set by the router that made the change, never by a patch
 # What made a document: a router's files as it started ("files"), or a change while running.
 ORIGINS = ("files", "admin_api", "reload")
@@ -347,14 +351,19 @@ class SettingsFollower:
     A document counts as handled only once ``apply`` succeeded: one it refused (ValueError:
     the section does not fit this service) or that failed (any other error) is logged with
     the reason and tried again when it is republished. An older document (a router still
-    republishing what it had before another router's change) is ignored."""
+    republishing what it had before another router's change) is ignored, unless the one in
+    force is stamped more than ``MAX_CLOCK_AHEAD_S`` ahead of this service's clock (its
+    router's clock ran fast) and the older one was made after it was last heard: the routers
+    that replaced a fast one are followed at once, not once this clock reaches its stamp."""
 
-    def __init__(self, service: str, section: str, apply: Apply) -> None:
+    def __init__(self, service: str, section: str, apply: Apply, clock: Callable[[], float] = time.time) -> None:
         self.service = service
         self.section = section
         self._apply = apply
+        self._clock = clock  # unix seconds
         self.version = 0
         self.stamp: tuple[float, int, str] | None = None  # of the document in force; None: none yet
+        self._heard_at = 0.0  # when the document in force was last received (this clock)
         self._applied: dict[str, object] = {}  # this service's overrides now in force
         self._failed: tuple[tuple, str] | None = None  # (stamp, reason) of the last failure, logged once
         SETTINGS_VERSION.labels(service).set(0)
@@ -368,8 +377,13 @@ class SettingsFollower:
         except SettingsError as exc:
             log.warning("live_settings_malformed", service=self.service, error=str(exc))
             return
-        if self.stamp is not None and doc.stamp <= self.stamp:
-            return  # the periodic republish of what runs, or an older document from another router
+        now = self._clock()
+        if self.stamp is not None and doc.stamp == self.stamp:
+            self._heard_at = now  # the periodic republish of what runs
+            return
+        if self.stamp is not None and doc.stamp < self.stamp and not (
+                self.stamp[0] > now + MAX_CLOCK_AHEAD_S >= doc.updated_at > self._heard_at):
+            return  # an older document from another router
         overrides = dict(doc.sections.get(self.section, {}))
         if overrides != self._applied:
             try:
@@ -380,7 +394,7 @@ class SettingsFollower:
                 self._log_failure(doc, exc)
                 return
             self._applied = overrides
-        self.stamp, self.version, self._failed = doc.stamp, doc.version, None
+        self.stamp, self.version, self._failed, self._heard_at = doc.stamp, doc.version, None, now
         SETTINGS_VERSION.labels(self.service).set(doc.version)
         log.info("live_settings_applied", service=self.service, version=doc.version, writer=doc.writer,
                  overrides=self._applied)

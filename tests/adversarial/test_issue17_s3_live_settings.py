@@ -13,9 +13,10 @@ operator meets them (services/router/live_settings.py).
   mesh-wide. It listens once connected now.
 - A SIGHUP for a new keys Secret, with no settings file (Kubernetes), reverted every
   setting changed through the admin API; what has no file keeps what runs now.
-- Left (strict xfail): a document stamped by a router whose clock ran ahead holds every
-  service until the services' clocks pass its stamp, even after every router restarted;
-  a PATCH on a router still listening reverts a change made on another replica.
+- A document stamped by a router whose clock ran a day ahead held every service for that
+  day, even after every router was replaced (each PATCH answered 200, nothing applied).
+- Left (strict xfail): a PATCH on a router still listening reverts a change made on
+  another replica.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from structlog.testing import capture_logs
 
 from services.mesh import nats_bus
-from services.mesh.live_settings import ROUTER_BUS_KIND, SettingsFollower
+from services.mesh.live_settings import ROUTER_BUS_KIND, LiveDocument, SettingsFollower
 from services.router.admin_routes import AdminRoutes
 from services.router.auth import KeyStore
 from services.router.live_settings import LiveOptions, RouterLiveSettings, VersionConflict
@@ -160,20 +161,16 @@ def test_a_failed_write_back_leaves_no_copy_of_the_keys_beside_the_file(tmp_path
     assert sorted(p.name for p in (tmp_path / "router-a").iterdir()) == ["keys.json"]  # was: + .keys.json.<pid>.tmp
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a service keeps the stamp of a document from a router whose clock ran ahead and ignores every later "
-    "router's document until its own wall clock passes that stamp (here a day: every PATCH answers 200 and "
-    "no service applies it). Needs SettingsFollower.receive (services/mesh/live_settings.py) to bound how "
-    "far ahead of its own clock a stamp counts, without the transient flip a naive clamp brings back while "
-    "a fast router still republishes its older document; see the session's report"))
 def test_a_service_follows_new_routers_after_a_router_whose_clock_ran_a_day_ahead(tmp_path):
     now = [1_800_000_000.0]
     fast = _router(tmp_path, "router-fast", clock=lambda: now[0] + 86_400)  # a node whose clock is a day ahead
     fast.claim()
     fast.patch({"scheduler": {"policy": "fcfs"}})
     applied: list[dict] = []
-    follower = SettingsFollower("scheduler", "scheduler", applied.append)
+    follower = SettingsFollower("scheduler", "scheduler", applied.append, clock=lambda: now[0])
     asyncio.run(follower.receive(fast.document.bus_payload()))
+    now[0] += 2
+    asyncio.run(follower.receive(fast.document.bus_payload()))  # its last republish
     now[0] += 600  # every router replaced since (a new image): nobody holds the fast one's document
     fresh = _router(tmp_path, "router-new", clock=lambda: now[0])
     fresh.claim()
@@ -214,3 +211,27 @@ def test_a_patch_on_a_router_still_listening_keeps_a_change_made_on_another_repl
     starting.adopt(running.document.router_payload())
     running.adopt(starting.document.router_payload())
     assert dict(running.document.sections["scheduler"]).get("policy") == "fcfs"
+
+
+def test_a_fast_routers_older_document_does_not_replace_the_change_that_superseded_it(tmp_path):
+    """The other side of the rule above: while the fast router still republishes its
+    document, a change made after it (stamped after it by the router that adopted it)
+    stays in force; so does the fast one against a correct router's stale republish."""
+    now = [1_800_000_000.0]
+    fast = _router(tmp_path, "router-fast", clock=lambda: now[0] + 86_400)
+    other = _router(tmp_path, "router-other", clock=lambda: now[0])
+    stale = LiveDocument(1, {}, {}, now[0] - 5, "router-stale", "files").bus_payload()
+    fast.claim()
+    fast.patch({"scheduler": {"policy": "fcfs"}})
+    other.adopt(fast.document.router_payload())
+    now[0] += 1
+    other.patch({"scheduler": {"policy": "priority"}})
+    applied: list[dict] = []
+    follower = SettingsFollower("scheduler", "scheduler", applied.append, clock=lambda: now[0])
+    for doc in (fast.document.bus_payload(), other.document.bus_payload(), stale):
+        asyncio.run(follower.receive(doc))
+    superseded = fast.document.bus_payload()
+    now[0] += 2
+    for doc in (superseded, stale, superseded):  # republished before the fast router adopts the change
+        asyncio.run(follower.receive(doc))
+    assert applied == [{"policy": "fcfs"}, {"policy": "priority"}] and follower.stamp == other.document.stamp
