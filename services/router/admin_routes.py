@@ -26,7 +26,7 @@ from aiohttp import web
 from services.mesh.live_settings import LIVE_SETTINGS, SettingsError, redacted
 from services.router.auth import bearer_token
 from services.router.errors import AuthenticationError
-from services.router.live_settings import RouterLiveSettings, VersionConflict
+from services.router.live_settings import CatchingUp, RouterLiveSettings, VersionConflict
 from services.router.openai_format import error_body
 
 log = structlog.get_logger(__name__)
@@ -77,7 +77,10 @@ class AdminRoutes:
         except ValueError:
             return _bad_request("If-Match", f"must be a version number, got {expected!r}")
         try:
-            doc = self.live.patch(patch, expected_version)
+            doc = await self.live.patch_when_caught_up(patch, expected_version)
+        except CatchingUp as exc:
+            return web.json_response(error_body(503, str(exc), None, "settings_catching_up"), status=503,
+                                     headers={"Retry-After": "1"})
         except VersionConflict as exc:
             return web.json_response(error_body(409, str(exc), "version", "version_conflict"), status=409,
                                      headers={"ETag": str(self.live.document.version)})

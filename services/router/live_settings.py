@@ -73,6 +73,10 @@ class VersionConflict(Exception):
     """A change was made against a version that is no longer current (HTTP 409)."""
 
 
+class CatchingUp(Exception):
+    """The router has not heard the other routers' document yet (HTTP 503, retry)."""
+
+
 @dataclass(frozen=True)
 class LiveOptions:
     settings_file: str = ""
@@ -129,6 +133,9 @@ class RouterLiveSettings:
         base = read_settings_file(options.settings_file)
         self.document = LiveDocument(max(base.version, 1), keys.entries, base.sections, 0.0, self.writer, "files")
         self.listening = True  # until ``claim``: adopt only other routers' changes, not their files
+        self.caught_up = asyncio.Event()  # set by ``claim``: admin changes wait for it
+        if not options.nats_url:
+            self.caught_up.set()  # no bus: no other router to hear
         self.bus = None
         self._republish: asyncio.Task | None = None
         SETTINGS_VERSION.labels("router").set(self.document.version)
@@ -152,6 +159,19 @@ class RouterLiveSettings:
         new = new.stamped(current.version + 1, self._now(), self.writer, "admin_api")
         self._persist(current, new)
         return self._commit(new, "admin_api")
+
+    async def patch_when_caught_up(self, patch: object, expected_version: int | None = None) -> LiveDocument:
+        """``patch`` once this router has heard the others (its listen window at start):
+        made earlier, it would merge onto this router's own files, be stamped newest and
+        revert a change made meanwhile on another replica. Raises CatchingUp when that
+        takes longer than two listen windows (e.g. NATS unreachable since the start)."""
+        if not self.caught_up.is_set():
+            try:
+                await asyncio.wait_for(self.caught_up.wait(), 2 * self.options.listen_s)
+            except asyncio.TimeoutError:
+                raise CatchingUp("this router has not heard the other routers' settings yet (NATS unreachable "
+                                 "since it started?); retry, or send the change to another router") from None
+        return self.patch(patch, expected_version)
 
     def reload(self) -> LiveDocument:
         """Re-read the keys file and the settings file (SIGHUP); a bad file changes nothing.
@@ -184,6 +204,7 @@ class RouterLiveSettings:
     def claim(self) -> LiveDocument:
         """After listening at start: our own document, still unreplaced, is stamped now."""
         self.listening = False
+        self.caught_up.set()
         current = self.document
         if current.writer != self.writer:
             return current  # adopted another router's change

@@ -15,8 +15,9 @@ operator meets them (services/router/live_settings.py).
   setting changed through the admin API; what has no file keeps what runs now.
 - A document stamped by a router whose clock ran a day ahead held every service for that
   day, even after every router was replaced (each PATCH answered 200, nothing applied).
-- Left (strict xfail): a PATCH on a router still listening reverts a change made on
-  another replica.
+- A PATCH on a router still listening reverted a change made on another replica: the
+  admin API's change now waits for the router to catch up (503 + Retry-After past two
+  listen windows).
 """
 from __future__ import annotations
 
@@ -193,24 +194,35 @@ def test_a_sighup_for_new_keys_keeps_the_settings_patched_when_no_settings_file_
     assert dict(live.document.sections["scheduler"]) == {"policy": "fcfs", "tenant_quotas": "acme=64"}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a PATCH on a router that has not yet heard the other routers (its first 1.5 republish periods once "
-    "connected, or a whole NATS outage at its start) merges onto its own files, is stamped now and wins "
-    "everywhere: a change made before on another replica is reverted (both callers got 200). Needs "
-    "RouterLiveSettings.patch to refuse while listening (409/503 'catching up with the other routers, "
-    "retry') or to hold the PATCH until claim; services/router/live_settings.py + admin_routes.py"))
-def test_a_patch_on_a_router_still_listening_keeps_a_change_made_on_another_replica(tmp_path):
+def test_a_patch_on_a_router_still_listening_waits_and_keeps_a_change_made_on_another_replica(tmp_path):
+    """A PATCH on a router that has not yet heard the others merged onto its own files, was
+    stamped newest and reverted a change made on another replica (both callers got 200).
+    The admin API's change now waits until the router has heard them (``claim``)."""
     running = _router(tmp_path, "router-a")
     running.claim()
     running.patch({"scheduler": {"policy": "fcfs"}})
-    starting = _router(tmp_path, "router-b")  # listening: has not heard router-a's republish yet
-    try:
-        starting.patch({"scheduler": {"tenant_quotas": "acme=64"}})
-    except VersionConflict:
-        return  # refused until it caught up: the caller retries against the mesh's document
-    starting.adopt(running.document.router_payload())
+    starting = _router(tmp_path, "router-b", LiveOptions(nats_url="nats://127.0.0.1:1"))  # has not heard router-a
+
+    async def scenario():
+        pending = asyncio.ensure_future(starting.patch_when_caught_up({"scheduler": {"tenant_quotas": "acme=64"}}))
+        await asyncio.sleep(0)  # one loop turn: the PATCH is parked on the event, not applied
+        assert not pending.done()
+        starting.adopt(running.document.router_payload())  # the republish it was waiting for
+        starting.claim()
+        await asyncio.wait_for(pending, 10)
+
+    asyncio.run(scenario())
     running.adopt(starting.document.router_payload())
-    assert dict(running.document.sections["scheduler"]).get("policy") == "fcfs"
+    assert dict(running.document.sections["scheduler"]) == {"policy": "fcfs", "tenant_quotas": "acme=64"}
+
+
+def test_a_patch_on_a_router_that_never_hears_the_others_is_refused_for_a_retry(tmp_path):
+    from services.router.live_settings import CatchingUp
+
+    starting = _router(tmp_path, "router-b", LiveOptions(nats_url="nats://127.0.0.1:1", republish_s=0.01))
+    with pytest.raises(CatchingUp, match="retry"):
+        asyncio.run(starting.patch_when_caught_up({"scheduler": {"policy": "fcfs"}}))
+    assert "scheduler" not in starting.document.sections  # nothing changed
 
 
 def test_a_fast_routers_older_document_does_not_replace_the_change_that_superseded_it(tmp_path):
