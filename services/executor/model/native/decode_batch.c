@@ -2,8 +2,8 @@
  * each, each with its own position, cache slot, block table and length) in one C call.
  *
  * NOTE: why a separate step. At batch 1 a step is bound by memory bandwidth (decode.c); at
- * R rows the same weights feed R dot products each, so the step turns compute-bound in
- * fp32 (SmolLM2 at 16 rows: ~4.3 GFLOP against ~540 MB of weights). The GEMM here streams
+ * R rows the same weights feed R dot products each (SmolLM2 at 16 rows: ~4.3 GFLOP against
+ * ~540 MB of weights), so FMA throughput matters as much as bandwidth. The GEMM here streams
  * every weight row from DRAM once and dots it with all R activation rows, register-blocked:
  *
  *            X rows r0 .. r0+3 (L1/L2, re-read per tile)
@@ -18,7 +18,8 @@
  * Each thread owns one contiguous range of tiles, as the batch-1 GEMV owns rows. The whole
  * step runs inside ONE parallel region (6 barriers per layer: the batch-1 step's 5 plus
  * one between writing every row's K/V and attending, so no row can read a slot another row
- * is writing, as on the torch path). Attention is one (row, query head) per iteration.
+ * is writing, as on the torch path). Attention is one (row, query head) per iteration,
+ * with the K/V rows a few tokens ahead prefetched.
  */
 #include "llama_step.h"
 
@@ -154,6 +155,43 @@ static void gate_up_rows_for(const float *gu, const float *X, float *act, int in
     }
 }
 
+/* Tokens ahead whose K and V rows attend_rows prefetches. */
+#define KV_PREFETCH_TOKENS 8
+
+/* attend_head (llama_step.h) for one row of a batch, with the K and V rows of the token
+ * KV_PREFETCH_TOKENS ahead prefetched while the scores are summed: a row's cache is cold
+ * (it was last read a layer ago, among R rows' caches), and each token's head_dim floats
+ * sit kv_heads * head_dim apart, a stride the hardware prefetcher follows late. */
+static void attend_rows_head(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
+                             int kv_head, const int32_t *block_table, int seq_len) {
+    const int d = m->head_dim, kvh = m->num_kv_heads, bs = m->block_size;
+    const size_t v_offset = (size_t)m->num_blocks * bs * kvh * d;
+    float mx = -INFINITY;
+    for (int t = 0; t < seq_len; t++) {
+        const int ahead = t + KV_PREFETCH_TOKENS;
+        if (ahead < seq_len) {
+            const float *kp = cache + ((size_t)block_table[ahead / bs] * bs + ahead % bs) * kvh * d + (size_t)kv_head * d;
+            for (int j = 0; j < d; j += 16) {
+                _mm_prefetch((const char *)(kp + j), _MM_HINT_T0);
+                _mm_prefetch((const char *)(kp + v_offset + j), _MM_HINT_T1);
+            }
+        }
+        const float *k = cache + ((size_t)block_table[t / bs] * bs + t % bs) * kvh * d + (size_t)kv_head * d;
+        float s = dot(q, k, d) * m->scale;
+        scores[t] = s;
+        if (s > mx) mx = s;
+    }
+    float sum = 0.f;
+    for (int t = 0; t < seq_len; t++) { scores[t] = expf(scores[t] - mx); sum += scores[t]; }
+    float inv = 1.f / sum;
+    for (int j = 0; j < d; j++) out[j] = 0.f;
+    for (int t = 0; t < seq_len; t++) {
+        const float *v = cache + v_offset + ((size_t)block_table[t / bs] * bs + t % bs) * kvh * d + (size_t)kv_head * d;
+        float p = scores[t] * inv;
+        for (int j = 0; j < d; j++) out[j] += p * v[j];
+    }
+}
+
 /* One decode step of R sequences: row r decodes token_ids[r] at positions[r], its K/V go
  * to cache slot slots[r]; block_tables [R, table_stride] lists each row's blocks and
  * seq_lens[r] counts its tokens including this one. Writes the R K/V slots of every layer
@@ -205,8 +243,9 @@ int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const
             #pragma omp for schedule(dynamic, 1)
             for (int p = 0; p < R * nh; p++) {
                 const int r = p / nh, hd = p % nh;
-                attend_head(m, cache, qkv + (size_t)r * qkv_dim + (size_t)hd * d, attn + (size_t)r * q_dim + (size_t)hd * d,
-                            sc, hd / group, block_tables + (size_t)r * table_stride, seq_lens[r]);
+                attend_rows_head(m, cache, qkv + (size_t)r * qkv_dim + (size_t)hd * d,
+                                 attn + (size_t)r * q_dim + (size_t)hd * d, sc, hd / group,
+                                 block_tables + (size_t)r * table_stride, seq_lens[r]);
             }
             gemm_rows_for(m->o[l], m->o_bias[l], attn, q_dim, h, H, H, q_dim, R, 1); /* h += o(attn) */
             for (int r = 0; r < R; r++) rms_norm(h + (size_t)r * H, m->post_norm[l], x + (size_t)r * H, H, m->eps);
