@@ -23,9 +23,9 @@ _F32P = ctypes.POINTER(ctypes.c_float)
 
 # Most decode rows one native step takes; a step with more goes through torch. The native
 # step was faster than the torch path at every row count measured, 1-64 (median speed-up,
-# 2 threads, ~160 context, benchmarks/results/native_batch.md): SmolLM2 1.59x 1.41x 1.28x
-# 1.24x 1.00x 1.59x 1.30x at 1 2 4 8 16 32 64 rows, bench 1.69x 1.44x 1.50x 1.33x 1.07x
-# 1.18x 1.14x; 64 is also the engine's default max_num_seqs. Larger batches are unmeasured.
+# 2 threads, ~160 context, benchmarks/results/native_batch.md): SmolLM2 1.39x 1.30x 1.20x
+# 1.30x 1.10x 1.33x 1.32x at 1 2 4 8 16 32 64 rows, bench 1.62x 1.39x 1.34x 1.33x 1.29x
+# 1.09x 1.19x; 64 is also the engine's default max_num_seqs. Larger batches are unmeasured.
 MAX_ROWS = 64
 
 
