@@ -93,6 +93,7 @@ class HopPlan:
     inputs: PriorityInputs
     priority: Callable[[float], float]  # now_s -> priority, higher runs first
     resumes_demoted: str = ""  # executor whose demoted blocks should be promoted first
+    num_new_tokens: int = 0  # prompt tokens beyond the session's known context (the whole prompt without one)
     release: StaleRelease | None = None
     intent: IntentShiftDecision | None = None  # the intent check's verdict (None: not checked)
     fallback: FallbackChoice = field(default_factory=lambda: FallbackChoice(Fallback.NONE))
@@ -199,7 +200,7 @@ class AgentPlane:
         )
         prioritizer = self.prioritizer
         return HopPlan(hop, ctx.prompt_token_ids, cls, now, inputs, lambda t: prioritizer.priority(inputs, t),
-                       resumes_demoted, release, intent)
+                       resumes_demoted, ctx.num_new_tokens, release, intent)
 
     def _judge(self, hop: HopRequest, ses: SessionState, ctx: HopContext) -> IntentShiftDecision:
         """The awaited verdict while it still applies (the context it judged is the
@@ -252,9 +253,12 @@ class AgentPlane:
                mean_entropy: float, elapsed_ms: float) -> SessionState | None:
         r = plan.request
         self.contracts.observe_request_ms(elapsed_ms, len(output_token_ids))
+        # Attained service is what the program asked for (its new prompt tokens and its output),
+        # never the engine's recomputation of KV it evicted (num_cached_tokens): charging that
+        # sank a long program each time pool pressure evicted it, which got it evicted again.
         ses = self.sessions.end_hop(
             r.tenant, r.session_id, r.program_id, r.hop_index, plan.prompt_token_ids, output_token_ids, executor,
-            len(plan.prompt_token_ids) - num_cached_tokens, r.expected_tool_ms, mean_entropy)
+            plan.num_new_tokens, r.expected_tool_ms, mean_entropy)
         if ses is None:
             return None
         if plan.pause.decision is PauseDecision.KEEP:

@@ -274,3 +274,18 @@ def test_pinned_block_accounting_keeps_two_tenants_with_one_session_id_apart():
     assert plane.pinned_blocks("ex") == 8
     plane.forget_pins("acme", "s")
     assert plane.pinned_blocks("ex") == 4  # globex's "s" still holds its blocks
+
+
+def test_attained_service_counts_the_programs_own_tokens_not_recomputed_kv():
+    """A hop whose context the pool evicted is recomputed (nothing cached): charging that
+    recomputation to the program's attained service sank a long program under KV pressure,
+    which got it evicted again. Only its new prompt tokens and its output count."""
+    plane = AgentPlane(make_prioritizer("weft"), make_pause_policy("drop"), ContractBook(), clock=Clock())
+    ctx = [i % 50 for i in range(300)]
+    first = plane.begin(HopRequest("r0", "t", ctx, session_id="s", program_id="p", expected_tool_ms=500), 1000)
+    plane.finish(first, "ex", [7, 8], 0, 0.0, 50.0)
+    assert plane.sessions.program("t", "p").attained_tokens == 302  # the first prompt is the program's own
+    nxt = ctx + [7, 8] + [3] * 20
+    second = plane.begin(HopRequest("r1", "t", nxt, session_id="s", program_id="p", hop_index=1), 1000)
+    plane.finish(second, "ex", [9, 9], 0, 0.0, 50.0)  # recomputed whole: num_cached_tokens 0
+    assert plane.sessions.program("t", "p").attained_tokens == 302 + 20 + 2
