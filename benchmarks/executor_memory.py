@@ -11,7 +11,7 @@ the Python heap and its largest growth by file:line since the first sample.
 
 Separates the candidate causes of a slow RSS creep:
   bounded     the prefix cache filling up to the pool: compare --num-kv-blocks small
-              (full within seconds) with the default pool (256 MiB of KV)
+              (full within seconds) with the default pool (1 GiB of KV)
   allocator   glibc arenas: --malloc-trim calls malloc_trim(0) at each sample and also
               records RSS after it; run under MALLOC_ARENA_MAX=2 to compare
   leak        Python objects: --tracemalloc top growth by file:line
@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=8, help="client loops at once (default: 8)")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default: 32)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV pool size in blocks (default: the executor's 256 MiB of KV)")
+                   help="KV pool size in blocks (default: the executor's 1 GiB of KV)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--sample-every", type=int, default=500, help="requests between samples (default: 500)")
     p.add_argument("--tracemalloc", action="store_true", help="trace Python allocations (slower) and diff them")

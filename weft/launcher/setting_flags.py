@@ -155,8 +155,9 @@ FLAGS: tuple[SettingFlag, ...] = (
     # -- KV pool and batching -----------------------------------------------------------
     _e("--num-kv-blocks", POOL, "num_kv_blocks", "none",
        "KV blocks in each executor's pool; none: derived from --kv-cache-memory-bytes", metavar="N|none"),
-    _e("--kv-cache-memory-bytes", POOL, "kv_cache_memory_bytes", "268435456",
-       "bytes of KV cache per executor when --num-kv-blocks is none", metavar="BYTES"),
+    _e("--kv-cache-memory-bytes", POOL, "kv_cache_memory_bytes", "1073741824",
+       "bytes of KV cache per executor when --num-kv-blocks is none (at most twice what --max-num-seqs "
+       "full-length sequences fill)", metavar="BYTES"),
     _e("--block-size", POOL, "block_size", "16", "tokens per KV block", metavar="N"),
     _e("--kv-cache-dtype", POOL, "kv_cache_dtype", "auto",
        "KV storage: auto (the model dtype) or int8 (an int8 pool serves the kv_int8 rung)",

@@ -34,7 +34,9 @@ class EngineConfig:
                                     default="auto", choices=ATTENTION_BACKENDS)
     block_size: int = option("Tokens per KV block.", default=16)
     num_kv_blocks: int | None = option("KV blocks in the pool; none: derived from --kv-cache-memory-bytes.", default=None)
-    kv_cache_memory_bytes: int = option("Bytes of KV cache when --num-kv-blocks is none.", default=256 * 1024 * 1024)
+    kv_cache_memory_bytes: int = option(
+        "Bytes of KV cache when --num-kv-blocks is none (never more blocks than twice what max_num_seqs "
+        "sequences of max_model_len tokens fill).", default=1 << 30)
     max_num_seqs: int = option("Most requests computed in one step.", default=64)
     max_num_batched_tokens: int = option("Most tokens computed in one step.", default=2048)
     max_prefill_chunk: int = option("Longest prefill chunk one request gets per step.", default=512)

@@ -83,7 +83,12 @@ class LLMEngine:
             model_len = min(model_len, self.model_config.sliding_window)
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         block_bytes = ModelRunner.kv_bytes_per_block(self.model, config.block_size, config.kv_cache_dtype)
-        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
+        # A byte budget (the default 1 GiB: SmolLM2-135M's fp32 KV for ~23 k tokens, what
+        # llama-server's 6 x 4096 slots hold in f16) stops at twice what max_num_seqs full-length
+        # sequences use: half for running work, half for the prefix cache. A tiny model would
+        # otherwise get 10^5 blocks it never touches (seconds to set up, per engine).
+        useful = 2 * config.max_num_seqs * -(-self.max_model_len // config.block_size)
+        self.num_blocks = config.num_kv_blocks or max(1, min(config.kv_cache_memory_bytes // block_bytes, useful))
         self.pool = BlockPool(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         self.pins = PinTable(self.pool)
