@@ -172,8 +172,8 @@ static void attend_rows_head(const weft_model *m, const float *cache, const floa
         if (ahead < seq_len) {
             const float *kp = cache + ((size_t)block_table[ahead / bs] * bs + ahead % bs) * kvh * d + (size_t)kv_head * d;
             for (int j = 0; j < d; j += 16) {
-                _mm_prefetch((const char *)(kp + j), _MM_HINT_T0);
-                _mm_prefetch((const char *)(kp + v_offset + j), _MM_HINT_T1);
+                __builtin_prefetch(kp + j, 0, 3);            /* prefetcht0 */
+                __builtin_prefetch(kp + v_offset + j, 0, 2); /* prefetcht1 */
             }
         }
         const float *k = cache + ((size_t)block_table[t / bs] * bs + t % bs) * kvh * d + (size_t)kv_head * d;
