@@ -143,10 +143,10 @@ def _overcommit(value: object) -> str | None:
 def _priority_weights(value: object) -> str | None:
     if not isinstance(value, str):
         return f"must be a string like 'las=0.5,aging_s=10', got {type(value).__name__}"
-    from services.scheduler.policy.priority import parse_priority_weights  # pure, no torch
+    from services.shared.priority_weights import parse_weight_overrides
 
     try:
-        parse_priority_weights(value)
+        parse_weight_overrides(value)
     except ValueError as exc:
         return str(exc).removeprefix("priority_weights: ")
     return None

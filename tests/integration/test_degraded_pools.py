@@ -38,7 +38,9 @@ def post(port: int, contract: dict | None = None, prompt: str = "degraded pools"
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_model_dir):
     state_dir = tmp_path_factory.mktemp("degraded-pools")
-    env = {"WEFT_EXECUTOR_NUM_THREADS": "1", "WEFT_SCHEDULER_DEGRADATION_RUNGS": "none,kv_int8,shed",
+    # 8 MiB of KV: the byte budget, not the cap of twice a full batch, sets both pools' sizes
+    env = {"WEFT_EXECUTOR_NUM_THREADS": "1", "WEFT_EXECUTOR_KV_CACHE_MEMORY_BYTES": str(8 << 20),
+           "WEFT_SCHEDULER_DEGRADATION_RUNGS": "none,kv_int8,shed",
            "WEFT_SCHEDULER_DEGRADATION_THRESHOLDS": "kv_int8=0:0"}
     with launched_mesh(state_dir, tiny_model_dir, 1, env, ["--extra-executor=--kv-cache-dtype int8"],
                        timeout_s=150) as (_, state):

@@ -32,6 +32,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+from services.shared.priority_weights import parse_weight_overrides
 from services.shared.vocabulary import RequestClass
 
 
@@ -85,26 +86,10 @@ class WeftWeights:
     vocab_entropy_nats: float = math.log(32000)
 
 
-_WEIGHT_NAMES = ("las", "slack", "fresh", "entropy", "aging_s")
-
-
 def parse_priority_weights(text: str) -> WeftWeights:
-    """``"las=0.5,aging_s=10"`` over the defaults (``""``: the defaults). ValueError naming
-    the item: unknown names, non-numbers, negative weights, aging_s <= 0."""
-    values: dict[str, float] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, raw = item.partition("=")
-        name = name.strip()
-        if not sep or name not in _WEIGHT_NAMES:
-            raise ValueError(f"priority_weights: {item!r} is not one of {', '.join(n + '=W' for n in _WEIGHT_NAMES)}")
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"priority_weights: {item!r}: {raw.strip()!r} is not a number") from None
-        if not math.isfinite(value) or value < 0 or (name == "aging_s" and value == 0):
-            raise ValueError(f"priority_weights: {item!r}: must be a finite number >= 0 (aging_s > 0)")
-        values[name] = value
-    return WeftWeights(**values)
+    """``"las=0.5,aging_s=10"`` over the defaults (``""``: the defaults); ValueError naming
+    the item (services/shared/priority_weights.py)."""
+    return WeftWeights(**parse_weight_overrides(text))
 
 
 class WeftPrioritizer(Prioritizer):
