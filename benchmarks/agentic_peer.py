@@ -41,20 +41,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import agentic_peer_report as rep  # noqa: E402
 from benchmarks.agentic_workload import Chat, PeerWorkloadSpec, Program, make_peer_workload  # noqa: E402
 
-WEFT_SETTINGS = {rep.HINTS: {}, rep.NO_HINTS: {},
-                 rep.FCFS: {"policy": "fcfs", "preemption_policy": "fcfs", "demote": "false"},
-                 # one-difference ablations of the default (hints sent; not run unless named in --configs)
-                 "weft-no-demote": {"demote": "false"},
-                 "weft-fcfs-order": {"preemption_policy": "fcfs"},
-                 "weft-no-finish-demote": {"demote_on_finish": "never"},
-                 "weft-fcfs-policy": {"policy": "fcfs"},
-                 "weft-no-las": {"priority_weights": "las=0"},
-                 # the KV pool at llama-server's token capacity (1 GiB fp32: 22.7 K SmolLM2 tokens vs its
-                 # 6 x 4096 f16), with and without hints
-                 "weft-kv1g": {"kv_cache_memory_bytes": str(1 << 30)},
-                 "weft-no-hints-kv1g": {"kv_cache_memory_bytes": str(1 << 30)}}
-
-ABLATIONS = tuple(c for c in WEFT_SETTINGS if c not in rep.CONFIGS)
+WEFT_SETTINGS, ABLATIONS = rep.WEFT_SETTINGS, rep.ABLATIONS  # the configurations, in the report module
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,19 @@ HINTS = "weft"
 NO_HINTS = "weft-no-hints"
 FCFS = "weft-fcfs"
 CONFIGS = (PEER, HINTS, NO_HINTS, FCFS)
+# `weft up` settings of each Weft configuration; configurations named weft-no-hints* send no hints
+WEFT_SETTINGS = {HINTS: {}, NO_HINTS: {},
+                 FCFS: {"policy": "fcfs", "preemption_policy": "fcfs", "demote": "false"},
+                 # one-difference ablations of the default (run only when named in --configs)
+                 "weft-no-demote": {"demote": "false"},
+                 "weft-fcfs-order": {"preemption_policy": "fcfs"},
+                 "weft-no-finish-demote": {"demote_on_finish": "never"},
+                 "weft-fcfs-policy": {"policy": "fcfs"},
+                 "weft-no-las": {"priority_weights": "las=0"},
+                 # the old 256 MiB pool, where KV across tool pauses is short (hints matter most there)
+                 "weft-kv256m": {"kv_cache_memory_bytes": str(256 << 20)},
+                 "weft-no-hints-kv256m": {"kv_cache_memory_bytes": str(256 << 20)}}
+ABLATIONS = tuple(c for c in WEFT_SETTINGS if c not in CONFIGS)
 
 
 @dataclass(frozen=True)
