@@ -85,11 +85,18 @@ def test_scheduler_lost_mid_stream_streams_continue_with_identical_greedy_output
     def disturb(outcomes):
         t0 = time.monotonic()
         mesh.chaos_now(how, "scheduler")
-        # The router notices (the call broke, or the scheduler went silent and failed its
-        # health probe) and re-issues streams while the scheduler is still away.
-        wait_for(lambda: mesh.num_router_continuations() > before, 30, "the router to continue a stream")
-        timings["noticed_s"] = time.monotonic() - t0
-        result = mesh.chaos_now("restart" if how == "kill" else "resume", "scheduler")
+        try:
+            # The router notices (the call broke, or the scheduler went silent and failed its
+            # health probe) and re-issues streams while the scheduler is still away.
+            wait_for(lambda: mesh.num_router_continuations() > before, 30, "the router to continue a stream")
+            timings["noticed_s"] = time.monotonic() - t0
+        except pytest.fail.Exception as exc:  # say what the streams and the router were doing
+            progress = [(len(o.tokens), o.finish_reason, o.error) for o in outcomes]
+            log = mesh.state_dir / "logs" / "router.log"
+            tail = log.read_text(errors="replace").splitlines()[-12:] if log.exists() else []
+            pytest.fail(f"{exc}; streams (tokens, finish, error): {progress}; router log tail:\n" + "\n".join(tail))
+        finally:  # bring it back even when the wait failed: a stopped scheduler poisons the next tests
+            result = mesh.chaos_now("restart" if how == "kill" else "resume", "scheduler")
         timings["restart_s"] = result.get("recovery_s", 0.0)
         timings["t_back"] = time.monotonic()
 

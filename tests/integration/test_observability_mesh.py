@@ -189,9 +189,12 @@ def test_every_catalogue_metric_is_exported_and_live_ones_move_when_their_event_
 
     with ThreadPoolExecutor(1) as pool:
         # 14 at once: 6 refused by the tenant cap (at first), 2 run, 6 queue; then two requests
-        # that outgrow the pool together (preemption); then a repeat (prefix hit).
+        # that outgrow the pool together (preemption); then a repeat (prefix hit). The pair
+        # grows to 47 blocks each: they collide at ~24 blocks each, so the one preempted waits
+        # in the executor's queue for the other's ~350 remaining steps. That wait is what the
+        # sampled executor-queue gauge must see; a shorter one raced the scrapes.
         load = pool.submit(lambda: (burst(mesh, [prompt(8, 700 + i) for i in range(14)], max_tokens=24),
-                                    burst(mesh, [prompt(40, 800), prompt(40, 900)], max_tokens=400),
+                                    burst(mesh, [prompt(40, 800), prompt(40, 900)], max_tokens=700),
                                     complete(mesh, prompt(40, 850), 4) + complete(mesh, prompt(40, 850), 4)))
         while not load.done():
             watch()
