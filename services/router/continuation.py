@@ -257,7 +257,15 @@ class SchedulerLiveness:
 class _WatchedStream:
     """A chunk stream whose silences are checked: past the stall ceiling the shared
     ``SchedulerLiveness`` is asked; no sign of life raises a lost ``UpstreamUnavailable``,
-    any sign of life keeps waiting."""
+    any sign of life keeps waiting.
+
+    NOTE: the read runs in the caller's task under one lazily armed timer per stream (a
+    task and an ``asyncio.wait`` per chunk cost ~10 us and event-loop turns on every chunk,
+    the first included). The timer fires at the deadline of the read that armed it and, if
+    a later read (or none) is in progress, re-arms for that one instead of acting. A read
+    past its ceiling starts the liveness check (a task, only then) while it keeps waiting;
+    "dead" cancels the reader inside ``next``, which raises the lost error instead (as
+    ``asyncio.timeout`` does, ``uncancel``); another cancellation (the client left) stays one."""
 
     def __init__(self, chunks: AsyncIterator[TokenChunk], policy: ContinuationPolicy,
                  liveness: SchedulerLiveness) -> None:
@@ -266,37 +274,76 @@ class _WatchedStream:
         self.liveness = liveness
         self.watch = policy.stall_watch()
         self.quiet_since_s = liveness.clock()  # this stream's start or its last chunk
+        self._reader: asyncio.Task | None = None  # the task inside ``next`` now; None between reads
+        self._read_since_s = self.quiet_since_s  # when that read started
+        self._timer: asyncio.TimerHandle | None = None
+        self._check: asyncio.Task | None = None  # a stalled read's liveness check
+        self._lost: UpstreamUnavailable | None = None  # the verdict that cancelled the reader
 
     async def next(self) -> TokenChunk | None:
         """The next chunk; None at the end of the stream."""
-        task = asyncio.ensure_future(anext(self.chunks))
+        reader = self._reader = asyncio.current_task()
+        self._read_since_s = self.liveness.clock()
+        if self._timer is None and self._check is None:
+            self._arm(self._read_since_s + self.watch.timeout_s())
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.watch.timeout_s())
-                if done:
-                    break
-                silent_s = self.watch.timeout_s()
-                window_start_s = max(self.quiet_since_s, self.liveness.clock() - silent_s)
-                if await self.liveness.alive(window_start_s):
-                    log.info("scheduler_slow_but_alive", silent_s=round(silent_s, 2))
-                    continue
-                raise UpstreamUnavailable(
-                    f"scheduler: no chunk for {silent_s:.1f}s, none on any other stream, and no answer to "
-                    f"{self.policy.probe_attempts} health probe(s)", lost=True)
-            try:
-                chunk = task.result()
-            except StopAsyncIteration:
-                return None
-            self.watch.observe()
-            self.quiet_since_s = self.liveness.clock()
-            self.liveness.note_alive(self.quiet_since_s)
-            return chunk
+            chunk = await anext(self.chunks)
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            if self._lost is not None and reader.uncancel() == 0:
+                raise self._lost from None
+            raise
         finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.wait({task})  # the generator must be idle before it is closed
+            self._reader = None
+        if self._lost is not None:  # the cancellation was swallowed below: the verdict stands
+            reader.uncancel()
+            raise self._lost
+        self.watch.observe()
+        self.quiet_since_s = self.liveness.clock()
+        self.liveness.note_alive(self.quiet_since_s)
+        return chunk
+
+    def _arm(self, due_s: float) -> None:
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, due_s - self.liveness.clock()), self._due)
+
+    def _due(self) -> None:
+        """The timer: act only when the read in progress is past its ceiling."""
+        self._timer = None
+        if self._reader is None:
+            return  # between reads: the next read arms it again
+        silent_s = self.watch.timeout_s()
+        due_s = self._read_since_s + silent_s
+        if self.liveness.clock() < due_s:
+            self._arm(due_s)  # a later read than the one that armed it
+            return
+        self._check = asyncio.ensure_future(self._stalled(silent_s))
+
+    async def _stalled(self, silent_s: float) -> None:
+        """A read passed its ceiling: wait on if the scheduler shows life, else cancel the
+        reader with the lost verdict."""
+        try:
+            window_start_s = max(self.quiet_since_s, self.liveness.clock() - silent_s)
+            alive = await self.liveness.alive(window_start_s)
+        finally:
+            self._check = None
+        if self._reader is None:
+            return  # the chunk came meanwhile (or the stream closed)
+        if alive:
+            log.info("scheduler_slow_but_alive", silent_s=round(silent_s, 2))
+            self._arm(self.liveness.clock() + self.watch.timeout_s())
+            return
+        self._lost = UpstreamUnavailable(
+            f"scheduler: no chunk for {silent_s:.1f}s, none on any other stream, and no answer to "
+            f"{self.policy.probe_attempts} health probe(s)", lost=True)
+        self._reader.cancel()
 
     async def aclose(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._check is not None:
+            self._check.cancel()
         await self.chunks.aclose()
 
 

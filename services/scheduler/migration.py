@@ -150,27 +150,27 @@ async def migrating_stream(progress: StreamProgress, policy: MigrationPolicy, op
     """
     watch = StallWatch(policy)
     index = 0
+
+    def stalled() -> ExecutorFailed | None:
+        """A read passed the stall ceiling: None waits on (the only live executor is slow,
+        not dead), an error fails the attempt."""
+        if executor and only_live is not None and only_live(executor, attempt.exclude):
+            log.warning("stalled_on_the_only_live_executor", executor=executor, attempt=index,
+                        waited_s=round(watch.timeout_s(), 2))
+            watch.restart()
+            return None
+        return ExecutorFailed(executor, f"no token for {watch.timeout_s():.1f}s")
+
     while True:
         attempt = progress.attempt(index)
         watch.restart()
         stream = await _open_with_wait(open_attempt, attempt, policy)
         executor = ""
-        pending: asyncio.Future | None = None  # the stream's next piece, kept across a waited-out stall
+        reads = _WatchedReads(watch, stalled)
         try:
             while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(anext(stream))
-                done, _ = await asyncio.wait((pending,), timeout=watch.timeout_s())
-                if not done:
-                    if executor and only_live is not None and only_live(executor, attempt.exclude):
-                        log.warning("stalled_on_the_only_live_executor", executor=executor, attempt=index,
-                                    waited_s=round(watch.timeout_s(), 2))
-                        watch.restart()
-                        continue
-                    raise ExecutorFailed(executor, f"no token for {watch.timeout_s():.1f}s")
-                done_piece, pending = pending, None
                 try:
-                    piece = done_piece.result()
+                    piece = await reads.next(stream)
                 except StopAsyncIteration:
                     return
                 executor = piece.executor or executor
@@ -204,10 +204,71 @@ async def migrating_stream(progress: StreamProgress, policy: MigrationPolicy, op
             progress.num_migrations += 1
             log.info("request_migrating", attempt=index, num_replayed_tokens=len(progress.output_token_ids))
         finally:
-            if pending is not None:
-                pending.cancel()
-                await asyncio.gather(pending, return_exceptions=True)
+            reads.close()
             await stream.aclose()
+
+
+class _WatchedReads:
+    """The reads of one attempt's stream under the stall watch, in the consumer's own task.
+
+    NOTE: one lazily armed timer per attempt, not a task and an ``asyncio.wait`` per piece
+    (~10 us and event-loop turns on every chunk, the first included). The timer fires at
+    the deadline of the read that armed it; finding a later read in progress (or none) it
+    re-arms for that one instead of acting. A read past its ceiling asks ``stalled``: None
+    waits a further period (the read goes on); an error cancels the reading task inside
+    ``next``, which raises that error instead (as ``asyncio.timeout`` does, ``uncancel``).
+    A cancellation from elsewhere (the client left) stays a cancellation."""
+
+    def __init__(self, watch: StallWatch, stalled: Callable[[], ExecutorFailed | None]) -> None:
+        self.watch = watch
+        self.stalled = stalled
+        self._reader: asyncio.Task | None = None  # the task inside ``next`` now; None between reads
+        self._since_s = 0.0  # when that read started
+        self._timer: asyncio.TimerHandle | None = None
+        self._failed: ExecutorFailed | None = None  # the verdict that cancelled the reader
+
+    async def next(self, stream: AsyncIterator[Piece]) -> Piece:
+        """The stream's next piece (StopAsyncIteration at its end)."""
+        reader = self._reader = asyncio.current_task()
+        self._since_s = self.watch.clock()
+        if self._timer is None:
+            self._arm(self._since_s + self.watch.timeout_s())
+        try:
+            piece = await anext(stream)
+        except asyncio.CancelledError:
+            if self._failed is not None and reader.uncancel() == 0:
+                raise self._failed from None
+            raise
+        finally:
+            self._reader = None
+        if self._failed is not None:  # the cancellation was swallowed below: the verdict stands
+            reader.uncancel()
+            raise self._failed
+        return piece
+
+    def _arm(self, due_s: float) -> None:
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, due_s - self.watch.clock()), self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        if self._reader is None:
+            return  # between reads: the next read arms it again
+        due_s = self._since_s + self.watch.timeout_s()
+        if self.watch.clock() < due_s:
+            self._arm(due_s)  # a later read than the one that armed it
+            return
+        failed = self.stalled()
+        if failed is None:
+            self._since_s = self.watch.clock()  # wait a further period on the same read
+            self._arm(self._since_s + self.watch.timeout_s())
+            return
+        self._failed = failed
+        self._reader.cancel()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 async def _open_with_wait(open_attempt: OpenAttempt, attempt: Attempt,
