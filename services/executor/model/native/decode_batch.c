@@ -18,8 +18,8 @@
  * Each thread owns one contiguous range of tiles, as the batch-1 GEMV owns rows. The whole
  * step runs inside ONE parallel region (6 barriers per layer: the batch-1 step's 5 plus
  * one between writing every row's K/V and attending, so no row can read a slot another row
- * is writing, as on the torch path). Attention is one (row, query head) per iteration,
- * with the K/V rows a few tokens ahead prefetched.
+ * is writing, as on the torch path). Attention is one row per iteration (attend_row: its
+ * cache in address order, 16 tokens' scores per vector, exp16), and SiLU is exp16 too.
  */
 #include "llama_step.h"
 
@@ -143,54 +143,119 @@ static void gate_up_rows_for(const float *gu, const float *X, float *act, int in
         const float *wg = gu + (size_t)i0 * H, *wu = gu + (size_t)(inter + i0) * H;
         for (int r0 = 0; r0 < R; r0 += TILE_R) {
             const int nr = min_int(TILE_R, R - r0), last = t + 1 == tiles;
-            float g[TILE_W * TILE_R], u[TILE_W * TILE_R];
+            float g[TILE_W * TILE_R] = {0}, u[TILE_W * TILE_R] = {0};
             tile_dispatch(wg, H, X + (size_t)r0 * H, H, nw, nr, (r0 == 0 && !last) ? wg + (size_t)TILE_W * H : NULL, g);
             tile_dispatch(wu, H, X + (size_t)r0 * H, H, nw, nr, (r0 == 0 && !last) ? wu + (size_t)TILE_W * H : NULL, u);
+#if defined(__AVX512F__)
+            { /* the tile's 16 silu(g) * u at once (TILE_W * TILE_R == 16) */
+                const __m512 gv = _mm512_loadu_ps(g);
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+                _mm512_storeu_ps(g, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(e, _mm512_set1_ps(1.f))),
+                                                  _mm512_loadu_ps(u)));
+            }
+#else
+            for (int j = 0; j < TILE_W * TILE_R; j++) g[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+#endif
             for (int a = 0; a < nw; a++)
-                for (int r = 0; r < nr; r++) {
-                    float gv = g[a * TILE_R + r];
-                    act[(size_t)(r0 + r) * inter + i0 + a] = gv / (1.f + expf(-gv)) * u[a * TILE_R + r];
-                }
+                for (int r = 0; r < nr; r++) act[(size_t)(r0 + r) * inter + i0 + a] = g[a * TILE_R + r];
         }
     }
 }
 
-/* Tokens ahead whose K and V rows attend_rows prefetches. */
-#define KV_PREFETCH_TOKENS 8
-
-/* attend_head (llama_step.h) for one row of a batch, with the K and V rows of the token
- * KV_PREFETCH_TOKENS ahead prefetched while the scores are summed: a row's cache is cold
- * (it was last read a layer ago, among R rows' caches), and each token's head_dim floats
- * sit kv_heads * head_dim apart, a stride the hardware prefetcher follows late. */
-static void attend_rows_head(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
-                             int kv_head, const int32_t *block_table, int seq_len) {
-    const int d = m->head_dim, kvh = m->num_kv_heads, bs = m->block_size;
-    const size_t v_offset = (size_t)m->num_blocks * bs * kvh * d;
-    float mx = -INFINITY;
-    for (int t = 0; t < seq_len; t++) {
-        const int ahead = t + KV_PREFETCH_TOKENS;
-        if (ahead < seq_len) {
-            const float *kp = cache + ((size_t)block_table[ahead / bs] * bs + ahead % bs) * kvh * d + (size_t)kv_head * d;
-            for (int j = 0; j < d; j += 16) {
-                __builtin_prefetch(kp + j, 0, 3);            /* prefetcht0 */
-                __builtin_prefetch(kp + v_offset + j, 0, 2); /* prefetcht1 */
+#if defined(__AVX512F__)
+/* One row's attention for the query heads of KV heads [g0, g1) (GQA: `group` query heads
+ * per KV head, contiguous in q and out), token blocks outermost so the row's cache is read
+ * in address order (one token's K for all KV heads is one run of kv_heads * head_dim):
+ *
+ *   scores  per block of 16 tokens: the next block's keys and this block's values are
+ *           prefetched; per query head the 16 dots sum into 16 accumulators and one
+ *           transpose-add tree (reduce16) makes one vector of 16 scores
+ *   softmax exp16 over 16 scores at a time
+ *   values  out[head] += p[head, t] * v[t] chunk by chunk (the values are in cache now)
+ *
+ * q, out: [num_heads, d] (the row's); scores: [(g1 - g0) * group, seq_len] scratch. Any
+ * head_dim: the last 16-float chunk of a head is masked. Same sums as attend_head
+ * (llama_step.h) up to fp32 rounding order. */
+static void attend_row(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
+                       int g0, int g1, int group, const int32_t *block_table, int seq_len) {
+    const int d = m->head_dim, kvh = m->num_kv_heads, bs = m->block_size, chunks = (d + 15) / 16;
+    const int heads = (g1 - g0) * group, h0 = g0 * group, row_floats = kvh * d;
+    const size_t v_offset = (size_t)m->num_blocks * bs * row_floats;
+    const __mmask16 tail = (d % 16) ? (__mmask16)((1u << (d % 16)) - 1u) : (__mmask16)0xFFFF;
+#define KV_ROW(t) (cache + ((size_t)block_table[(t) / bs] * bs + (t) % bs) * row_floats) /* token t, all heads */
+    for (int t0 = 0; t0 < seq_len; t0 += 16) {
+        const int nt = min_int(16, seq_len - t0);
+        const float *rows[16];
+        for (int j = 0; j < 16; j++) rows[j] = KV_ROW(t0 + (j < nt ? j : 0));
+        for (int j = 0; j < nt; j++) { /* this block's values to L2, the next block's keys to L1 */
+            const float *v = rows[j] + v_offset, *kn = t0 + 16 + j < seq_len ? KV_ROW(t0 + 16 + j) : NULL;
+            for (int f = g0 * d; f < g1 * d; f += 16) {
+                __builtin_prefetch(v + f, 0, 2);
+                if (kn) __builtin_prefetch(kn + f, 0, 3);
             }
         }
-        const float *k = cache + ((size_t)block_table[t / bs] * bs + t % bs) * kvh * d + (size_t)kv_head * d;
-        float s = dot(q, k, d) * m->scale;
-        scores[t] = s;
-        if (s > mx) mx = s;
+        for (int hd = 0; hd < heads; hd++) {
+            const float *qh = q + (size_t)(h0 + hd) * d;
+            const size_t koff = (size_t)((h0 + hd) / group) * d;
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+            for (int c = 0; c < chunks; c++) {
+                const __mmask16 mk = c + 1 == chunks ? tail : (__mmask16)0xFFFF;
+                const __m512 qv = _mm512_maskz_loadu_ps(mk, qh + c * 16);
+                for (int j = 0; j < 16; j++)
+                    acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, rows[j] + koff + c * 16), qv, acc[j]);
+            }
+            float s[16];
+            reduce16(acc, s);
+            _mm512_mask_storeu_ps(scores + (size_t)hd * seq_len + t0, (__mmask16)((1u << nt) - 1u),
+                                  _mm512_mul_ps(_mm512_loadu_ps(s), _mm512_set1_ps(m->scale)));
+        }
     }
-    float sum = 0.f;
-    for (int t = 0; t < seq_len; t++) { scores[t] = expf(scores[t] - mx); sum += scores[t]; }
-    float inv = 1.f / sum;
-    for (int j = 0; j < d; j++) out[j] = 0.f;
-    for (int t = 0; t < seq_len; t++) {
-        const float *v = cache + v_offset + ((size_t)block_table[t / bs] * bs + t % bs) * kvh * d + (size_t)kv_head * d;
-        float p = scores[t] * inv;
-        for (int j = 0; j < d; j++) out[j] += p * v[j];
+    for (int hd = 0; hd < heads; hd++) { /* softmax in place: scores -> probabilities */
+        float *sc = scores + (size_t)hd * seq_len;
+        __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int t = 0; t < seq_len; t += 16)
+            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, (__mmask16)(seq_len - t >= 16 ? 0xFFFF : (1u << (seq_len - t)) - 1u), sc + t));
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        for (int t = 0; t < seq_len; t += 16) {
+            const __mmask16 mt = (__mmask16)(seq_len - t >= 16 ? 0xFFFF : (1u << (seq_len - t)) - 1u);
+            const __m512 e = _mm512_maskz_mov_ps(mt, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, sc + t), top)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(sc + t, mt, e);
+        }
+        const float inv = 1.f / _mm512_reduce_add_ps(sum);
+        for (int t = 0; t < seq_len; t++) sc[t] *= inv;
     }
+    for (int hd = 0; hd < heads; hd++) { /* out[hd] = sum_t p[hd, t] v[t], chunk by chunk */
+        const float *sc = scores + (size_t)hd * seq_len, *vb = cache + v_offset + (size_t)((h0 + hd) / group) * d;
+#define V_CHUNK(t) _mm512_maskz_loadu_ps(mk, vb + ((size_t)block_table[(t) / bs] * bs + (t) % bs) * row_floats + c * 16)
+        for (int c = 0; c < chunks; c++) {
+            const __mmask16 mk = c + 1 == chunks ? tail : (__mmask16)0xFFFF;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0; /* 4 chains over tokens */
+            int t = 0;
+            for (; t + 4 <= seq_len; t += 4) {
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), V_CHUNK(t), a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(sc[t + 1]), V_CHUNK(t + 1), a1);
+                a2 = _mm512_fmadd_ps(_mm512_set1_ps(sc[t + 2]), V_CHUNK(t + 2), a2);
+                a3 = _mm512_fmadd_ps(_mm512_set1_ps(sc[t + 3]), V_CHUNK(t + 3), a3);
+            }
+            for (; t < seq_len; t++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), V_CHUNK(t), a0);
+            _mm512_mask_storeu_ps(out + (size_t)(h0 + hd) * d + c * 16, mk,
+                                  _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        }
+#undef V_CHUNK
+    }
+#undef KV_ROW
 }
+#else
+/* Without AVX-512: attend_head (llama_step.h) per query head. */
+static void attend_row(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
+                       int g0, int g1, int group, const int32_t *block_table, int seq_len) {
+    for (int hd = g0 * group; hd < g1 * group; hd++)
+        attend_head(m, cache, q + (size_t)hd * m->head_dim, out + (size_t)hd * m->head_dim, scores, hd / group,
+                    block_table, seq_len);
+}
+#endif
 
 /* One decode step of R sequences: row r decodes token_ids[r] at positions[r], its K/V go
  * to cache slot slots[r]; block_tables [R, table_stride] lists each row's blocks and
@@ -204,16 +269,17 @@ int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const
     const int q_dim = nh * d, kv_dim = nkv * d, qkv_dim = q_dim + 2 * kv_dim, inter = m->intermediate;
     const int group = nh / nkv;
     if (num_threads < 1) num_threads = 1;
+    const int split = R >= 2 * num_threads ? 1 : nkv; /* attention items per row */
     int max_len = 1;
     for (int r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     /* scratch: h [R, H] | qkv [R, qkv_dim] | attn [R, q_dim] | act [R, inter]
-     *          | scores [threads, max_len] | x [threads, R, H] */
-    size_t n_scratch = (size_t)R * (H + qkv_dim + q_dim + inter) + (size_t)num_threads * max_len
+     *          | scores [threads, num_heads, max_len] | x [threads, R, H] */
+    size_t n_scratch = (size_t)R * (H + qkv_dim + q_dim + inter) + (size_t)num_threads * nh * max_len
                        + (size_t)num_threads * R * H;
     float *buf = (float *)malloc(n_scratch * sizeof(float));
     if (!buf) return -1;
     float *h = buf, *qkv = h + (size_t)R * H, *attn = qkv + (size_t)R * qkv_dim, *act = attn + (size_t)R * q_dim;
-    float *scores = act + (size_t)R * inter, *xs = scores + (size_t)num_threads * max_len;
+    float *scores = act + (size_t)R * inter, *xs = scores + (size_t)num_threads * nh * max_len;
     for (int r = 0; r < R; r++) memcpy(h + (size_t)r * H, m->embed + (size_t)token_ids[r] * H, (size_t)H * sizeof(float));
     const size_t v_offset = (size_t)m->num_blocks * m->block_size * kv_dim;
 
@@ -221,7 +287,7 @@ int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const
     {
         /* Each thread normalises all R rows of h into its own x (cheaper than a barrier). */
         const int tid = omp_get_thread_num();
-        float *x = xs + (size_t)tid * R * H, *sc = scores + (size_t)tid * max_len;
+        float *x = xs + (size_t)tid * R * H, *sc = scores + (size_t)tid * nh * max_len;
         for (int l = 0; l < m->num_layers; l++) {
             float *cache = m->kv_cache[l];
             for (int r = 0; r < R; r++) rms_norm(h + (size_t)r * H, m->input_norm[l], x + (size_t)r * H, H, m->eps);
@@ -239,13 +305,13 @@ int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const
                 memcpy(cache + k_slot, k, (size_t)d * sizeof(float));
                 memcpy(cache + v_offset + k_slot, v, (size_t)d * sizeof(float));
             }
-            /* every slot written (the barrier above): attend, one (row, query head) each */
+            /* every slot written (the barrier above): attend, one row (or, with fewer rows
+             * than 2 per thread, one (row, KV head)) per item */
             #pragma omp for schedule(dynamic, 1)
-            for (int p = 0; p < R * nh; p++) {
-                const int r = p / nh, hd = p % nh;
-                attend_rows_head(m, cache, qkv + (size_t)r * qkv_dim + (size_t)hd * d,
-                                 attn + (size_t)r * q_dim + (size_t)hd * d, sc, hd / group,
-                                 block_tables + (size_t)r * table_stride, seq_lens[r]);
+            for (int p = 0; p < R * split; p++) {
+                const int r = p / split, part = p % split;
+                attend_row(m, cache, qkv + (size_t)r * qkv_dim, attn + (size_t)r * q_dim, sc, part * nkv / split,
+                           (part + 1) * nkv / split, group, block_tables + (size_t)r * table_stride, seq_lens[r]);
             }
             gemm_rows_for(m->o[l], m->o_bias[l], attn, q_dim, h, H, H, q_dim, R, 1); /* h += o(attn) */
             for (int r = 0; r < R; r++) rms_norm(h + (size_t)r * H, m->post_norm[l], x + (size_t)r * H, H, m->eps);
