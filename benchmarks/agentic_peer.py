@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -125,6 +126,9 @@ class WeftMesh:
         self.stub = self.channel = self.state = None
 
     async def start(self) -> None:
+        # A fresh state dir: the cachestore's disk tier outlives the mesh, and an earlier run
+        # of the same seeds would leave this run's very prompts there to load, not compute.
+        shutil.rmtree(self.launcher.options.state_dir, ignore_errors=True)
         self.state = await self.launcher.start()
 
     async def connect(self) -> None:
