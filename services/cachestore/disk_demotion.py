@@ -8,9 +8,14 @@ NOTE: a block's *keep score* is how soon it is expected back, weighted by priori
     due_s   = expected_pause_s if the writer said so, else the idle time so far
     score   = due_s / (1 + priority)              (lower = keep in RAM)
 
-``pause_aware`` demotes a block once it has been idle longer than its expected pause
-(plus slack) or longer than ``max_idle_s``, and under pressure (RAM above the high
-watermark) demotes the highest scores first until RAM is under the low watermark.
+``pause_aware`` demotes a block idle longer than ``max_idle_s``; once RAM is above the
+low watermark, also every block idle longer than its expected pause (plus slack: an
+overrun tool call is probably a long one); and under pressure (RAM above the high
+watermark) the highest scores first until RAM is under the low watermark. Below the low
+watermark an overdue block stays in RAM: the room is not needed, and a disk write (a file
+and an fsync per block) would only cost the machine the CPU and I/O its engines share.
+Most overdue blocks there are write-backs of KV the executor still holds: the agent
+benchmark's sessions sent every hop's blocks down, and all of them reached the disk.
 ``age`` only uses ``max_idle_s``; ``never`` leaves demotion to LRU eviction.
 """
 from __future__ import annotations
@@ -76,8 +81,9 @@ class PauseAwareDemotion:
 
     def choose(self, blocks, used_bytes, capacity_bytes) -> list[int]:
         chosen: dict[int, None] = {}
+        filling = bool(capacity_bytes) and used_bytes > self.low_watermark * capacity_bytes
         for b in blocks:
-            overdue = b.expected_pause_s > 0 and b.idle_s > b.expected_pause_s * self.pause_slack
+            overdue = filling and b.expected_pause_s > 0 and b.idle_s > b.expected_pause_s * self.pause_slack
             if overdue or b.idle_s > self.max_idle_s:
                 chosen[b.block_hash] = None
         freed = sum(b.size_bytes for b in blocks if b.block_hash in chosen)

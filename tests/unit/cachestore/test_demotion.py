@@ -35,7 +35,7 @@ def store(tmp_path, host_bytes=10_000, policy=DemotionPolicyName.PAUSE_AWARE, cl
 
 def test_pause_aware_archives_a_block_idle_past_its_expected_pause(tmp_path):
     clock = Clock()
-    s = store(tmp_path, clock=clock)
+    s = store(tmp_path, host_bytes=2500, clock=clock)  # two blocks fill RAM past the low watermark
     s.put(block(1, pause_ms=1000))  # a tool call expected to take 1 s
     s.put(block(2))  # unknown pause: only max_idle_s applies
     clock.now = 1.2
@@ -43,6 +43,18 @@ def test_pause_aware_archives_a_block_idle_past_its_expected_pause(tmp_path):
     clock.now = 2.0
     assert s.sweep() == [1]
     assert s.tier_of(1) is Tier.ARCHIVED and s.tier_of(2) is Tier.SLEEPING
+
+
+def test_an_overdue_block_stays_in_ram_while_ram_is_mostly_free(tmp_path):
+    clock = Clock()
+    s = store(tmp_path, host_bytes=100_000, clock=clock, max_idle_s=10.0)  # 2 % used
+    s.put(block(1, pause_ms=1000))
+    clock.now = 2.0
+    assert s.sweep() == []  # overdue, but the room is not needed: no disk write
+    assert s.tier_of(1) is Tier.SLEEPING
+    clock.now = 11.0
+    assert s.sweep() == [1]  # max_idle_s still applies
+    assert s.tier_of(1) is Tier.ARCHIVED
 
 
 def test_age_policy_archives_blocks_unread_for_max_idle(tmp_path):
