@@ -14,7 +14,8 @@
  *   W row o3 [...         a33]     One transpose-add tree reduces the 16 sums at the end.
  *
  * The 4-row weight tile (4 x in_features floats, <= 24 KiB) stays in L1 while every block
- * of 4 activation rows passes over it; the next tile is prefetched during the first pass.
+ * of 4 activation rows passes over it; the next tile is prefetched a few rows per pass
+ * (prefetch_rows: a burst in the first pass left the DRAM stream idle in the others).
  * Each thread owns one contiguous range of tiles, as the batch-1 GEMV owns rows. The whole
  * step runs inside ONE parallel region (6 barriers per layer: the batch-1 step's 5 plus
  * one between writing every row's K/V and attending, so no row can read a slot another row
@@ -25,6 +26,8 @@
 
 #define TILE_W 4 /* weight rows per register tile */
 #define TILE_R 4 /* activation rows per register tile */
+#define PF_DIST 1 /* the weight tile prefetched: the next one (2 ahead, or into L2, measured no better) */
+#define PF_HINT _MM_HINT_T0
 
 #if defined(__AVX512F__)
 /* The 16 sums of v[i] (i < 16) into out[i]: a transpose-add tree (45 ops instead of 16
@@ -47,9 +50,8 @@ static inline void reduce16(const __m512 *v, float *out) {
     do {                                                                                        \
         __m512 wv[TILE_W];                                                                      \
         for (int a = 0; a < nw; a++) wv[a] = LOAD(w + (size_t)a * k + i);                       \
-        if (prefetch)                                                                           \
-            for (int a = 0; a < nw; a++)                                                        \
-                _mm_prefetch((const char *)(prefetch + (size_t)a * k + i), _MM_HINT_T0);        \
+        for (int a = 0; a < TILE_W; a++)                                                        \
+            if (pf_rows & (1u << a)) _mm_prefetch((const char *)(pf + (size_t)a * k + i), PF_HINT); \
         for (int b = 0; b < nr; b++) {                                                          \
             __m512 xv = LOAD(x + (size_t)b * ldx + i);                                          \
             __asm__("" : "+v"(xv)); /* one load into a register, not one folded into each FMA */ \
@@ -60,12 +62,13 @@ static inline void reduce16(const __m512 *v, float *out) {
 #define LOAD_MASKED(p) _mm512_maskz_loadu_ps(m, p)
 
 /* out[a * TILE_R + b] = W[a, :] . X[b, :] for a < nw, b < nr. w: [nw, k] rows of the
- * weight; x: [nr, ldx] activation rows; prefetch: the next tile's first row or NULL.
+ * weight; x: [nr, ldx] activation rows; pf: a later tile's first row, of which the rows
+ * in the bit mask pf_rows are prefetched (prefetch_rows).
  * Always inlined with constant nw / nr, so the accumulators live in registers (acc is
  * never address-taken: copied out for the reduction, or gcc spills it every iteration). */
 static inline __attribute__((always_inline)) void tile_dots(const float *w, int k, const float *x, int ldx,
-                                                            const int nw, const int nr, const float *prefetch,
-                                                            float *out) {
+                                                            const int nw, const int nr, const float *pf,
+                                                            unsigned pf_rows, float *out) {
     __m512 acc[TILE_W][TILE_R];
     for (int a = 0; a < TILE_W; a++)
         for (int b = 0; b < TILE_R; b++) acc[a][b] = _mm512_setzero_ps();
@@ -86,10 +89,10 @@ static inline __attribute__((always_inline)) void tile_dots(const float *w, int 
     }
 }
 
-static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *prefetch,
-                          float *out) {
+static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *pf,
+                          unsigned pf_rows, float *out) {
 #define TILE_CASE(W_, R_) \
-    if (nw == W_ && nr == R_) { tile_dots(w, k, x, ldx, W_, R_, prefetch, out); return; }
+    if (nw == W_ && nr == R_) { tile_dots(w, k, x, ldx, W_, R_, pf, pf_rows, out); return; }
     TILE_CASE(4, 4) TILE_CASE(4, 3) TILE_CASE(4, 2) TILE_CASE(4, 1)
     TILE_CASE(3, 4) TILE_CASE(3, 3) TILE_CASE(3, 2) TILE_CASE(3, 1)
     TILE_CASE(2, 4) TILE_CASE(2, 3) TILE_CASE(2, 2) TILE_CASE(2, 1)
@@ -98,9 +101,10 @@ static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw
 }
 #else
 /* Without AVX-512: one dot per (weight row, activation row); same results, slower. */
-static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *prefetch,
-                          float *out) {
-    (void)prefetch;
+static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *pf,
+                          unsigned pf_rows, float *out) {
+    (void)pf;
+    (void)pf_rows;
     for (int a = 0; a < nw; a++)
         for (int b = 0; b < nr; b++) out[a * TILE_R + b] = dot(w + (size_t)a * k, x + (size_t)b * ldx, k);
 }
@@ -108,12 +112,24 @@ static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw
 
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 
+/* Which rows of the tile PF_DIST ahead pass `pass` (of `passes` over the activation rows)
+ * prefetches: spread over the passes, so the weight stream runs all through the tile's
+ * arithmetic instead of in a burst during its first pass. */
+static inline unsigned prefetch_rows(int pass, int passes, int tile, int tiles, int n) {
+    if (tile + PF_DIST >= tiles) return 0;
+    const int rows = min_int(TILE_W, n - (tile + PF_DIST) * TILE_W);
+    unsigned mask = 0;
+    for (int a = 0; a < rows; a++)
+        if (passes > TILE_W ? a == pass : a * passes / TILE_W == pass) mask |= 1u << a;
+    return mask;
+}
+
 /* Inside a parallel region: Y[r, o] (+)= W[o, :] . X[r, :] + b[o] for r < R, o < n.
  * W [n, k]; X [R, ldx]; Y [R, ldy]. accumulate != 0 adds into Y (a residual). Each thread
  * owns a contiguous range of 4-row weight tiles. Ends with the loop's barrier. */
 static void gemm_rows_for(const float *W, const float *b, const float *X, int ldx, float *Y, int ldy, int n, int k,
                           int R, int accumulate) {
-    const int tiles = (n + TILE_W - 1) / TILE_W;
+    const int tiles = (n + TILE_W - 1) / TILE_W, passes = (R + TILE_R - 1) / TILE_R;
     #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         const int o0 = t * TILE_W, nw = min_int(TILE_W, n - o0);
@@ -121,8 +137,8 @@ static void gemm_rows_for(const float *W, const float *b, const float *X, int ld
         for (int r0 = 0; r0 < R; r0 += TILE_R) {
             const int nr = min_int(TILE_R, R - r0);
             float out[TILE_W * TILE_R];
-            const float *next = (r0 == 0 && t + 1 < tiles) ? w + (size_t)TILE_W * k : NULL;
-            tile_dispatch(w, k, X + (size_t)r0 * ldx, ldx, nw, nr, next, out);
+            const unsigned pf_rows = prefetch_rows(r0 / TILE_R, passes, t, tiles, n);
+            tile_dispatch(w, k, X + (size_t)r0 * ldx, ldx, nw, nr, w + (size_t)PF_DIST * TILE_W * k, pf_rows, out);
             for (int a = 0; a < nw; a++)
                 for (int r = 0; r < nr; r++) {
                     float v = out[a * TILE_R + r] + (b ? b[o0 + a] : 0.f);
@@ -136,16 +152,18 @@ static void gemm_rows_for(const float *W, const float *b, const float *X, int ld
 /* Inside a parallel region: act[r, i] = silu(gate[r, i]) * up[r, i] for i < inter, the gate
  * rows' tile and its up rows' tile in one pass over the R rows. gu [2 * inter, H]. */
 static void gate_up_rows_for(const float *gu, const float *X, float *act, int inter, int H, int R) {
-    const int tiles = (inter + TILE_W - 1) / TILE_W;
+    const int tiles = (inter + TILE_W - 1) / TILE_W, passes = (R + TILE_R - 1) / TILE_R;
     #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         const int i0 = t * TILE_W, nw = min_int(TILE_W, inter - i0);
         const float *wg = gu + (size_t)i0 * H, *wu = gu + (size_t)(inter + i0) * H;
         for (int r0 = 0; r0 < R; r0 += TILE_R) {
-            const int nr = min_int(TILE_R, R - r0), last = t + 1 == tiles;
+            const int nr = min_int(TILE_R, R - r0);
+            const unsigned pf_rows = prefetch_rows(r0 / TILE_R, passes, t, tiles, inter);
+            const size_t ahead = (size_t)PF_DIST * TILE_W * H;
             float g[TILE_W * TILE_R] = {0}, u[TILE_W * TILE_R] = {0};
-            tile_dispatch(wg, H, X + (size_t)r0 * H, H, nw, nr, (r0 == 0 && !last) ? wg + (size_t)TILE_W * H : NULL, g);
-            tile_dispatch(wu, H, X + (size_t)r0 * H, H, nw, nr, (r0 == 0 && !last) ? wu + (size_t)TILE_W * H : NULL, u);
+            tile_dispatch(wg, H, X + (size_t)r0 * H, H, nw, nr, wg + ahead, pf_rows, g);
+            tile_dispatch(wu, H, X + (size_t)r0 * H, H, nw, nr, wu + ahead, pf_rows, u);
 #if defined(__AVX512F__)
             { /* the tile's 16 silu(g) * u at once (TILE_W * TILE_R == 16) */
                 const __m512 gv = _mm512_loadu_ps(g);
