@@ -29,15 +29,15 @@ the gauge ``weft_settings_version{service}``; one that refuses a section (a part
 larger than its pool) keeps the old one and its old version, so ``weft ps`` / ``weft top``
 show it lagging, and tries again when the document is republished. A router that hears a
 newer document from another router adopts it, keys included (services/router/live_settings.py).
-The services re-check a section with their own parsers; the checks here are the shape of
-each value, so a typo is a 400 at the router.
+With a mesh secret, both subjects carry signed documents and an unsigned or mis-signed one
+is refused everywhere (settings_signing.py, which also says why replay gains nothing).
+The services re-check a section with their own parsers; the checks here
+(settings_checks.py) are the shape of each value, so a typo is a 400 at the router.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -45,8 +45,10 @@ from types import MappingProxyType
 
 import structlog
 
-from services.mesh import metrics
-from services.shared.vocabulary import RUNG_LABELS
+from services.mesh import mesh_auth, metrics
+from services.mesh.mesh_auth import MeshSecurity
+from services.mesh.settings_checks import LIVE_SETTINGS, check_number
+from services.mesh.settings_signing import DocumentSeal, UnverifiedDocument
 
 log = structlog.get_logger(__name__)
 
@@ -70,110 +72,6 @@ class SettingsError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
-
-
-# -- value checks: the shape of each setting's value ------------------------------------
-_NAME = r"[^\s=,:]+"
-_COUNT = r"\d{1,18}"  # Python's int() refuses a string of over 4300 digits: the services would refuse it
-_QUOTAS = re.compile(rf"^\s*({_NAME}\s*=\s*{_COUNT}\s*)(,\s*{_NAME}\s*=\s*{_COUNT}\s*)*$")
-# No space around "=" or ":": the executor's parser (credit_audit.parse_partitions) refuses it.
-_PARTITIONS = re.compile(rf"^\s*({_NAME}={_COUNT}:{_COUNT}\s*)(,\s*{_NAME}={_COUNT}:{_COUNT}\s*)*$")
-_NUMBER = r"\d+(\.\d+)?"
-_THRESHOLD = re.compile(rf"^\s*(\w+)\s*=\s*({_NUMBER}):({_NUMBER})\s*$")
-
-
-def _number(value: object, low: float = 0.0, high: float = math.inf, *, zero_ok: bool = True,
-            low_inclusive: bool = True) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return "must be a finite number"
-    if value == 0 and zero_ok and low <= 0:
-        return None
-    if value < low or (value == low and not low_inclusive) or value > high:
-        return f"must be in {'[' if low_inclusive else '('}{low:g}, {high:g}], got {value}"
-    return None
-
-
-def _choice(*choices: str) -> Callable[[object], str | None]:
-    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}, got {v!r}"
-
-
-def _text(pattern: re.Pattern, example: str) -> Callable[[object], str | None]:
-    def check(value: object) -> str | None:
-        if not isinstance(value, str):
-            return f"must be a string like {example!r}"
-        if value.strip() and not pattern.match(value):
-            return f"expected a value like {example!r}, got {value!r}"
-        return None
-    return check
-
-
-def _rungs(value: object) -> str | None:
-    if not isinstance(value, str):
-        return "must be a comma-separated string of rungs"
-    unknown = [r for r in (p.strip() for p in value.split(",")) if r and r not in RUNG_LABELS]
-    return f"unknown rung(s) {', '.join(unknown)}; one of {', '.join(RUNG_LABELS)}" if unknown else None
-
-
-def _thresholds(value: object) -> str | None:
-    if not isinstance(value, str):
-        return "must be a string like 'shed=0.95:0.75'"
-    for item in filter(None, (p.strip() for p in value.split(","))):
-        m = _THRESHOLD.match(item)
-        if m is None or m.group(1) not in RUNG_LABELS or m.group(1) == "none":  # none has no thresholds
-            return f"{item!r}: expected rung=enter:exit with a rung of {', '.join(RUNG_LABELS)}"
-        enter, exit_ = float(m.group(2)), float(m.group(4))
-        if enter > 1 or exit_ > enter:
-            return f"{item!r}: need 0 <= exit <= enter <= 1"
-    return None
-
-
-def _partitions(value: object) -> str | None:
-    problem = _text(_PARTITIONS, "acme=32:16,globex=32:8")(value)
-    names = [item.partition("=")[0].strip() for item in value.split(",") if item.strip()] if not problem else []
-    return problem or (f"a partition is named twice in {value!r}" if len(set(names)) != len(names) else None)
-
-
-def _overcommit(value: object) -> str | None:
-    problem = _number(value)
-    if problem is None and value != 0 and value < 1:
-        return f"must be 0 (no cap by slots) or >= 1, got {value}"
-    return problem
-
-
-def _priority_weights(value: object) -> str | None:
-    if not isinstance(value, str):
-        return f"must be a string like 'las=0.5,aging_s=10', got {type(value).__name__}"
-    from services.shared.priority_weights import parse_weight_overrides
-
-    try:
-        parse_weight_overrides(value)
-    except ValueError as exc:
-        return str(exc).removeprefix("priority_weights: ")
-    return None
-
-
-# section -> setting -> check (None: fine, else what is wrong). Only settings whose owner
-# swaps a whole object for them while streams run; docs/live_config.md lists the rest.
-LIVE_SETTINGS: Mapping[str, Mapping[str, Callable[[object], str | None]]] = MappingProxyType({
-    "scheduler": MappingProxyType({
-        "policy": _choice("weft", "fcfs", "priority"),
-        "priority_weights": _priority_weights,
-        "pause_policy": _choice("auto", "cost", "keep", "demote", "drop"),
-        "prefill_ms_per_token": _number,
-        "block_second_ms": _number,
-        "transfer_ms_per_block": _number,
-        "default_tool_ms": _number,
-        "max_pinned_fraction": lambda v: _number(v, 0.0, 1.0, zero_ok=False, low_inclusive=False),  # as pause.py
-        "tenant_quotas": _text(_QUOTAS, "acme=64,globex=32"),
-        "degradation_rungs": _rungs,
-        "degradation_thresholds": _thresholds,
-        "degradation_min_dwell_s": _number,
-        "executor_overcommit": _overcommit,
-    }),
-    "executor": MappingProxyType({
-        "tenant_partitions": _partitions,
-    }),
-})
 
 
 # -- the document -------------------------------------------------------------------------
@@ -212,7 +110,7 @@ class LiveDocument:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise SettingsError("version", f"must be an integer >= 0, got {version!r}")
         updated_at, writer = value.get("updated_at", 0.0), value.get("writer", "")
-        if _number(updated_at) is not None:
+        if check_number(updated_at) is not None:
             raise SettingsError("updated_at", f"must be unix seconds >= 0, got {updated_at!r}")
         if not isinstance(writer, str):
             raise SettingsError("writer", f"must be a string, got {writer!r}")
@@ -263,14 +161,21 @@ class LiveDocument:
         return {"version": self.version, "keys": keys,
                 **{name: dict(values) for name, values in self.sections.items()}}
 
+    def bus_document(self) -> dict:
+        """What goes on weft.settings: everything but the keys (sealed: settings_signing.py)."""
+        return {"version": self.version, **self.stamp_json(), **{n: dict(v) for n, v in self.sections.items()}}
+
+    def router_document(self) -> dict:
+        """What goes on weft.routersettings (routers only): the whole document, keys included."""
+        return {**self.to_json(), **self.stamp_json()}
+
     def bus_payload(self) -> bytes:
-        """What goes on weft.settings: everything but the keys."""
-        return json.dumps({"version": self.version, **self.stamp_json(),
-                           **{n: dict(v) for n, v in self.sections.items()}}, sort_keys=True).encode()
+        """``bus_document`` as sent without a mesh secret (unsigned)."""
+        return json.dumps(self.bus_document(), sort_keys=True).encode()
 
     def router_payload(self) -> bytes:
-        """What goes on weft.routersettings (routers only): the whole document, keys included."""
-        return json.dumps({**self.to_json(), **self.stamp_json()}, sort_keys=True).encode()
+        """``router_document`` as sent without a mesh secret (unsigned)."""
+        return json.dumps(self.router_document(), sort_keys=True).encode()
 
     def same_settings(self, other: LiveDocument) -> bool:
         return self.to_json() | {"version": 0} == other.to_json() | {"version": 0}
@@ -328,14 +233,16 @@ def merge_patch(target: object, patch: object) -> object:
     return out
 
 
-def decode_bus_payload(data: bytes, *, keys_allowed: bool = False) -> LiveDocument:
-    """A document from the bus; SettingsError when malformed. Keys travel only between
-    routers (``keys_allowed``: weft.routersettings), never on weft.settings."""
+def decode_bus_payload(data: bytes, seal: DocumentSeal, kind: str = BUS_KIND) -> LiveDocument:
+    """A document heard on ``weft.<kind>``, opened with ``seal``: UnverifiedDocument when
+    its signature fails under a mesh secret, SettingsError when malformed. Keys travel
+    only between routers (``ROUTER_BUS_KIND``), never on weft.settings."""
     try:
         value = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise SettingsError("(document)", f"not JSON: {exc}") from None
-    if isinstance(value, dict) and "keys" in value and not keys_allowed:
+    value = seal.open(kind, value)
+    if isinstance(value, dict) and "keys" in value and kind != ROUTER_BUS_KIND:
         raise SettingsError("keys", "never travels on the bus")
     return LiveDocument.parse(value)
 
@@ -354,9 +261,14 @@ class SettingsFollower:
     republishing what it had before another router's change) is ignored, unless the one in
     force is stamped more than ``MAX_CLOCK_AHEAD_S`` ahead of this service's clock (its
     router's clock ran fast) and the older one was made after it was last heard: the routers
-    that replaced a fast one are followed at once, not once this clock reaches its stamp."""
+    that replaced a fast one are followed at once, not once this clock reaches its stamp.
+    With a mesh secret, an unsigned or mis-signed document is refused before any of this
+    (settings_signing.py) and the document in force stays."""
 
-    def __init__(self, service: str, section: str, apply: Apply, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, service: str, section: str, apply: Apply, clock: Callable[[], float] = time.time,
+                 security: MeshSecurity | None = None) -> None:
+        """``security``: whose mesh secret documents must be signed with (default: this
+        process's, ``mesh_auth.current()``; no secret: unverified development mode)."""
         self.service = service
         self.section = section
         self._apply = apply
@@ -366,6 +278,7 @@ class SettingsFollower:
         self._heard_at = 0.0  # when the document in force was last received (this clock)
         self._applied: dict[str, object] = {}  # this service's overrides now in force
         self._failed: tuple[tuple, str] | None = None  # (stamp, reason) of the last failure, logged once
+        self._seal = DocumentSeal((security if security is not None else mesh_auth.current()).secret, service)
         SETTINGS_VERSION.labels(service).set(0)
 
     async def subscribe(self, bus) -> None:
@@ -373,7 +286,9 @@ class SettingsFollower:
 
     async def receive(self, data: bytes) -> None:
         try:
-            doc = decode_bus_payload(data)
+            doc = decode_bus_payload(data, self._seal)
+        except UnverifiedDocument:
+            return  # logged and counted by the seal; the document in force stays
         except SettingsError as exc:
             log.warning("live_settings_malformed", service=self.service, error=str(exc))
             return

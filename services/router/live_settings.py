@@ -15,7 +15,8 @@ one per change; a settings file may carry a higher one (``"version": 40``), whic
 NOTE: several routers (Kubernetes' autoscaler runs 2-6). Each stamps its documents
 (``updated_at``, its ``writer`` id, the version, and the ``origin``: its files, or a change
 while running) and also sends its whole document, keys included, on
-``weft.routersettings.<router>``, which only routers read. A router that hears a newer
+``weft.routersettings.<router>``, which only routers read (both signed under the mesh
+secret when one is set: services/mesh/settings_signing.py). A router that hears a newer
 document than its own (``LiveDocument.stamp``) adopts it, keys included, and republishes
 it unchanged, so every router and every service converge on the newest change, whichever
 replica took it::
@@ -58,8 +59,11 @@ from pathlib import Path
 
 import structlog
 
+from services.mesh import mesh_auth
 from services.mesh.live_settings import (BUS_KIND, ROUTER_BUS_KIND, SETTINGS_VERSION, LiveDocument, SettingsError,
                                         decode_bus_payload)
+from services.mesh.mesh_auth import MeshSecurity
+from services.mesh.settings_signing import DocumentSeal, UnverifiedDocument
 from services.router.auth import KeyStore, read_keys_file
 
 log = structlog.get_logger(__name__)
@@ -123,13 +127,16 @@ class RouterLiveSettings:
     already, swapped in one assignment, then published)."""
 
     def __init__(self, keys: KeyStore, keys_file: str, options: LiveOptions, writer: str = "",
-                 clock: Callable[[], float] = time.time) -> None:
-        """``writer``: this router's id (default ``default_writer()``); ``clock``: unix seconds."""
+                 clock: Callable[[], float] = time.time, security: MeshSecurity | None = None) -> None:
+        """``writer``: this router's id (default ``default_writer()``); ``clock``: unix seconds;
+        ``security``: whose mesh secret signs what this router sends and must sign what it
+        adopts (default: this process's, ``mesh_auth.current()``; none: nothing signed)."""
         self.keys = keys
         self.keys_file = keys_file
         self.options = options
         self.writer = writer or default_writer()
         self._clock = clock
+        self._seal = DocumentSeal((security if security is not None else mesh_auth.current()).secret, "router")
         base = read_settings_file(options.settings_file)
         self.document = LiveDocument(max(base.version, 1), keys.entries, base.sections, 0.0, self.writer, "files")
         self.listening = True  # until ``claim``: adopt only other routers' changes, not their files
@@ -191,8 +198,10 @@ class RouterLiveSettings:
     def adopt(self, data: bytes) -> LiveDocument:
         """Another router's whole document (weft.routersettings): adopted, keys included,
         when it is newer than ours; ours kept otherwise, or when it would open this router
-        (no keys while it runs with keys). Raises SettingsError when malformed."""
-        new = decode_bus_payload(data, keys_allowed=True)
+        (no keys while it runs with keys). Raises SettingsError when malformed, and
+        UnverifiedDocument (logged already) when a mesh secret is set and the document is
+        not signed with it: another mesh's router, or a forger, never hands us keys."""
+        new = decode_bus_payload(data, self._seal, ROUTER_BUS_KIND)
         current = self.document
         if new.writer == self.writer or new.stamp <= current.stamp:
             return current  # our own echo, or older than what we hold
@@ -244,15 +253,23 @@ class RouterLiveSettings:
                           detail="the change runs until every router restarts; edit the file (or its Secret) to keep it")
 
     # -- the bus ------------------------------------------------------------------------
+    def sealed(self, kind: str, doc: LiveDocument | None = None) -> bytes:
+        """``doc`` (default: the current one) as published on ``weft.<kind>`` (BUS_KIND: no
+        keys; ROUTER_BUS_KIND: keys included), signed when this router has a mesh secret."""
+        doc = doc if doc is not None else self.document
+        return self._seal.seal(kind, doc.router_document() if kind == ROUTER_BUS_KIND else doc.bus_document())
+
     async def publish(self) -> None:
         if self.bus is not None:
-            doc = self.document
-            await self.bus.publish_document(BUS_KIND, doc.bus_payload())
-            await self.bus.publish_document(ROUTER_BUS_KIND, doc.router_payload())
+            doc = self.document  # one document on both subjects, whatever changes while sending
+            await self.bus.publish_document(BUS_KIND, self.sealed(BUS_KIND, doc))
+            await self.bus.publish_document(ROUTER_BUS_KIND, self.sealed(ROUTER_BUS_KIND, doc))
 
     async def _on_router_document(self, data: bytes) -> None:
         try:
             self.adopt(data)
+        except UnverifiedDocument:
+            pass  # logged (rate-limited) and counted by the seal; we keep our own
         except SettingsError as exc:
             log.warning("live_settings_peer_refused", error=str(exc), running_version=self.document.version)
 

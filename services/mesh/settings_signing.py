@@ -1,0 +1,143 @@
+"""Signed live-settings documents: only a holder of the mesh secret can change a mesh's
+settings or hand it API keys (services/mesh/live_settings.py, services/router/live_settings.py).
+
+Two meshes pointed at one NATS server, or any client that may publish as a router, used
+to exchange whole documents: a router adopted another mesh's API keys (its tenants could
+call this mesh, this mesh's own keys were replaced) and every service applied its
+policies. NATS credentials (nats_auth.py) are one lock; this is the second, as for
+executor heartbeats (heartbeat_signing.py).
+
+With a mesh secret, every document travels in an envelope::
+
+    {"document": {...}, "signature": "<hex HMAC-SHA256>"}
+
+    key       = HMAC-SHA256(key=secret, msg=b"weft/settings-signing/v1")   (never the secret itself)
+    signed    = b"weft.settings.v1" 0x00 kind 0x00 canonical(document)
+    canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+``kind`` is the bus subject's kind (``settings``: no keys, for every service;
+``routersettings``: keys included, routers only), so a document signed for one subject is
+not valid on the other. The signature covers the document as decoded, re-encoded
+canonically, so JSON whitespace and key order on the wire do not matter and what was
+checked is exactly what is applied.
+
+A receiver with the secret refuses an unsigned or mis-signed document: it is logged
+``live_settings_peer_refused`` (reason ``unsigned`` / ``bad_signature``, at most once per
+``REFUSAL_LOG_INTERVAL_S`` per reason) and counted in ``weft_settings_refused_total``,
+and the receiver keeps the document it runs.
+
+Replay: a captured signed document is one this mesh itself stamped. Stamps
+(``LiveDocument.stamp``) are signed with it, and the newest stamp wins everywhere, so a
+replayed older document is ignored like any router's stale republish; the newest one
+replayed changes nothing.
+
+Without a secret (development: ``weft up`` without ``WEFT_MESH_SECRET``) nothing is
+signed or checked, byte for byte as before (a plain document), and the first document
+heard logs ``live_settings_unverified`` once. A signed envelope is then read unverified.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import Callable
+
+import structlog
+
+from services.mesh import metrics
+from services.mesh.rate_limited_log import RateLimitedLog
+
+log = structlog.get_logger(__name__)
+
+_KEY_CONTEXT = b"weft/settings-signing/v1"
+_TAG = b"weft.settings.v1"
+ENVELOPE_FIELDS = frozenset({"document", "signature"})
+REFUSAL_LOG_INTERVAL_S = 10.0  # a foreign router republishes every few seconds: one line per reason and period
+SETTINGS_REFUSED = metrics.counter("weft_settings_refused_total",
+                                   "Live-settings documents refused for their signature (docs/live_config.md).",
+                                   ["service", "reason"])
+
+
+class UnverifiedDocument(Exception):
+    """A document refused for its signature; ``reason`` is ``unsigned`` or ``bad_signature``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{reason}: a live-settings document must be signed with this mesh's secret")
+        self.reason = reason
+
+
+def signing_key(secret: str) -> bytes:
+    """The settings key derived from the mesh secret (ValueError for an empty one)."""
+    if not secret:
+        raise ValueError("an empty mesh secret signs nothing")
+    return hmac.new(secret.encode(), _KEY_CONTEXT, hashlib.sha256).digest()
+
+
+def canonical_bytes(kind: str, document: object) -> bytes:
+    """What the signature covers (module docstring). ValueError for a value JSON cannot
+    carry canonically (NaN, infinity)."""
+    body = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return b"\x00".join((_TAG, kind.encode(), body.encode()))
+
+
+def is_envelope(value: object) -> bool:
+    return isinstance(value, dict) and set(value) == ENVELOPE_FIELDS
+
+
+class DocumentSeal:
+    """Seals the documents one process sends and opens the ones it hears, under one
+    mesh secret or none. Holds only the derived key and the log state."""
+
+    def __init__(self, secret: str, service: str, clock: Callable[[], float] = time.monotonic) -> None:
+        """``service``: who opens (``router``, ``scheduler``...), for logs and the counter."""
+        self._key = signing_key(secret) if secret else None
+        self.service = service
+        self._log_refusal = RateLimitedLog("live_settings_peer_refused", REFUSAL_LOG_INTERVAL_S, clock, log)
+        self._warned_unverified = False
+
+    @property
+    def verifies(self) -> bool:
+        return self._key is not None
+
+    def signature(self, kind: str, document: object) -> str:
+        return hmac.new(self._key, canonical_bytes(kind, document), hashlib.sha256).hexdigest()
+
+    def seal(self, kind: str, document: dict) -> bytes:
+        """The bytes to publish on ``weft.<kind>``: the signed envelope, or without a
+        secret the plain document exactly as before signing existed."""
+        if self._key is None:
+            return json.dumps(document, sort_keys=True).encode()
+        return json.dumps({"document": document, "signature": self.signature(kind, document)},
+                          sort_keys=True).encode()
+
+    def open(self, kind: str, value: object) -> object:
+        """The document in ``value`` (decoded JSON heard on ``weft.<kind>``), not yet
+        validated. With a secret, raises UnverifiedDocument unless ``value`` is an envelope
+        whose signature is valid (constant-time compare), after logging and counting the
+        refusal. Without one, returns the document unverified (warned once)."""
+        if self._key is None:
+            if not self._warned_unverified:
+                self._warned_unverified = True
+                log.warning("live_settings_unverified", service=self.service,
+                            detail="no mesh secret: any NATS client that may publish settings can change them "
+                                   "(routers: hand over API keys); set WEFT_MESH_SECRET")
+            return value["document"] if is_envelope(value) else value
+        reason = self._problem(kind, value)
+        if reason is not None:
+            SETTINGS_REFUSED.labels(self.service, reason).inc()
+            self._log_refusal(reason, service=self.service, kind=kind)
+            raise UnverifiedDocument(reason)
+        return value["document"]
+
+    def _problem(self, kind: str, value: object) -> str | None:
+        if not is_envelope(value):
+            return "unsigned"
+        given = value["signature"]
+        try:
+            expected = self.signature(kind, value["document"])
+        except (ValueError, RecursionError):
+            return "bad_signature"  # NaN or the like: nothing this mesh signs
+        if not isinstance(given, str) or not hmac.compare_digest(given.encode("ascii", "replace"), expected.encode()):
+            return "bad_signature"
+        return None
