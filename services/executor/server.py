@@ -1,11 +1,14 @@
 """The Executor gRPC servicer over ``AsyncEngine``: the only place executor protos meet
 the engine's dataclasses.
 
-Cancellation: each Generate stream runs the engine iteration in a pump task. When the
-client goes away (disconnect, deadline, cancelled scheduler stream) gRPC cancels the
-handler, whose ``finally`` cancels the pump, which aborts the request in the engine:
-its blocks are freed within one step. ``Abort`` ends the stream with
-FINISH_REASON_ABORT instead.
+Cancellation: each Generate stream reads the engine's outputs in its own handler task
+(no pump task and queue in between: that was one more event-loop turn, under the engine
+thread's GIL contention, before each chunk went out). When the client goes away
+(disconnect, deadline, cancelled scheduler stream) gRPC cancels the handler, which closes
+the engine stream, which aborts the request in the engine: its blocks are freed within
+one step. ``Abort`` ends the stream with FINISH_REASON_ABORT instead, and a dead engine
+(``fail_streams``) with UNAVAILABLE: both are told to the stream (``_Stream.end``), which
+acts on it before its next read, or at once when it is waiting on the engine.
 """
 from __future__ import annotations
 
@@ -57,7 +60,24 @@ RUNNING = metrics.gauge("weft_executor_streams_running", "Generate streams open.
 ENGINE_REQUESTS = metrics.gauge(
     "weft_executor_engine_requests", "Requests the engine thread streams to a caller (idle: 0; more is a leak).")
 
-_ABORTED = object()  # queue sentinel: Abort RPC for this request
+_ABORTED = object()  # a stream's ending: the Abort RPC for this request
+
+
+class _Stream:
+    """One open Generate stream, as ``Abort`` and ``fail_streams`` see it."""
+
+    def __init__(self) -> None:
+        self.task = asyncio.current_task()  # the handler's task
+        self.reading = False  # the handler waits on the engine's next output
+        self.ending: object = None  # _ABORTED or the error to raise: set by ``end``
+
+    def end(self, why: object) -> None:
+        """End the stream: at once when it waits on the engine (its task is cancelled and
+        takes the cancellation back), else before its next read."""
+        if self.ending is None:
+            self.ending = why
+            if self.reading:
+                self.task.cancel()
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, present: bool) -> SamplingParams:
@@ -196,17 +216,17 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.block_size = block_size
         self.draining = False
         self.failed = ""  # why the engine is out of service (dead / wedged); set by fail_streams
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}
         self._tier_ns: dict[str, tuple[int, int]] = {}  # request id -> promotion lookup (start, end), for timelines
 
     def fail_streams(self, reason: str) -> int:
         """The engine is dead or wedged: refuse new streams and end every open one with
         UNAVAILABLE (EngineDeadError), so the scheduler moves them elsewhere. Returns how
-        many were open. Their pumps may stay stuck on a wedged engine; each stream's
-        ``finally`` cancels its pump."""
+        many were open. A stream waiting on a wedged engine is cancelled out of that wait
+        (``_Stream.end``); its ``finally`` closes the engine stream."""
         self.failed = reason
-        for queue in self._streams.values():
-            queue.put_nowait(EngineDeadError(f"executor {self.name}: {reason}"))
+        for stream in self._streams.values():
+            stream.end(EngineDeadError(f"executor {self.name}: {reason}"))
         return len(self._streams)
 
     async def Generate(self, request: executor_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
@@ -227,22 +247,32 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         with request_context(rid):
             trace = Trace(rid, "executor", context_from_metadata(context.invocation_metadata()), executor=self.name)
             first_token_ns = None
-            queue: asyncio.Queue = asyncio.Queue()
-            self._streams[rid] = queue
-            pump = asyncio.create_task(self._pump(request, params, session, queue), name=f"pump-{rid}")
+            stream = self._streams[rid] = _Stream()
+            outputs = self._outputs(request, params, session)
             RUNNING.inc()
             outcome = "cancelled"
             try:
                 while True:
-                    item = await queue.get()
-                    if item is _ABORTED:
+                    if stream.ending is None:
+                        stream.reading = True
+                        try:
+                            item = await anext(outputs)
+                        except asyncio.CancelledError:
+                            if stream.ending is None or stream.task.uncancel():
+                                raise  # not (only) ours: the client left
+                        except Exception:
+                            outcome = "error"
+                            raise
+                        finally:
+                            stream.reading = False
+                    if stream.ending is _ABORTED:
                         outcome = "aborted"
                         yield executor_pb2.ExecuteResponse(
                             request_id=rid, finish_reason=common_pb2.FINISH_REASON_ABORT, executor=self.name)
                         return
-                    if isinstance(item, BaseException):
+                    if stream.ending is not None:
                         outcome = "error"
-                        raise item
+                        raise stream.ending
                     TOKENS.inc(len(item.new_token_ids))
                     if first_token_ns is None and item.new_token_ids:
                         first_token_ns = time.time_ns()
@@ -261,7 +291,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 self._tier_ns.pop(rid, None)
                 if self.tiers is not None:  # a cancelled / failed request never reaches observe's finish
                     self.tiers.forget(rid)
-                pump.cancel()
+                await outputs.aclose()  # aborts the request in the engine unless it finished
                 # Covers a cancel that lands while the add is still in flight; a no-op
                 # when the request already finished or was aborted.
                 self.engine.abort(rid)
@@ -282,32 +312,29 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                            out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
         return trace.finish(num_output_tokens=out.num_output_tokens)
 
-    async def _pump(self, request, params: SamplingParams, session: SessionOptions, queue: asyncio.Queue) -> None:
-        try:
-            if self.tiers is not None:  # promote the prompt's prefix from the cachestore first
-                tier_start_ns = time.time_ns()
-                await self.tiers.before_submit(request)
-                self._tier_ns[request.request_id] = (tier_start_ns, time.time_ns())
-            async for out in self.engine.generate(
-                request.request_id, list(request.prompt_token_ids), params,
-                # Each tenant is charged to its own partition (its quota, when one is configured).
-                partition=partition_of(request.partition, request.tenant_salt), tenant_salt=request.tenant_salt,
-                priority=request.priority, session=session,  # higher runs first, on the wire and in the engine
-            ):
-                queue.put_nowait(out)
-                if self.tiers is not None:
-                    self.tiers.observe(request.request_id, out)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # handed to the stream, which raises it
-            queue.put_nowait(exc)
+    async def _outputs(self, request, params: SamplingParams, session: SessionOptions):
+        """The request's engine outputs, after its prefix was promoted from the cachestore
+        (when one is configured)."""
+        if self.tiers is not None:
+            tier_start_ns = time.time_ns()
+            await self.tiers.before_submit(request)
+            self._tier_ns[request.request_id] = (tier_start_ns, time.time_ns())
+        async for out in self.engine.generate(
+            request.request_id, list(request.prompt_token_ids), params,
+            # Each tenant is charged to its own partition (its quota, when one is configured).
+            partition=partition_of(request.partition, request.tenant_salt), tenant_salt=request.tenant_salt,
+            priority=request.priority, session=session,  # higher runs first, on the wire and in the engine
+        ):
+            if self.tiers is not None:
+                self.tiers.observe(request.request_id, out)
+            yield out
 
     async def Abort(self, request: executor_pb2.AbortRequest, context) -> executor_pb2.AbortResponse:
-        queue = self._streams.get(request.request_id)
-        if queue is None:
+        stream = self._streams.get(request.request_id)
+        if stream is None:
             return executor_pb2.AbortResponse(aborted=False)
         self.engine.abort(request.request_id)
-        queue.put_nowait(_ABORTED)
+        stream.end(_ABORTED)
         log.info("request_abort_requested", request_id=request.request_id)
         return executor_pb2.AbortResponse(aborted=True)
 
