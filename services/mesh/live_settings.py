@@ -278,7 +278,8 @@ class SettingsFollower:
         self._heard_at = 0.0  # when the document in force was last received (this clock)
         self._applied: dict[str, object] = {}  # this service's overrides now in force
         self._failed: tuple[tuple, str] | None = None  # (stamp, reason) of the last failure, logged once
-        self._seal = DocumentSeal((security if security is not None else mesh_auth.current()).secret, service)
+        # signs nothing here; opens what is heard (settings_signing.py)
+        self.seal = DocumentSeal((security if security is not None else mesh_auth.current()).secret, service)
         SETTINGS_VERSION.labels(service).set(0)
 
     async def subscribe(self, bus) -> None:
@@ -286,7 +287,7 @@ class SettingsFollower:
 
     async def receive(self, data: bytes) -> None:
         try:
-            doc = decode_bus_payload(data, self._seal)
+            doc = decode_bus_payload(data, self.seal)
         except UnverifiedDocument:
             return  # logged and counted by the seal; the document in force stays
         except SettingsError as exc:

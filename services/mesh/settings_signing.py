@@ -95,6 +95,7 @@ class DocumentSeal:
         self.service = service
         self._log_refusal = RateLimitedLog("live_settings_peer_refused", REFUSAL_LOG_INTERVAL_S, clock, log)
         self._warned_unverified = False
+        self.num_refused = 0  # documents refused by this seal (the counter adds up every seal of a service)
 
     @property
     def verifies(self) -> bool:
@@ -125,6 +126,7 @@ class DocumentSeal:
             return value["document"] if is_envelope(value) else value
         reason = self._problem(kind, value)
         if reason is not None:
+            self.num_refused += 1
             SETTINGS_REFUSED.labels(self.service, reason).inc()
             self._log_refusal(reason, service=self.service, kind=kind)
             raise UnverifiedDocument(reason)

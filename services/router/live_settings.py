@@ -136,7 +136,8 @@ class RouterLiveSettings:
         self.options = options
         self.writer = writer or default_writer()
         self._clock = clock
-        self._seal = DocumentSeal((security if security is not None else mesh_auth.current()).secret, "router")
+        # signs what this router publishes, opens what it hears (settings_signing.py)
+        self.seal = DocumentSeal((security if security is not None else mesh_auth.current()).secret, "router")
         base = read_settings_file(options.settings_file)
         self.document = LiveDocument(max(base.version, 1), keys.entries, base.sections, 0.0, self.writer, "files")
         self.listening = True  # until ``claim``: adopt only other routers' changes, not their files
@@ -201,7 +202,7 @@ class RouterLiveSettings:
         (no keys while it runs with keys). Raises SettingsError when malformed, and
         UnverifiedDocument (logged already) when a mesh secret is set and the document is
         not signed with it: another mesh's router, or a forger, never hands us keys."""
-        new = decode_bus_payload(data, self._seal, ROUTER_BUS_KIND)
+        new = decode_bus_payload(data, self.seal, ROUTER_BUS_KIND)
         current = self.document
         if new.writer == self.writer or new.stamp <= current.stamp:
             return current  # our own echo, or older than what we hold
@@ -257,7 +258,7 @@ class RouterLiveSettings:
         """``doc`` (default: the current one) as published on ``weft.<kind>`` (BUS_KIND: no
         keys; ROUTER_BUS_KIND: keys included), signed when this router has a mesh secret."""
         doc = doc if doc is not None else self.document
-        return self._seal.seal(kind, doc.router_document() if kind == ROUTER_BUS_KIND else doc.bus_document())
+        return self.seal.seal(kind, doc.router_document() if kind == ROUTER_BUS_KIND else doc.bus_document())
 
     async def publish(self) -> None:
         if self.bus is not None:
