@@ -103,13 +103,16 @@ def _all_run(state, version: int) -> bool:
                for i in state.instances if i.service in ("router", "scheduler", "executor"))
 
 
-def test_each_live_setting_changes_while_streams_run(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("mesh_secret", ["e2e-live-settings-secret", ""], ids=["signed", "no secret"])
+def test_each_live_setting_changes_while_streams_run(tmp_path, tiny_model_dir, mesh_secret):
+    """With a mesh secret every document is signed and checked (services/mesh/settings_signing.py);
+    without one, as in development, nothing is."""
     keys = tmp_path / "keys.txt"
     keys.write_text(f"{ADMIN} ops admin\n{ACME} acme\n{BACKGROUND} bg\n")
     settings = tmp_path / "settings.json"
     settings.write_text(json.dumps({"version": 1, "scheduler": {"tenant_quotas": "acme=64"}}))
     (tmp_path / "state").mkdir()
-    with launched_mesh(tmp_path / "state", tiny_model_dir, 1,
+    with launched_mesh(tmp_path / "state", tiny_model_dir, 1, env={"WEFT_MESH_SECRET": mesh_secret},
                        extra_args=["--keys-file", str(keys), "--settings", str(settings), "--num-kv-blocks", "256"],
                        check_orphans=False) as (launcher, state):
         base = state.http_url
@@ -164,6 +167,9 @@ def test_each_live_setting_changes_while_streams_run(tmp_path, tiny_model_dir):
         ps = subprocess.run([sys.executable, "-m", "weft", "ps", "--state-dir", str(tmp_path / "state")],
                             capture_output=True, text=True, timeout=60)
         assert "live settings version 4: scheduler v4, executor-0 v4, router v4" in ps.stdout, ps.stdout
+        logs = "".join(path.read_text(errors="replace") for path in (tmp_path / "state" / "logs").glob("*.log"))
+        assert "live_settings_peer_refused" not in logs  # signed by the router, checked by every service
+        assert ("live_settings_unverified" in logs) == (not mesh_secret)
 
 
 def _restarted(state_dir, old_pid: int):
