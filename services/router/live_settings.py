@@ -30,7 +30,9 @@ replica took it::
       │    restart with a new keys Secret), and a lone router restarted without a settings
       │    file is the truth again
       ▼
-    republish forever; PATCH / SIGHUP stamp now; any newer document is adopted at once
+    republish forever; PATCH / SIGHUP stamp now; any newer document is adopted at once,
+    except another router's files while we hold a change: a claim that raced the change
+    (in flight as its listen window closed) makes us stamp the change again, after it
 
 So a change made while running survives new replicas and rolling restarts; a file edited
 for a rolling restart after such a change takes effect with SIGHUP (or a PATCH) on one
@@ -208,6 +210,12 @@ class RouterLiveSettings:
             return current  # our own echo, or older than what we hold
         if self.listening and new.origin == "files":
             return current  # another router's files are no newer than ours: we claim ours
+        if new.origin == "files" and current.origin != "files":
+            # A router claimed its files without hearing our change (it was in flight as that
+            # router's listen window closed): files never replace a change made while running,
+            # so the change is stamped again, after that claim, and everyone adopts it.
+            return self._commit(current.stamped(current.version, self._now(after=new.updated_at), self.writer,
+                                                current.origin), "reasserted")
         _check_keys_kept(current, new, by_admin_api=False)
         return self._commit(new, "adopted", publish=False)
 
@@ -221,9 +229,9 @@ class RouterLiveSettings:
         return self._commit(current.stamped(current.version, self._now(), self.writer, current.origin), "claimed",
                             publish=False)
 
-    def _now(self) -> float:
-        """Now, and always after the document held (another router's clock may run ahead)."""
-        return max(self._clock(), math.nextafter(self.document.updated_at, math.inf))
+    def _now(self, after: float = 0.0) -> float:
+        """Now, and always after the document held and ``after`` (another router's clock may run ahead)."""
+        return max(self._clock(), math.nextafter(max(self.document.updated_at, after), math.inf))
 
     def _commit(self, new: LiveDocument, cause: str, publish: bool = True) -> LiveDocument:
         self.keys.replace(new.keys)  # validated already: cannot raise

@@ -179,3 +179,20 @@ def test_get_lists_every_key_by_an_id_and_never_the_key(tmp_path):
 
 def test_a_short_key_shows_none_of_its_characters():
     assert key_id("sk-a").startswith("…") and "sk-a" not in key_id("sk-a")
+
+
+def test_a_claim_that_raced_a_change_does_not_revert_it(tmp_path):
+    """A router's claim stamps its files now; when the running router's PATCH was still in
+    flight as the claimer's listen window closed, the running router adopted those files and
+    the PATCH (answered 200) was reverted everywhere. The change is stamped again instead."""
+    running = router(tmp_path, "router-a")
+    running.claim()
+    starting = router(tmp_path, "router-b", keys={**KEYS, "sk-files-only-01": "acme"})  # listening
+    running.patch({"keys": {"sk-globex-0001": "globex"}, "scheduler": {"policy": "fcfs"}})
+    claimed = starting.claim()  # the PATCH's document had not reached it yet
+    assert claimed.stamp > running.document.stamp and claimed.origin == "files"
+    running.adopt(claimed.router_payload())
+    assert dict(running.document.sections["scheduler"]) == {"policy": "fcfs"}
+    assert running.document.stamp > claimed.stamp and running.document.origin == "admin_api"
+    starting.adopt(running.document.router_payload())
+    assert starting.document == running.document and starting.keys.authenticate("sk-globex-0001") == "globex"
