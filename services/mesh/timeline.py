@@ -117,11 +117,14 @@ def spans_from_metadata(metadata: Iterable[tuple[str, str]] | None) -> list[Span
 
 async def downstream_spans(call, timeout_s: float = 1.0) -> list[Span]:
     """The spans in a finished call's trailers. Call it right after the stream's last
-    message (the trailers follow at once); an error or a slow peer yields none."""
+    message (the trailers follow at once); an error or a slow peer yields none. Waits in
+    the caller's task (``asyncio.timeout``: ``wait_for`` started a task per call)."""
     try:
-        return spans_from_metadata(await asyncio.wait_for(call.trailing_metadata(), timeout_s))
-    except (asyncio.TimeoutError, grpc.RpcError):
+        async with asyncio.timeout(timeout_s):
+            metadata = await call.trailing_metadata()
+    except (TimeoutError, grpc.RpcError):
         return []
+    return spans_from_metadata(metadata)
 
 
 def spans_metadata(spans: Sequence[Span]) -> tuple[tuple[str, str], ...]:
