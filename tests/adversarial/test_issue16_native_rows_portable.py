@@ -85,3 +85,9 @@ def test_library_builds_and_matches_torch_without_vector_extensions(model, varia
     # the batch-1 step of the same library, over the cache the rows step just wrote
     one = decoder.step(int(tokens[0]), int(positions[0]), int(slots[0]), table[0].contiguous(), lens[0])
     torch.testing.assert_close(one[0], rows[0], rtol=1e-4, atol=1e-4)
+    # the greedy argmax of the same library (argmax.c's plain-C loop), ties and NaN included
+    logits = expected.clone()
+    logits[1, [3, 700]] = 1e4
+    assert decoder.argmax_rows(logits) == logits.argmax(-1).tolist()
+    logits[2, 5] = float("nan")
+    assert decoder.argmax_rows(logits) is None

@@ -112,6 +112,20 @@ class NativeDecoder:
             raise MemoryError("native decode step could not allocate its scratch buffer")
         return logits
 
+    def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:  # logits: [R, vocab]
+        """Each row's greedy token, ``logits.argmax(-1).tolist()`` as torch gives it (the
+        first index among equal maxima), or None when the native argmax cannot answer: not
+        a contiguous fp32 CPU [R, vocab] tensor, or a row holding NaN (torch's argmax picks
+        the NaN; the caller asks torch). Reads ``logits`` only."""
+        if (logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous()
+                or logits.device.type != "cpu" or logits.shape[0] == 0):
+            return None
+        rows, vocab = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        if self._lib.weft_argmax_rows(logits.data_ptr(), rows, vocab, out.data_ptr(), torch.get_num_threads()) != 0:
+            return None
+        return out.tolist()
+
     def step_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   seq_lens_host: tuple[int, ...]) -> torch.Tensor:  # [R, vocab] fp32 logits

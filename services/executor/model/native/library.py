@@ -1,5 +1,6 @@
 """Build, cache and load the native decode library (``decode.c``: one sequence,
-``decode_batch.c``: several; ``llama_step.h`` what both share), or say why not.
+``decode_batch.c``: several; ``llama_step.h`` what both share; ``argmax.c``: greedy
+sampling), or say why not.
 
 The C sources are compiled at first use with the system C compiler into
 ``$WEFT_CACHE_DIR/native/`` (default ``~/.cache/weft/native/``), named by a hash of the
@@ -29,7 +30,7 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "decode_batch.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "decode_batch.c", "argmax.c"))
 HEADERS = (Path(__file__).with_name("llama_step.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120
@@ -99,6 +100,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.weft_decode_step.restype = ctypes.c_int
     lib.weft_decode_rows.argtypes = [p, i32, p, p, p, p, i32, p, p, i32]
     lib.weft_decode_rows.restype = ctypes.c_int
+    lib.weft_argmax_rows.argtypes = [p, i32, i32, p, i32]
+    lib.weft_argmax_rows.restype = ctypes.c_int
     return lib
 
 
