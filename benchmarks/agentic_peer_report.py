@@ -31,7 +31,10 @@ WEFT_SETTINGS = {HINTS: {}, NO_HINTS: {},
                  "weft-no-las": {"priority_weights": "las=0"},
                  # the old 256 MiB pool, where KV across tool pauses is short (hints matter most there)
                  "weft-kv256m": {"kv_cache_memory_bytes": str(256 << 20)},
-                 "weft-no-hints-kv256m": {"kv_cache_memory_bytes": str(256 << 20)}}
+                 "weft-no-hints-kv256m": {"kv_cache_memory_bytes": str(256 << 20)},
+                 # the same room in tokens on any model: 360 blocks of 16 = 5,760 tokens (SmolLM2's 256 MiB)
+                 "weft-kv360b": {"num_kv_blocks": "360"},
+                 "weft-no-hints-kv360b": {"num_kv_blocks": "360"}}
 ABLATIONS = tuple(c for c in WEFT_SETTINGS if c not in CONFIGS)
 
 
