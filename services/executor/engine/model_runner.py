@@ -102,8 +102,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[sample_rows])  # [rows, vocab]
         seqs = [s.seq for s in sampled]
         if all(_is_plain(s) for s in seqs):  # one argmax, no per-row lists
-            # the native argmax when the library is loaded (torch's multi-row argmax took
-            # 2-6 ms of a ~30 ms step); None (NaN, odd tensor) -> torch's
+            # the native argmax when the library is loaded (~0.05 ms where torch's took
+            # ~0.45 ms at 16 rows x 49152); None (a NaN, an odd tensor) -> torch's
             greedy = native.argmax_rows(logits) if native is not None else None
             return StepResult(sampled, SampledTokens(greedy, None) if greedy is not None else sample_greedy(logits),
                               meta.block_scores)

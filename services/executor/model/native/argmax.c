@@ -1,10 +1,10 @@
 /* Greedy sampling for a batch of rows: the index of each row's largest logit, as torch's
  * argmax(dim=-1) gives it (the first index among equal maxima), in one pass per row.
  *
- * NOTE: why not torch. On the 2-core boxes torch's argmax over [16, 49152] fp32 logits
- * took 1.9-6 ms (its multi-row reduction does not vectorise the index tracking), against a
- * ~30 ms SmolLM2 decode step; this is ~0.1 ms. NaN: torch treats NaN as the maximum; this
- * reports it (returns -1) and the caller uses torch for that step.
+ * NOTE: why not torch. torch's argmax(dim=-1) over [16, 49152] fp32 logits takes ~0.45 ms
+ * on 2 threads in isolation (0.3 ms at vocab 32000) and more inside a busy step; this pass
+ * takes ~0.05 ms (the 0.4 ms saved: 1-5 % of a 16-row decode step). NaN: torch treats NaN
+ * as the maximum; this reports it (returns -1) and the caller uses torch for that step.
  */
 #include <stddef.h>
 #include <stdint.h>
