@@ -240,6 +240,8 @@ def decode_bus_payload(data: bytes, seal: DocumentSeal, kind: str = BUS_KIND) ->
     try:
         value = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        if seal.verifies:  # no signed envelope either: refused like one, counted, logged rate-limited
+            seal.refuse(kind, "unsigned")
         raise SettingsError("(document)", f"not JSON: {exc}") from None
     value = seal.open(kind, value)
     if isinstance(value, dict) and "keys" in value and kind != ROUTER_BUS_KIND:

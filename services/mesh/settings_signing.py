@@ -126,11 +126,17 @@ class DocumentSeal:
             return value["document"] if is_envelope(value) else value
         reason = self._problem(kind, value)
         if reason is not None:
-            self.num_refused += 1
-            SETTINGS_REFUSED.labels(self.service, reason).inc()
-            self._log_refusal(reason, service=self.service, kind=kind)
-            raise UnverifiedDocument(reason)
+            self.refuse(kind, reason)
         return value["document"]
+
+    def refuse(self, kind: str, reason: str) -> None:
+        """Count and log (rate-limited) a refused document, then raise UnverifiedDocument.
+        Also for bytes that are not JSON at all under a secret (``unsigned``): any publisher
+        can send those, so they must not cost a log line each."""
+        self.num_refused += 1
+        SETTINGS_REFUSED.labels(self.service, reason).inc()
+        self._log_refusal(reason, service=self.service, kind=kind)
+        raise UnverifiedDocument(reason)
 
     def _problem(self, kind: str, value: object) -> str | None:
         if not is_envelope(value):
