@@ -58,7 +58,7 @@ def engines_for(runner, rows: int, context: int) -> dict:
     per_row = -(-context // BLOCK_SIZE)
     table = torch.arange(rows * per_row, dtype=torch.int32).reshape(rows, per_row)  # row r: its own blocks
     lens = [context - r for r in range(rows)]  # lengths (and positions) differ a little
-    ids = torch.randint(0, runner.model.lm_head.out_features, (rows,))
+    ids = torch.randint(0, runner.model.lm_head.out_features, (rows,), generator=torch.Generator().manual_seed(rows))
     positions = torch.tensor([n - 1 for n in lens])
     slots = torch.tensor([int(table[r, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
                           for r, n in enumerate(lens)])
@@ -102,8 +102,11 @@ def main(argv=None) -> None:
                 ref = engines["torch"]()
                 got = engines["native"]()
                 # the same step, not just a fast one: fp32 rounding only. On SmolLM2 both paths
-                # are 0.3-6e-3 off a float64 forward (logits up to ~30) and up to ~1e-2 apart.
-                torch.testing.assert_close(got, ref, rtol=0, atol=2e-3 * float(ref.abs().max()))
+                # are 0.3-6e-3 off a float64 forward (logits up to ~30) and mostly ~1e-2 apart;
+                # at 64 rows over the zero-filled cache one unseeded draw of ids put them 0.097
+                # apart (3e-3 of the largest logit); six draws gave the native step before and
+                # after the 2026-12-01 attention rewrite the same spread (5.6e-3 to 3.3e-2).
+                torch.testing.assert_close(got, ref, rtol=0, atol=5e-3 * float(ref.abs().max()))
                 for rnd in range(args.rounds + 1):  # round 0 warms up
                     for name in (list(engines) if rnd % 2 else list(reversed(engines))):
                         ms = time_steps(engines[name], args.steps)
