@@ -3,7 +3,11 @@
 NOTE: there is no prefill phase nor decode phase. Each step has a token budget;
 running sequences get their next tokens first (one for a decode, a chunk for a long
 prefill), then waiting sequences are admitted, longest cached prefix skipped, while
-budget, sequence slots and KV blocks last. When a running sequence cannot get a
+budget, sequence slots and KV blocks last. A waiting sequence whose next uncached block is
+being computed in this very step by another sequence (the n completions of one prompt,
+forked sub-agents, programs starting on one system prompt) waits one step and then hits
+it, instead of computing the same prefix again beside it (SGLang's in-batch prefix
+check; vLLM computes both). When a running sequence cannot get a
 block, a victim chosen by the preemption policy gives all of its blocks back and is
 recomputed later (its full blocks stay in the prefix cache, so that is usually cheap).
 
@@ -125,7 +129,9 @@ class BatchScheduler:
             # ``seq`` itself was preempted: the list shifted, do not advance ``i``.
 
         unservable: list[Sequence] = []
+        deferred: list[Sequence] = []
         if not preempted:
+            pending = {h for item in decodes + prefills for h in self.kv.completing_hashes(item.seq, item.num_new_tokens)}
             self.policy.order_waiting(self.waiting)
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
@@ -139,6 +145,9 @@ class BatchScheduler:
                     unservable.append(seq)
                     continue
                 hits = self.kv.match_prefix(seq)
+                if pending and self.kv.next_hit_hash(seq, len(hits)) in pending:
+                    deferred.append(self.waiting.popleft())  # a hit next step: see the module NOTE
+                    continue
                 cached = len(hits) * self.kv.block_size
                 n = min(seq.num_tokens - cached, budget, self.max_prefill_chunk)
                 if not self.kv.allocate_slots(seq, n, hits):
@@ -155,7 +164,9 @@ class BatchScheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 (decodes if n == 1 else prefills).append(ScheduledSeq(seq, n))
+                pending.update(self.kv.completing_hashes(seq, n))
                 budget -= n
+            self.waiting.extendleft(reversed(deferred))  # back in front, in their order
         return StepPlan(decodes, prefills, preempted, unservable)
 
     # -- a step's result --------------------------------------------------------

@@ -47,6 +47,31 @@ class KVCacheManager:
         self._extend_hashes(seq, max_hit_tokens)
         return self.pool.get_cached_blocks(seq.block_hashes[: max_hit_tokens // self.block_size])
 
+    def completing_hashes(self, seq: Sequence, num_new_tokens: int) -> list:
+        """Hashes of the blocks a step of ``num_new_tokens`` more tokens fills (full after
+        it, not before): what ``cache_computed_blocks`` will register after that step.
+        Empty without prefix caching or once the sequence dropped blocks."""
+        if not self.pool.enable_prefix_caching or seq.num_evicted_tokens:
+            return []
+        start = seq.num_computed_tokens // self.block_size
+        end = (seq.num_computed_tokens + num_new_tokens) // self.block_size
+        if end <= start:
+            return []
+        self._extend_hashes(seq, end * self.block_size)
+        return seq.block_hashes[start:end]
+
+    def next_hit_hash(self, seq: Sequence, num_hit_blocks: int):
+        """The hash a prefix hit would look up next after ``num_hit_blocks`` hits (the first
+        block ``match_prefix`` found missing); None when no hit could cover it (caching off,
+        prompt logprobs owed, or the hits already reach the last block a hit may cover)."""
+        if not self.pool.enable_prefix_caching or _owed_prompt_logprobs(seq):
+            return None
+        max_hit_blocks = (seq.num_tokens - 1) // self.block_size
+        if num_hit_blocks >= max_hit_blocks:
+            return None
+        self._extend_hashes(seq, max_hit_blocks * self.block_size)
+        return seq.block_hashes[num_hit_blocks]
+
     # -- questions (none of these modifies anything) ----------------------------
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
