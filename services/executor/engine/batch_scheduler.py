@@ -54,6 +54,7 @@ class BatchScheduler:
         self.kv_compression = kv_compression
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.in_batch_prefix_check = True  # False: copies compute side by side (the benchmark's baseline)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -145,7 +146,7 @@ class BatchScheduler:
                     unservable.append(seq)
                     continue
                 hits = self.kv.match_prefix(seq)
-                if pending and self.kv.next_hit_hash(seq, len(hits)) in pending:
+                if pending and self.in_batch_prefix_check and self.kv.next_hit_hash(seq, len(hits)) in pending:
                     deferred.append(self.waiting.popleft())  # a hit next step: see the module NOTE
                     continue
                 cached = len(hits) * self.kv.block_size
