@@ -8,10 +8,12 @@ NOTE: a block's *keep score* is how soon it is expected back, weighted by priori
     due_s   = expected_pause_s if the writer said so, else the idle time so far
     score   = due_s / (1 + priority)              (lower = keep in RAM)
 
-``pause_aware`` demotes a block idle longer than ``max_idle_s``; once RAM is above the
-low watermark, also every block idle longer than its expected pause (plus slack: an
-overrun tool call is probably a long one); and under pressure (RAM above the high
-watermark) the highest scores first until RAM is under the low watermark. Below the low
+``pause_aware`` demotes a block idle longer than ``max_idle_s``; while RAM is above the
+low watermark, also blocks idle longer than their expected pause (plus slack: an overrun
+tool call is probably a long one), most overdue first, until RAM is back at the low
+watermark (a backlog of overdue blocks is not archived all at once when RAM crosses
+it); and under pressure (RAM above the high watermark) the highest scores first until
+RAM is under the low watermark. Below the low
 watermark an overdue block stays in RAM: the room is not needed, and a disk write (a file
 and an fsync per block) would only cost the machine the CPU and I/O its engines share.
 Most overdue blocks there are write-backs of KV the executor still holds: the agent
@@ -68,6 +70,11 @@ def keep_score(b: SleepingBlock) -> float:
     return due_s / (1.0 + max(0.0, b.priority))
 
 
+def overrun(b: SleepingBlock) -> float:
+    """How far past its expected pause a block is, weighted by priority (higher = archive first)."""
+    return b.idle_s / b.expected_pause_s / (1.0 + max(0.0, b.priority))
+
+
 @dataclass(frozen=True)
 class PauseAwareDemotion:
     max_idle_s: float = 300.0
@@ -80,15 +87,20 @@ class PauseAwareDemotion:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
 
     def choose(self, blocks, used_bytes, capacity_bytes) -> list[int]:
-        chosen: dict[int, None] = {}
-        filling = bool(capacity_bytes) and used_bytes > self.low_watermark * capacity_bytes
-        for b in blocks:
-            overdue = filling and b.expected_pause_s > 0 and b.idle_s > b.expected_pause_s * self.pause_slack
-            if overdue or b.idle_s > self.max_idle_s:
-                chosen[b.block_hash] = None
+        chosen = {b.block_hash: None for b in blocks if b.idle_s > self.max_idle_s}
         freed = sum(b.size_bytes for b in blocks if b.block_hash in chosen)
+        target = self.low_watermark * capacity_bytes
+        # Overdue blocks only for the room above the low watermark, most overdue first: a
+        # store that crosses it full of overdue blocks archives what it needs, not its whole
+        # backlog in one sweep (a file and an fsync each, under the store's lock).
+        overdue = [b for b in blocks if b.block_hash not in chosen and b.expected_pause_s > 0
+                   and b.idle_s > b.expected_pause_s * self.pause_slack]
+        for b in sorted(overdue, key=overrun, reverse=True):
+            if not capacity_bytes or used_bytes - freed <= target:
+                break
+            chosen[b.block_hash] = None
+            freed += b.size_bytes
         if capacity_bytes and used_bytes - freed > self.high_watermark * capacity_bytes:
-            target = self.low_watermark * capacity_bytes
             for b in sorted(blocks, key=keep_score, reverse=True):
                 if used_bytes - freed <= target:
                     break
