@@ -4,8 +4,8 @@ NOTE: there is no prefill phase nor decode phase. Each step has a token budget;
 running sequences get their next tokens first (one for a decode, a chunk for a long
 prefill), then waiting sequences are admitted, longest cached prefix skipped, while
 budget, sequence slots and KV blocks last. A waiting sequence whose next uncached block is
-being computed in this very step by another sequence (the n completions of one prompt,
-forked sub-agents, programs starting on one system prompt) waits one step and then hits
+being computed in this very step by another sequence (forked sub-agents, programs
+starting on one system prompt, one prompt sent by several callers) waits one step and hits
 it, instead of computing the same prefix again beside it (SGLang's in-batch prefix
 check; vLLM computes both). When a running sequence cannot get a
 block, a victim chosen by the preemption policy gives all of its blocks back and is
