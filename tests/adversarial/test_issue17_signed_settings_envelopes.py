@@ -211,3 +211,30 @@ def test_a_replayed_old_change_does_not_revive_a_revoked_key_in_a_restarted_rout
     restarted.adopt(captured)  # replayed while it listens
     restarted.claim()
     assert not knows(restarted, "sk-leaked-key-001")
+
+
+def test_replays_to_a_service_running_the_newest_document_change_nothing(tmp_path):
+    genuine = router(tmp_path, "router-peer")
+    genuine.patch({"scheduler": {"policy": "fcfs"}})
+    older = genuine.sealed(BUS_KIND)
+    genuine.patch({"scheduler": {"policy": "priority"}})
+    same_version_older = genuine.sealed(BUS_KIND, genuine.document.stamped(
+        genuine.document.version, genuine.document.updated_at - 1, "router-peer", "admin_api"))
+    genuine.patch({"scheduler": {"policy": "weft"}})
+    higher_version_older = genuine.sealed(BUS_KIND, genuine.document.stamped(
+        genuine.document.version + 5, genuine.document.updated_at - 1, "router-zz", "admin_api"))
+    applied: list[dict] = []
+    service = follower(applied)
+    for data in (genuine.sealed(BUS_KIND), older, same_version_older, higher_version_older, older):
+        asyncio.run(service.receive(data))
+    assert applied == [{"policy": "weft"}] and service.stamp == genuine.document.stamp
+
+
+def test_sighup_while_refusing_a_flood_reloads_and_publishes_signed(tmp_path):
+    ours, peer = router(tmp_path, "router-ours"), router(tmp_path, "router-peer")
+    for i in range(50):
+        asyncio.run(ours._on_router_document(b"junk %d" % i))
+    (tmp_path / "router-ours" / "keys.json").write_text(json.dumps({**KEYS, "sk-after-sighup-01": "globex"}))
+    ours.reload()
+    peer.adopt(ours.sealed(ROUTER_BUS_KIND))
+    assert knows(peer, "sk-after-sighup-01") and ours.seal.num_refused == 50 and peer.seal.num_refused == 0
