@@ -48,7 +48,8 @@ import structlog
 from services.mesh import mesh_auth, metrics
 from services.mesh.mesh_auth import MeshSecurity
 from services.mesh.settings_checks import LIVE_SETTINGS, check_number
-from services.mesh.settings_signing import DocumentSeal, UnverifiedDocument
+from services.mesh.rate_limited_log import RateLimitedLog
+from services.mesh.settings_signing import REFUSAL_LOG_INTERVAL_S, DocumentSeal, UnverifiedDocument
 
 log = structlog.get_logger(__name__)
 
@@ -282,6 +283,9 @@ class SettingsFollower:
         self._failed: tuple[tuple, str] | None = None  # (stamp, reason) of the last failure, logged once
         # signs nothing here; opens what is heard (settings_signing.py)
         self.seal = DocumentSeal((security if security is not None else mesh_auth.current()).secret, service)
+        # a malformed document is republished every few seconds (a newer router's new setting
+        # during a rolling upgrade) or flooded without a secret: one line per period
+        self._log_malformed = RateLimitedLog("live_settings_malformed", REFUSAL_LOG_INTERVAL_S, logger=log)
         SETTINGS_VERSION.labels(service).set(0)
 
     async def subscribe(self, bus) -> None:
@@ -293,7 +297,7 @@ class SettingsFollower:
         except UnverifiedDocument:
             return  # logged and counted by the seal; the document in force stays
         except SettingsError as exc:
-            log.warning("live_settings_malformed", service=self.service, error=str(exc))
+            self._log_malformed("malformed", service=self.service, error=str(exc))
             return
         now = self._clock()
         if self.stamp is not None and doc.stamp == self.stamp:

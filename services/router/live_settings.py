@@ -65,7 +65,8 @@ from services.mesh import mesh_auth
 from services.mesh.live_settings import (BUS_KIND, ROUTER_BUS_KIND, SETTINGS_VERSION, LiveDocument, SettingsError,
                                         decode_bus_payload)
 from services.mesh.mesh_auth import MeshSecurity
-from services.mesh.settings_signing import DocumentSeal, UnverifiedDocument
+from services.mesh.rate_limited_log import RateLimitedLog
+from services.mesh.settings_signing import REFUSAL_LOG_INTERVAL_S, DocumentSeal, UnverifiedDocument
 from services.router.auth import KeyStore, read_keys_file
 
 log = structlog.get_logger(__name__)
@@ -140,6 +141,7 @@ class RouterLiveSettings:
         self._clock = clock
         # signs what this router publishes, opens what it hears (settings_signing.py)
         self.seal = DocumentSeal((security if security is not None else mesh_auth.current()).secret, "router")
+        self._log_malformed = RateLimitedLog("live_settings_peer_refused", REFUSAL_LOG_INTERVAL_S, logger=log)
         base = read_settings_file(options.settings_file)
         self.document = LiveDocument(max(base.version, 1), keys.entries, base.sections, 0.0, self.writer, "files")
         self.listening = True  # until ``claim``: adopt only other routers' changes, not their files
@@ -280,7 +282,7 @@ class RouterLiveSettings:
         except UnverifiedDocument:
             pass  # logged (rate-limited) and counted by the seal; we keep our own
         except SettingsError as exc:
-            log.warning("live_settings_peer_refused", error=str(exc), running_version=self.document.version)
+            self._log_malformed("malformed", error=str(exc), running_version=self.document.version)
 
     async def start(self) -> None:
         """Connect the bus (when configured), republish forever, reload on SIGHUP."""

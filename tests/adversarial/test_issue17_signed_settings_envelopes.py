@@ -238,3 +238,22 @@ def test_sighup_while_refusing_a_flood_reloads_and_publishes_signed(tmp_path):
     ours.reload()
     peer.adopt(ours.sealed(ROUTER_BUS_KIND))
     assert knows(peer, "sk-after-sighup-01") and ours.seal.num_refused == 50 and peer.seal.num_refused == 0
+
+
+def test_a_malformed_document_republished_by_a_peer_is_logged_once_per_period(tmp_path, _logs):
+    """A signed document this code cannot read (a newer router's new setting during a rolling
+    upgrade, republished every few seconds), or junk without a secret: one line per period
+    per receiver, with the error; on the old code every republish logged a warning."""
+    newer = router(tmp_path, "router-newer")
+    env = signed(newer, ROUTER_BUS_KIND)
+    env["document"]["scheduler"] = {"a_setting_from_the_future": 1}
+    env["signature"] = newer.seal.signature(ROUTER_BUS_KIND, env["document"])
+    bus_env = {"document": {k: v for k, v in env["document"].items() if k != "keys"}}
+    bus_env["signature"] = newer.seal.signature(BUS_KIND, bus_env["document"])
+    ours, service, bare = router(tmp_path, "router-ours"), follower([]), follower([], secret="")
+    for _ in range(30):
+        asyncio.run(ours._on_router_document(json.dumps(env).encode()))
+        asyncio.run(service.receive(json.dumps(bus_env).encode()))
+        asyncio.run(bare.receive(b"junk"))
+    lines = [e for e in _logs if e["event"] in ("live_settings_peer_refused", "live_settings_malformed")]
+    assert len(lines) == 3 and all("error" in e for e in lines)
