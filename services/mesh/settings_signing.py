@@ -9,10 +9,10 @@ executor heartbeats (heartbeat_signing.py).
 
 With a mesh secret, every document travels in an envelope::
 
-    {"document": {...}, "signature": "<hex HMAC-SHA256>"}
+    {"document": {...}, "sent_at": 1764620000.123, "signature": "<hex HMAC-SHA256>"}
 
     key       = HMAC-SHA256(key=secret, msg=b"weft/settings-signing/v1")   (never the secret itself)
-    signed    = b"weft.settings.v1" 0x00 kind 0x00 canonical(document)
+    signed    = b"weft.settings.v1" 0x00 kind 0x00 "%.3f" % sent_at 0x00 canonical(document)
     canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 ``kind`` is the bus subject's kind (``settings``: no keys, for every service;
@@ -29,7 +29,14 @@ and the receiver keeps the document it runs.
 Replay: a captured signed document is one this mesh itself stamped. Stamps
 (``LiveDocument.stamp``) are signed with it, and the newest stamp wins everywhere, so a
 replayed older document is ignored like any router's stale republish; the newest one
-replayed changes nothing.
+replayed changes nothing. That alone left one hole (found by attack): a router restarted
+with its files holds nothing newer than a change captured *before* a key was revoked, and
+adopted it, reviving the key mesh-wide. So each publish signs its wall-clock ``sent_at``
+(routers republish every few seconds, each time sealed afresh), and a receiver refuses an
+envelope sent more than ``MAX_AGE_S`` ago or that far ahead of its own clock (reason
+``stale``): a capture is good for a minute at most. The cost is a requirement on clocks:
+hosts more than ``MAX_AGE_S`` apart refuse each other's documents (logged and counted,
+never applied), as TLS and JWT validity windows do.
 
 Without a secret (development: ``weft up`` without ``WEFT_MESH_SECRET``) nothing is
 signed or checked, byte for byte as before (a plain document), and the first document
@@ -40,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import time
 from collections.abc import Callable
 
@@ -52,7 +60,8 @@ log = structlog.get_logger(__name__)
 
 _KEY_CONTEXT = b"weft/settings-signing/v1"
 _TAG = b"weft.settings.v1"
-ENVELOPE_FIELDS = frozenset({"document", "signature"})
+ENVELOPE_FIELDS = frozenset({"document", "sent_at", "signature"})
+MAX_AGE_S = 60.0  # an envelope older (or that far ahead of this host's clock) is refused as stale
 REFUSAL_LOG_INTERVAL_S = 10.0  # a foreign router republishes every few seconds: one line per reason and period
 SETTINGS_REFUSED = metrics.counter("weft_settings_refused_total",
                                    "Live-settings documents refused for their signature (docs/live_config.md).",
@@ -60,7 +69,8 @@ SETTINGS_REFUSED = metrics.counter("weft_settings_refused_total",
 
 
 class UnverifiedDocument(Exception):
-    """A document refused for its signature; ``reason`` is ``unsigned`` or ``bad_signature``."""
+    """A document refused for its signature; ``reason`` is ``unsigned``, ``bad_signature``
+    or ``stale`` (sent more than ``MAX_AGE_S`` from this host's now)."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"{reason}: a live-settings document must be signed with this mesh's secret")
@@ -74,11 +84,13 @@ def signing_key(secret: str) -> bytes:
     return hmac.new(secret.encode(), _KEY_CONTEXT, hashlib.sha256).digest()
 
 
-def canonical_bytes(kind: str, document: object) -> bytes:
+def canonical_bytes(kind: str, document: object, sent_at: float) -> bytes:
     """What the signature covers (module docstring). ValueError for a value JSON cannot
     carry canonically (NaN, infinity)."""
+    if not isinstance(sent_at, (int, float)) or isinstance(sent_at, bool) or not math.isfinite(sent_at):
+        raise ValueError("sent_at must be a finite number of seconds")
     body = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    return b"\x00".join((_TAG, kind.encode(), body.encode()))
+    return b"\x00".join((_TAG, kind.encode(), b"%.3f" % sent_at, body.encode()))
 
 
 def is_envelope(value: object) -> bool:
@@ -89,9 +101,12 @@ class DocumentSeal:
     """Seals the documents one process sends and opens the ones it hears, under one
     mesh secret or none. Holds only the derived key and the log state."""
 
-    def __init__(self, secret: str, service: str, clock: Callable[[], float] = time.monotonic) -> None:
-        """``service``: who opens (``router``, ``scheduler``...), for logs and the counter."""
+    def __init__(self, secret: str, service: str, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        """``service``: who opens (``router``, ``scheduler``...), for logs and the counter.
+        ``wall_clock``: seconds since the epoch, for ``sent_at`` (shared by every host)."""
         self._key = signing_key(secret) if secret else None
+        self.wall_clock = wall_clock
         self.service = service
         self._log_refusal = RateLimitedLog("live_settings_peer_refused", REFUSAL_LOG_INTERVAL_S, clock, log)
         self._warned_unverified = False
@@ -101,16 +116,17 @@ class DocumentSeal:
     def verifies(self) -> bool:
         return self._key is not None
 
-    def signature(self, kind: str, document: object) -> str:
-        return hmac.new(self._key, canonical_bytes(kind, document), hashlib.sha256).hexdigest()
+    def signature(self, kind: str, document: object, sent_at: float) -> str:
+        return hmac.new(self._key, canonical_bytes(kind, document, sent_at), hashlib.sha256).hexdigest()
 
     def seal(self, kind: str, document: dict) -> bytes:
         """The bytes to publish on ``weft.<kind>``: the signed envelope, or without a
         secret the plain document exactly as before signing existed."""
         if self._key is None:
             return json.dumps(document, sort_keys=True).encode()
-        return json.dumps({"document": document, "signature": self.signature(kind, document)},
-                          sort_keys=True).encode()
+        sent_at = round(self.wall_clock(), 3)
+        return json.dumps({"document": document, "sent_at": sent_at,
+                           "signature": self.signature(kind, document, sent_at)}, sort_keys=True).encode()
 
     def open(self, kind: str, value: object) -> object:
         """The document in ``value`` (decoded JSON heard on ``weft.<kind>``), not yet
@@ -141,11 +157,13 @@ class DocumentSeal:
     def _problem(self, kind: str, value: object) -> str | None:
         if not is_envelope(value):
             return "unsigned"
-        given = value["signature"]
+        given, sent_at = value["signature"], value["sent_at"]
         try:
-            expected = self.signature(kind, value["document"])
-        except (ValueError, RecursionError):
-            return "bad_signature"  # NaN or the like: nothing this mesh signs
+            expected = self.signature(kind, value["document"], sent_at)
+        except (ValueError, RecursionError, TypeError):
+            return "bad_signature"  # NaN, a sent_at that is no number: nothing this mesh signs
         if not isinstance(given, str) or not hmac.compare_digest(given.encode("ascii", "replace"), expected.encode()):
             return "bad_signature"
+        if abs(self.wall_clock() - sent_at) > MAX_AGE_S:
+            return "stale"  # a capture replayed later, or this host's clock far from the sender's
         return None

@@ -3,7 +3,8 @@
 publish as a router sends, a router keeps its keys and settings, a service keeps the
 section it runs, and every refusal is counted and logged at most once per period, so a
 flood costs neither memory nor log lines. Replay of a captured document into a router that
-has nothing newer (a restart) is the one hole left: a strict xfail naming the fix."""
+has nothing newer (a restart) was the one hole left: envelopes now carry a signed sent_at,
+and a capture older than MAX_AGE_S is refused as stale."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,7 @@ from structlog.testing import capture_logs
 from services.mesh import metrics
 from services.mesh.live_settings import BUS_KIND, ROUTER_BUS_KIND, SettingsFollower
 from services.mesh.mesh_auth import MeshSecurity
-from services.mesh.settings_signing import UnverifiedDocument
+from services.mesh.settings_signing import MAX_AGE_S, UnverifiedDocument
 from services.router.auth import KeyStore
 from services.router.errors import AuthenticationError
 from services.router.live_settings import LiveOptions, RouterLiveSettings
@@ -157,7 +158,8 @@ def test_the_refusal_log_keeps_one_slot_per_reason_under_a_flood_of_distinct_for
     genuine = router(tmp_path, "router-peer")
     base = signed(genuine, ROUTER_BUS_KIND)
     for i in range(2000):
-        forged = {"document": {**base["document"], "version": i + 10}, "signature": f"{i:064x}"}
+        forged = {"document": {**base["document"], "version": i + 10}, "sent_at": base["sent_at"],
+                  "signature": f"{i:064x}"}
         asyncio.run(ours._on_router_document(json.dumps(forged).encode()))
         asyncio.run(ours._on_router_document(json.dumps(forged["document"]).encode()))
     assert set(ours.seal._log_refusal._last) == {"bad_signature", "unsigned"}
@@ -193,9 +195,6 @@ def test_routers_on_two_secrets_during_a_rotation_keep_apart(tmp_path):
     assert knows(old, "sk-acme-tenant-01") and not knows(old, "sk-new-admin-0001")
 
 
-@pytest.mark.xfail(strict=True, reason="replay into a restarted router: the envelope carries no freshness. "
-                   "Fix: sign a per-publish sent_at with the document and refuse one older than "
-                   "MAX_CLOCK_AHEAD_S on the receiver's clock (wire change in settings_signing.py)")
 def test_a_replayed_old_change_does_not_revive_a_revoked_key_in_a_restarted_router(tmp_path):
     """A key revoked by a PATCH, then every router restarts (a lone router, or a full
     rollout) with the keys file that no longer holds it. A client that captured the
@@ -208,9 +207,15 @@ def test_a_replayed_old_change_does_not_revive_a_revoked_key_in_a_restarted_rout
     before.patch({"keys": {"sk-leaked-key-001": None}})  # revoked
 
     restarted = router(tmp_path, "router-restarted", claim=False)  # its keys file lacks the leaked key
-    restarted.adopt(captured)  # replayed while it listens
+    sent_at = json.loads(captured)["sent_at"]
+    restarted.seal.wall_clock = lambda: sent_at + MAX_AGE_S + 1  # replayed while it listens, a while later
+    with pytest.raises(UnverifiedDocument, match="stale"):
+        restarted.adopt(captured)
     restarted.claim()
     assert not knows(restarted, "sk-leaked-key-001")
+    fresh = router(tmp_path, "router-fresh", claim=False)
+    fresh.adopt(captured)  # within the window (a genuine republish), the same bytes are taken
+    assert knows(fresh, "sk-leaked-key-001")
 
 
 def test_replays_to_a_service_running_the_newest_document_change_nothing(tmp_path):
@@ -247,9 +252,9 @@ def test_a_malformed_document_republished_by_a_peer_is_logged_once_per_period(tm
     newer = router(tmp_path, "router-newer")
     env = signed(newer, ROUTER_BUS_KIND)
     env["document"]["scheduler"] = {"a_setting_from_the_future": 1}
-    env["signature"] = newer.seal.signature(ROUTER_BUS_KIND, env["document"])
-    bus_env = {"document": {k: v for k, v in env["document"].items() if k != "keys"}}
-    bus_env["signature"] = newer.seal.signature(BUS_KIND, bus_env["document"])
+    env["signature"] = newer.seal.signature(ROUTER_BUS_KIND, env["document"], env["sent_at"])
+    bus_env = {"document": {k: v for k, v in env["document"].items() if k != "keys"}, "sent_at": env["sent_at"]}
+    bus_env["signature"] = newer.seal.signature(BUS_KIND, bus_env["document"], bus_env["sent_at"])
     ours, service, bare = router(tmp_path, "router-ours"), follower([]), follower([], secret="")
     for _ in range(30):
         asyncio.run(ours._on_router_document(json.dumps(env).encode()))

@@ -189,5 +189,6 @@ def test_the_secret_never_travels_and_the_key_is_derived():
     doc = LiveDocument.parse({"version": 3, "scheduler": {"policy": "fcfs"}}).bus_document()
     data = seal.seal(BUS_KIND, doc)
     assert b"s3cret-value" not in data
-    with_secret = hmac.new(b"s3cret-value", canonical_bytes(BUS_KIND, doc), hashlib.sha256).hexdigest()
+    sent_at = json.loads(data)["sent_at"]
+    with_secret = hmac.new(b"s3cret-value", canonical_bytes(BUS_KIND, doc, sent_at), hashlib.sha256).hexdigest()
     assert json.loads(data)["signature"] != with_secret
