@@ -263,6 +263,9 @@ class _WatchedStream:
     task and an ``asyncio.wait`` per chunk cost ~10 us and event-loop turns on every chunk,
     the first included). The timer fires at the deadline of the read that armed it and, if
     a later read (or none) is in progress, re-arms for that one instead of acting. A read
+    whose own deadline comes sooner brings it forward (the first chunk's probe ceiling
+    gives way to the shorter stall ceiling: left armed, a stall early in a stream was judged
+    only at the first ceiling). A read
     past its ceiling starts the liveness check (a task, only then) while it keeps waiting;
     "dead" cancels the reader inside ``next``, which raises the lost error instead (as
     ``asyncio.timeout`` does, ``uncancel``); another cancellation (the client left) stays one."""
@@ -277,6 +280,7 @@ class _WatchedStream:
         self._reader: asyncio.Task | None = None  # the task inside ``next`` now; None between reads
         self._read_since_s = self.quiet_since_s  # when that read started
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_due_s = 0.0  # when it fires (liveness clock)
         self._check: asyncio.Task | None = None  # a stalled read's liveness check
         self._lost: UpstreamUnavailable | None = None  # the verdict that cancelled the reader
 
@@ -284,8 +288,13 @@ class _WatchedStream:
         """The next chunk; None at the end of the stream."""
         reader = self._reader = asyncio.current_task()
         self._read_since_s = self.liveness.clock()
-        if self._timer is None and self._check is None:
-            self._arm(self._read_since_s + self.watch.timeout_s())
+        if self._check is None:
+            due_s = self._read_since_s + self.watch.timeout_s()
+            if self._timer is None:
+                self._arm(due_s)
+            elif due_s < self._timer_due_s:  # this read's ceiling is shorter: judge it in time
+                self._timer.cancel()
+                self._arm(due_s)
         try:
             chunk = await anext(self.chunks)
         except StopAsyncIteration:
@@ -305,6 +314,7 @@ class _WatchedStream:
         return chunk
 
     def _arm(self, due_s: float) -> None:
+        self._timer_due_s = due_s
         self._timer = asyncio.get_running_loop().call_later(max(0.0, due_s - self.liveness.clock()), self._due)
 
     def _due(self) -> None:

@@ -214,7 +214,10 @@ class _WatchedReads:
     NOTE: one lazily armed timer per attempt, not a task and an ``asyncio.wait`` per piece
     (~10 us and event-loop turns on every chunk, the first included). The timer fires at
     the deadline of the read that armed it; finding a later read in progress (or none) it
-    re-arms for that one instead of acting. A read past its ceiling asks ``stalled``: None
+    re-arms for that one instead of acting. A read whose own deadline comes sooner brings it
+    forward (the first token's ceiling gives way to the far shorter stall ceiling: left
+    armed, an executor hung early in a stream was left only at the first-token ceiling,
+    60 s by default). A read past its ceiling asks ``stalled``: None
     waits a further period (the read goes on); an error cancels the reading task inside
     ``next``, which raises that error instead (as ``asyncio.timeout`` does, ``uncancel``).
     A cancellation from elsewhere (the client left) stays a cancellation."""
@@ -225,14 +228,19 @@ class _WatchedReads:
         self._reader: asyncio.Task | None = None  # the task inside ``next`` now; None between reads
         self._since_s = 0.0  # when that read started
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_due_s = 0.0  # when it fires (the watch's clock)
         self._failed: ExecutorFailed | None = None  # the verdict that cancelled the reader
 
     async def next(self, stream: AsyncIterator[Piece]) -> Piece:
         """The stream's next piece (StopAsyncIteration at its end)."""
         reader = self._reader = asyncio.current_task()
         self._since_s = self.watch.clock()
+        due_s = self._since_s + self.watch.timeout_s()
         if self._timer is None:
-            self._arm(self._since_s + self.watch.timeout_s())
+            self._arm(due_s)
+        elif due_s < self._timer_due_s:  # this read's ceiling is shorter: judge it in time
+            self._timer.cancel()
+            self._arm(due_s)
         try:
             piece = await anext(stream)
         except asyncio.CancelledError:
@@ -247,6 +255,7 @@ class _WatchedReads:
         return piece
 
     def _arm(self, due_s: float) -> None:
+        self._timer_due_s = due_s
         self._timer = asyncio.get_running_loop().call_later(max(0.0, due_s - self.watch.clock()), self._due)
 
     def _due(self) -> None:
