@@ -134,7 +134,9 @@ class BatchScheduler:
         if not preempted:
             pending = {h for item in decodes + prefills for h in self.kv.completing_hashes(item.seq, item.num_new_tokens)}
             self.policy.order_waiting(self.waiting)
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            # a deferred copy keeps its seat: a later arrival taking it would make the copy
+            # wait for a whole generation instead of one step
+            while self.waiting and budget > 0 and len(self.running) + len(deferred) < self.max_num_seqs:
                 seq = self.waiting[0]
                 if seq.num_preemptions and not self.kv_compression and not self.kv.can_ever_hold(seq):
                     # It outgrew its partition (or the pool) and preempted itself; its first
