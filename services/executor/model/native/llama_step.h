@@ -79,10 +79,12 @@ static float dot(const float *w, const float *x, int k) {
 /* expf of 16 floats, within 2 ulp over [-87.3, 88.7] (x is clamped to that range, so a
  * far-negative x gives ~1e-38, not 0, and a far-positive one ~3e38, not inf): x =
  * n ln2 + r with |r| <= ln2/2 (ln2 split in two so r keeps its low bits), e^r = 1 + r +
- * r^2 P(r) with P the classic degree-5 minimax fit, then scaled by 2^n. Softmax and SiLU
- * call this for 16 values at once instead of 16 scalar expf calls. */
+ * r^2 P(r) with P the classic degree-5 minimax fit, then scaled by 2^n. NaN in, NaN out.
+ * Softmax and SiLU call this for 16 values at once instead of 16 scalar expf calls. */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f));
+    /* x second: min/max return their second operand when either is NaN, so a NaN stays NaN
+     * (clamped to 88.7 it became e^88.7, and a NaN score won its softmax outright) */
+    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), _mm512_min_ps(_mm512_set1_ps(88.7f), x));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
