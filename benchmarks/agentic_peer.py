@@ -361,18 +361,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-HEADER = """## Against llama-server (issue 17's agent workload)
-
-`weft bench agentic --peer llama-server` (benchmarks/agentic_peer.py): agent programs of 3–16
-hops (Pareto-tailed), a closed loop of 8 at once, the whole context sent as token ids every hop,
-log-normal tool pauses, and interactive requests arriving at ~1/s while the programs run;
-against `llama-server -np 6` on the same f32 weights (GGUF from benchmarks/peers), a default
-`weft up` mesh with the agent hints (`weft`), the same without any (`weft-no-hints`), and the
-FCFS ablation with hints (`weft-fcfs`). Each engine is started once and warmed up; each seed's
-workload then runs once per engine, engines rotated per seed. Ratios are taken per seed and
-averaged geometrically. One subsection per model, each from its own command."""
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -380,7 +368,7 @@ def main(argv=None) -> int:
     s = args.spec
     md = args.out_dir / "agentic.md"
     document = md.read_text() if md.exists() else "# Agentic benchmark\n"
-    outer = rep.section_text(document) or HEADER
+    outer = rep.section_text(document) or rep.HEADER
     for m in models:
         lines = [f"Command: `weft bench agentic {' '.join(sys.argv[3:] if argv is None else argv)}`  ",
                  f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {os.cpu_count()} CPUs "

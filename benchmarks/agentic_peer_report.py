@@ -201,3 +201,15 @@ def splice_section(document: str, section: str, key: str = "peer", at_end: bool 
         return f"{document.rstrip()}\n\n{block}\n"
     first, _, rest = document.partition("\n")
     return f"{first}\n\n{block}\n{rest}" if document else block + "\n"
+
+
+HEADER = """## Against llama-server (issue 17's agent workload)
+
+`weft bench agentic --peer llama-server` (benchmarks/agentic_peer.py): agent programs of 3–16
+hops (Pareto-tailed), a closed loop of 8 at once, the whole context sent as token ids every hop,
+log-normal tool pauses, and interactive requests arriving at ~1/s while the programs run;
+against `llama-server -np 6` on the same f32 weights (GGUF from benchmarks/peers), a default
+`weft up` mesh with the agent hints (`weft`), the same without any (`weft-no-hints`), and the
+FCFS ablation with hints (`weft-fcfs`). Each engine is started once and warmed up; each seed's
+workload then runs once per engine, engines rotated per seed. Ratios are taken per seed and
+averaged geometrically. One subsection per model, each from its own command."""
