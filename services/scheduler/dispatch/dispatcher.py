@@ -16,6 +16,7 @@ extra_keys_for(its model id, tenant, KV dtype)), so the kv index answers for its
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -59,12 +60,16 @@ class MeshState(Protocol):
     kv_index: KvIndex
 
 
+STARTUP_GRACE_S = 3.0  # a restarted scheduler waits this long for its first executor heartbeat (_first_executors)
+
+
 class Dispatcher:
     def __init__(self, view: MeshState, placer: Placer, admission: Admission, port: ExecutorPort, *,
                  tenant_admission: TenantAdmission | None = None, degrade: DegradeSteps | None = None,
                  agent: AgentSteps | None = None, inflight: InflightTracker | None = None,
                  placement_attempts: int = 2, migration: MigrationPolicy | None = None,
-                 suspects: SuspectRegistry | None = None, executor_overcommit: float = 1.25) -> None:
+                 suspects: SuspectRegistry | None = None, executor_overcommit: float = 1.25,
+                 startup_grace_s: float = STARTUP_GRACE_S) -> None:
         """``agent``: sessions, dynamic priority, contracts, pauses (None: plain requests);
         built over the same ``inflight`` tracker as this dispatcher's. ``executor_overcommit``:
         requests kept in flight per batch slot of the serving executors (the rest waits in
@@ -72,6 +77,7 @@ class Dispatcher:
         if executor_overcommit and executor_overcommit < 1:
             raise ValueError(f"executor_overcommit must be 0 or >= 1, got {executor_overcommit}")
         self.executor_overcommit = executor_overcommit
+        self.grace_until_s = time.monotonic() + startup_grace_s
         self.view = view
         self.placer = placer
         self.admission = admission
@@ -84,6 +90,15 @@ class Dispatcher:
         self.suspects = suspects or SuspectRegistry()
         self.relay = Relay(view.membership, port, self.inflight, self.rank, placement_attempts, migration,
                            self.suspects)
+
+    async def _first_executors(self, job: Job, prompt, rung) -> list:
+        """A scheduler just (re)started knows no executor until their heartbeats arrive
+        (about one interval): a request in that window (a router's retry or continuation
+        after a restart) waits for the first one, up to ``startup_grace_s`` from the start,
+        instead of failing UNAVAILABLE. Never waits once any executor is known."""
+        while not self.view.membership.all() and time.monotonic() < self.grace_until_s:
+            await asyncio.sleep(0.05)
+        return self.rank(job.model_id, job.tenant, prompt, rung)
 
     def screen(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
         """Refuse what cannot be scheduled before anything is decided about it."""
@@ -135,6 +150,8 @@ class Dispatcher:
                     ranked = self.rank(job.model_id, job.tenant, prompt, rung)
                 trace.span("scheduler.place", admitted_ns, time.time_ns(), num_candidates=len(ranked),
                            rung=rung.label)
+                if not ranked:
+                    ranked = await self._first_executors(job, prompt, rung)
                 if not ranked:
                     outcome = "no_executor"
                     catalogue.count_admission_rejection("no_executor")

@@ -103,3 +103,32 @@ def test_the_executor_is_told_the_plans_priority_higher_first():
         assert chunks[0].request_class is cls
     chat, bulk = (call.priority for _, call in port.calls)
     assert chat > bulk  # class first: interactive runs before batch, one sign end to end
+
+
+def test_a_just_restarted_scheduler_waits_for_its_first_executor_heartbeat():
+    """A scheduler restarted under load hears no heartbeat for about one interval; a
+    router's retry or continuation in that window failed UNAVAILABLE "no serving executor"
+    (seen in CI under n=8 streams). It now waits for the first executor within the grace."""
+    view, port = mesh(), FakePort({"late": "ok"})
+    dispatcher = Dispatcher(view, ByName(), Admission(4, 4), port, startup_grace_s=30.0)
+    rank = dispatcher.rank
+
+    def rank_then_heartbeat(*args):
+        ranked = rank(*args)
+        if not view.membership.all():  # the executor's first heartbeat arrives after this look
+            view.membership.heartbeat(ExecutorRecord(name="late", address="late", model_id="m", block_size=4,
+                                                     state=ExecutorState.SERVING, num_blocks=100))
+        return ranked
+    dispatcher.rank = rank_then_heartbeat
+    chunks = run(dispatcher, Job("r", [1, 2, 3], "m", "t", max_tokens=2))
+    assert [c.executor for c in chunks] == ["late", "late"] and chunks[-1].finished
+
+
+def test_past_the_grace_no_executor_is_refused_at_once():
+    import pytest
+
+    from services.scheduler.errors import NoExecutorError
+
+    dispatcher = Dispatcher(mesh(), ByName(), Admission(4, 4), FakePort({}), startup_grace_s=0.0)
+    with pytest.raises(NoExecutorError, match="no serving executor"):
+        run(dispatcher, Job("r", [1, 2, 3], "m", "t", max_tokens=2))
