@@ -83,7 +83,11 @@ def test_routers_with_one_secret_converge_keys_included(tmp_path):
     b.adopt(a.sealed(ROUTER_BUS_KIND))
     assert b.document == a.document
     assert b.keys.authenticate("sk-globex-000001") == "globex"
-    assert b.sealed(BUS_KIND) == a.sealed(BUS_KIND)  # b republishes a's document, signed alike
+    # b republishes a's document, signed alike (each seal stamps its own sent_at)
+    mine, theirs = json.loads(b.sealed(BUS_KIND)), json.loads(a.sealed(BUS_KIND))
+    assert mine["document"] == theirs["document"]
+    assert mine["signature"] == b.seal.signature(BUS_KIND, mine["document"], mine["sent_at"])
+    assert theirs["signature"] == b.seal.signature(BUS_KIND, theirs["document"], theirs["sent_at"])
 
 
 def test_an_unsigned_document_is_refused_when_a_secret_is_set(tmp_path, _logs):
