@@ -36,7 +36,9 @@ that knows the scheduler is unreachable (the gRPC channel in TRANSIENT_FAILURE) 
 given up on, after the ceiling plus one round (1 + 2 + 4 = 7 s at the defaults).
 Not continued: anything before the first chunk of the first attempt (nothing was
 generated: ``scheduler_client`` retries that itself), a status the scheduler chose (its
-own migration gave up, a bad request, the deadline).
+own migration gave up, a bad request, the deadline), nor a liveness check that raised (a
+bug: the read fails with ``StallCheckFailed``, INTERNAL, instead of hanging unwatched).
+The reads are timed by the shared ``services/shared/stream_watch.py``.
 
 Bounded: at most ``max_attempts`` continuations. Each waits for the scheduler at most
 ``reconnect_wait_s``, retrying with jittered backoff (tenacity) while it is down, refuses
@@ -76,6 +78,7 @@ from services.mesh.retry import outage_retrying
 from services.router.errors import InvalidRequestError, OverloadedError, UpstreamError, UpstreamUnavailable
 from services.router.schema import TokenChunk, TokenRequest
 from services.shared.stream_resume import StallRule, StallWatch, budget_spent, resume_point
+from services.shared.stream_watch import WatchedReads
 
 log = structlog.get_logger(__name__)
 
@@ -109,9 +112,9 @@ class ContinuationPolicy:
         if self.reconnect_wait_s < 0:
             raise ValueError("reconnect_wait_s must be >= 0")
 
-    def stall_watch(self) -> StallWatch:
+    def stall_watch(self, clock: Callable[[], float] = time.monotonic) -> StallWatch:
         return StallWatch(StallRule(stall_factor=self.stall_factor, min_stall_s=self.min_stall_s,
-                                    first_token_timeout_s=self.first_chunk_probe_s))
+                                    first_token_timeout_s=self.first_chunk_probe_s), clock)
 
 
 def is_lost(exc: BaseException) -> bool:
@@ -255,105 +258,43 @@ class SchedulerLiveness:
 
 
 class _WatchedStream:
-    """A chunk stream whose silences are checked: past the stall ceiling the shared
-    ``SchedulerLiveness`` is asked; no sign of life raises a lost ``UpstreamUnavailable``,
-    any sign of life keeps waiting.
-
-    NOTE: the read runs in the caller's task under one lazily armed timer per stream (a
-    task and an ``asyncio.wait`` per chunk cost ~10 us and event-loop turns on every chunk,
-    the first included). The timer fires at the deadline of the read that armed it and, if
-    a later read (or none) is in progress, re-arms for that one instead of acting. A read
-    whose own deadline comes sooner brings it forward (the first chunk's probe ceiling
-    gives way to the shorter stall ceiling: left armed, a stall early in a stream was judged
-    only at the first ceiling). A read
-    past its ceiling starts the liveness check (a task, only then) while it keeps waiting;
-    "dead" cancels the reader inside ``next``, which raises the lost error instead (as
-    ``asyncio.timeout`` does, ``uncancel``); another cancellation (the client left) stays one."""
+    """A chunk stream under the shared stall watch (``WatchedReads``): past the stall
+    ceiling the router-wide ``SchedulerLiveness`` is asked (a task, only then); no sign of
+    life fails the read with a lost ``UpstreamUnavailable``, any sign of life keeps waiting.
+    Every chunk is a sign of life for the other streams too."""
 
     def __init__(self, chunks: AsyncIterator[TokenChunk], policy: ContinuationPolicy,
                  liveness: SchedulerLiveness) -> None:
         self.chunks = chunks
         self.policy = policy
         self.liveness = liveness
-        self.watch = policy.stall_watch()
+        self.watch = policy.stall_watch(liveness.clock)
         self.quiet_since_s = liveness.clock()  # this stream's start or its last chunk
-        self._reader: asyncio.Task | None = None  # the task inside ``next`` now; None between reads
-        self._read_since_s = self.quiet_since_s  # when that read started
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_due_s = 0.0  # when it fires (liveness clock)
-        self._check: asyncio.Task | None = None  # a stalled read's liveness check
-        self._lost: UpstreamUnavailable | None = None  # the verdict that cancelled the reader
+        self.reads = WatchedReads(chunks, self.watch, self._stalled)
 
     async def next(self) -> TokenChunk | None:
         """The next chunk; None at the end of the stream."""
-        reader = self._reader = asyncio.current_task()
-        self._read_since_s = self.liveness.clock()
-        if self._check is None:
-            due_s = self._read_since_s + self.watch.timeout_s()
-            if self._timer is None:
-                self._arm(due_s)
-            elif due_s < self._timer_due_s:  # this read's ceiling is shorter: judge it in time
-                self._timer.cancel()
-                self._arm(due_s)
         try:
-            chunk = await anext(self.chunks)
+            chunk = await self.reads.next()
         except StopAsyncIteration:
             return None
-        except asyncio.CancelledError:
-            if self._lost is not None and reader.uncancel() == 0:
-                raise self._lost from None
-            raise
-        finally:
-            self._reader = None
-        if self._lost is not None:  # the cancellation was swallowed below: the verdict stands
-            reader.uncancel()
-            raise self._lost
         self.watch.observe()
         self.quiet_since_s = self.liveness.clock()
         self.liveness.note_alive(self.quiet_since_s)
         return chunk
 
-    def _arm(self, due_s: float) -> None:
-        self._timer_due_s = due_s
-        self._timer = asyncio.get_running_loop().call_later(max(0.0, due_s - self.liveness.clock()), self._due)
-
-    def _due(self) -> None:
-        """The timer: act only when the read in progress is past its ceiling."""
-        self._timer = None
-        if self._reader is None:
-            return  # between reads: the next read arms it again
-        silent_s = self.watch.timeout_s()
-        due_s = self._read_since_s + silent_s
-        if self.liveness.clock() < due_s:
-            self._arm(due_s)  # a later read than the one that armed it
-            return
-        self._check = asyncio.ensure_future(self._stalled(silent_s))
-
-    async def _stalled(self, silent_s: float) -> None:
-        """A read passed its ceiling: wait on if the scheduler shows life, else cancel the
-        reader with the lost verdict."""
-        try:
-            window_start_s = max(self.quiet_since_s, self.liveness.clock() - silent_s)
-            alive = await self.liveness.alive(window_start_s)
-        finally:
-            self._check = None
-        if self._reader is None:
-            return  # the chunk came meanwhile (or the stream closed)
-        if alive:
+    async def _stalled(self, silent_s: float) -> UpstreamUnavailable | None:
+        """A read passed its ceiling: None (wait on) if the scheduler shows life, else the lost verdict."""
+        window_start_s = max(self.quiet_since_s, self.liveness.clock() - silent_s)
+        if await self.liveness.alive(window_start_s):
             log.info("scheduler_slow_but_alive", silent_s=round(silent_s, 2))
-            self._arm(self.liveness.clock() + self.watch.timeout_s())
-            return
-        self._lost = UpstreamUnavailable(
+            return None
+        return UpstreamUnavailable(
             f"scheduler: no chunk for {silent_s:.1f}s, none on any other stream, and no answer to "
             f"{self.policy.probe_attempts} health probe(s)", lost=True)
-        self._reader.cancel()
 
     async def aclose(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._check is not None:
-            self._check.cancel()
+        self.reads.close()
         await self.chunks.aclose()
 
 

@@ -13,6 +13,8 @@ token for ``stall_factor`` × this stream's mean inter-token gap, never below
 ``min_stall_s``; ``first_token_timeout_s`` before an attempt's first token. Attempts are bounded:
 after ``max_attempts`` executors, or when no other executor turns up within
 ``replacement_wait_s``, the stream ends with ``MigrationExhausted``, never a hang.
+The reads are timed by the shared ``services/shared/stream_watch.py``; a stall check that
+raises (a bug) ends the stream with its ``StallCheckFailed`` (INTERNAL), not a hang.
 
 Domain code only: the dispatcher (dispatch/relay.py) adapts executor streams to ``Attempt`` / ``Piece``.
 """
@@ -27,6 +29,7 @@ import structlog
 
 from services.scheduler.policy.suspects import SuspectedPoison
 from services.shared.stream_resume import StallRule, StallWatch, budget_spent, resume_point
+from services.shared.stream_watch import WatchedReads
 
 log = structlog.get_logger(__name__)
 
@@ -151,26 +154,27 @@ async def migrating_stream(progress: StreamProgress, policy: MigrationPolicy, op
     watch = StallWatch(policy)
     index = 0
 
-    def stalled() -> ExecutorFailed | None:
+    def stalled(silent_s: float) -> ExecutorFailed | None:
         """A read passed the stall ceiling: None waits on (the only live executor is slow,
-        not dead), an error fails the attempt."""
+        not dead), an error fails the attempt. Runs in the timer callback: an exception
+        here fails the read with ``StallCheckFailed`` (stream_watch.py)."""
         if executor and only_live is not None and only_live(executor, attempt.exclude):
             log.warning("stalled_on_the_only_live_executor", executor=executor, attempt=index,
-                        waited_s=round(watch.timeout_s(), 2))
+                        waited_s=round(silent_s, 2))
             watch.restart()
             return None
-        return ExecutorFailed(executor, f"no token for {watch.timeout_s():.1f}s")
+        return ExecutorFailed(executor, f"no token for {silent_s:.1f}s")
 
     while True:
         attempt = progress.attempt(index)
         watch.restart()
         stream = await _open_with_wait(open_attempt, attempt, policy)
         executor = ""
-        reads = _WatchedReads(watch, stalled)
+        reads: WatchedReads[Piece] = WatchedReads(stream, watch, stalled)
         try:
             while True:
                 try:
-                    piece = await reads.next(stream)
+                    piece = await reads.next()
                 except StopAsyncIteration:
                     return
                 executor = piece.executor or executor
@@ -206,78 +210,6 @@ async def migrating_stream(progress: StreamProgress, policy: MigrationPolicy, op
         finally:
             reads.close()
             await stream.aclose()
-
-
-class _WatchedReads:
-    """The reads of one attempt's stream under the stall watch, in the consumer's own task.
-
-    NOTE: one lazily armed timer per attempt, not a task and an ``asyncio.wait`` per piece
-    (~10 us and event-loop turns on every chunk, the first included). The timer fires at
-    the deadline of the read that armed it; finding a later read in progress (or none) it
-    re-arms for that one instead of acting. A read whose own deadline comes sooner brings it
-    forward (the first token's ceiling gives way to the far shorter stall ceiling: left
-    armed, an executor hung early in a stream was left only at the first-token ceiling,
-    60 s by default). A read past its ceiling asks ``stalled``: None
-    waits a further period (the read goes on); an error cancels the reading task inside
-    ``next``, which raises that error instead (as ``asyncio.timeout`` does, ``uncancel``).
-    A cancellation from elsewhere (the client left) stays a cancellation."""
-
-    def __init__(self, watch: StallWatch, stalled: Callable[[], ExecutorFailed | None]) -> None:
-        self.watch = watch
-        self.stalled = stalled
-        self._reader: asyncio.Task | None = None  # the task inside ``next`` now; None between reads
-        self._since_s = 0.0  # when that read started
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_due_s = 0.0  # when it fires (the watch's clock)
-        self._failed: ExecutorFailed | None = None  # the verdict that cancelled the reader
-
-    async def next(self, stream: AsyncIterator[Piece]) -> Piece:
-        """The stream's next piece (StopAsyncIteration at its end)."""
-        reader = self._reader = asyncio.current_task()
-        self._since_s = self.watch.clock()
-        due_s = self._since_s + self.watch.timeout_s()
-        if self._timer is None:
-            self._arm(due_s)
-        elif due_s < self._timer_due_s:  # this read's ceiling is shorter: judge it in time
-            self._timer.cancel()
-            self._arm(due_s)
-        try:
-            piece = await anext(stream)
-        except asyncio.CancelledError:
-            if self._failed is not None and reader.uncancel() == 0:
-                raise self._failed from None
-            raise
-        finally:
-            self._reader = None
-        if self._failed is not None:  # the cancellation was swallowed below: the verdict stands
-            reader.uncancel()
-            raise self._failed
-        return piece
-
-    def _arm(self, due_s: float) -> None:
-        self._timer_due_s = due_s
-        self._timer = asyncio.get_running_loop().call_later(max(0.0, due_s - self.watch.clock()), self._due)
-
-    def _due(self) -> None:
-        self._timer = None
-        if self._reader is None:
-            return  # between reads: the next read arms it again
-        due_s = self._since_s + self.watch.timeout_s()
-        if self.watch.clock() < due_s:
-            self._arm(due_s)  # a later read than the one that armed it
-            return
-        failed = self.stalled()
-        if failed is None:
-            self._since_s = self.watch.clock()  # wait a further period on the same read
-            self._arm(self._since_s + self.watch.timeout_s())
-            return
-        self._failed = failed
-        self._reader.cancel()
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
 
 async def _open_with_wait(open_attempt: OpenAttempt, attempt: Attempt,

@@ -17,6 +17,7 @@ same failure point, different from the undisturbed run after it.
 
 ``StallWatch`` is the shared hang rule: no token for ``stall_factor`` × the stream's mean
 gap (never below ``min_stall_s``), or ``first_token_timeout_s`` before the first one.
+``stream_watch.py`` applies it to the reads of a stream (the timer mechanism).
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from services.router.schema import Sampling, Session, TokenChunk, TokenRequest
 from services.shared.tokenizer import Tokenizer
 from services.scheduler.errors import ExecutorLostError
 from services.shared.stream_resume import continuation_seed
+from services.shared.stream_watch import StallCheckFailed
 from weft.testing.tiny_model import make_tiny_checkpoint
 from weft.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -120,6 +121,26 @@ def test_a_silent_scheduler_that_answers_its_health_probe_is_waited_on():
     fake = ScriptedScheduler([("slow", 3)], alive=True)
     chunks = run(collect(ContinuingStreamer(fake, FAST, fake.probe)))
     assert tokens(chunks) == reference() and len(fake.requests) == 1 and fake.probed.is_set()
+
+
+def test_a_stall_check_that_raises_ends_the_stream_with_an_error_and_is_not_continued():
+    """A liveness check that raises is a router bug: the stream ends (INTERNAL upstairs)
+    rather than hanging unwatched or being continued on a verdict nobody gave."""
+    fake = ScriptedScheduler([("stall", 3)])
+
+    def unreachable() -> bool:
+        raise RuntimeError("channel state unreadable")
+
+    async def consume(streamer):
+        sent = []
+        with pytest.raises(StallCheckFailed) as info:
+            async for c in streamer.generate(request(), 20.0):
+                sent.append(c)
+        return sent, info.value
+
+    sent, error = run(consume(ContinuingStreamer(fake, FAST, fake.probe, unreachable)))
+    assert tokens(sent) == reference()[:3] and len(fake.requests) == 1
+    assert isinstance(error.__cause__, RuntimeError)
 
 
 def test_continuations_are_bounded_and_the_error_names_the_tokens_sent():

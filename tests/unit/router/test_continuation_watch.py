@@ -13,6 +13,7 @@ import pytest
 from services.router.continuation import ContinuationPolicy, SchedulerLiveness, _WatchedStream
 from services.router.errors import UpstreamUnavailable
 from services.router.schema import TokenChunk
+from services.shared.stream_watch import StallCheckFailed
 
 POLICY = ContinuationPolicy(min_stall_s=0.05, first_chunk_probe_s=0.05, probe_timeout_s=0.05, probe_attempts=1)
 SAFETY_S = 20.0
@@ -147,3 +148,22 @@ def test_a_consumer_slow_between_chunks_is_not_a_stall():
 
     rest, probes = run(main())
     assert rest == [(1,), (2,)] and probes == []
+
+
+def test_a_liveness_check_that_raises_fails_the_read_instead_of_hanging():
+    """The check is the router's bug, not a verdict on the scheduler: the read fails with
+    ``StallCheckFailed`` (its cause chained), never waits unwatched for ever."""
+    def unreachable() -> bool:
+        raise RuntimeError("channel state unreadable")
+
+    async def main():
+        source = Source(1)
+        stream = _WatchedStream(source.stream(), POLICY, SchedulerLiveness(POLICY, None, unreachable))
+        await stream.next()
+        with pytest.raises(StallCheckFailed) as info:
+            await stream.next()
+        await stream.aclose()
+        return info.value, source.closed
+
+    error, closed = run(main())
+    assert isinstance(error.__cause__, RuntimeError) and closed

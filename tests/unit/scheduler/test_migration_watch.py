@@ -11,6 +11,7 @@ import asyncio
 import pytest
 
 from services.scheduler.migration import Attempt, MigrationPolicy, NoReplacement, Piece, StreamProgress, migrating_stream
+from services.shared.stream_watch import StallCheckFailed
 
 POLICY = MigrationPolicy(max_attempts=3, stall_factor=5, min_stall_s=0.05, first_token_timeout_s=0.1,
                          replacement_wait_s=0.3)
@@ -124,3 +125,25 @@ def test_a_consumer_slow_between_pieces_is_not_a_stall():
     got, prog, executors = run(main())
     assert got == [1, 2, 3, 4]
     assert executors.opened == ["a"] and prog.num_migrations == 0
+
+
+def test_a_stall_check_that_raises_ends_the_stream_with_an_error_not_a_hang():
+    """``only_live`` raising is the scheduler's bug, not a verdict on the executor: the
+    stream ends with ``StallCheckFailed`` (INTERNAL), migrates nothing and closes the
+    executor's stream, instead of the error escaping into the event loop and the read
+    waiting unwatched for ever."""
+    def only_live(executor: str, exclude: frozenset[str]) -> bool:
+        raise RuntimeError("membership view unreadable")
+
+    async def main():
+        executors = Executors({"a": 2, "b": None})
+        prog = progress(8)
+        got = []
+        with pytest.raises(StallCheckFailed) as info:
+            async for piece in migrating_stream(prog, POLICY, executors.open, only_live):
+                got.append(piece.token_ids[0])
+        return got, prog, executors, info.value
+
+    got, prog, executors, error = run(main())
+    assert got == [1, 2] and isinstance(error.__cause__, RuntimeError)
+    assert executors.opened == ["a"] and executors.closed == ["a"] and prog.num_migrations == 0
