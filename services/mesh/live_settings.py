@@ -291,21 +291,24 @@ class SettingsFollower:
     async def subscribe(self, bus) -> None:
         await bus.subscribe_documents(BUS_KIND, self.receive)
 
-    async def receive(self, data: bytes) -> None:
+    async def receive(self, data: bytes) -> bool:
+        """Apply a document from the bus. True when it was genuine (signed and well formed,
+        whether or not it changed anything): the document inbox lets such a sender's subject
+        through a flood of junk on other subjects (services/mesh/document_inbox.py)."""
         try:
             doc = decode_bus_payload(data, self.seal)
         except UnverifiedDocument:
-            return  # logged and counted by the seal; the document in force stays
+            return False  # logged and counted by the seal; the document in force stays
         except SettingsError as exc:
             self._log_malformed("malformed", service=self.service, error=str(exc))
-            return
+            return False
         now = self._clock()
         if self.stamp is not None and doc.stamp == self.stamp:
             self._heard_at = now  # the periodic republish of what runs
-            return
+            return True
         if self.stamp is not None and doc.stamp < self.stamp and not (
                 self.stamp[0] > now + MAX_CLOCK_AHEAD_S >= doc.updated_at > self._heard_at):
-            return  # an older document from another router
+            return True  # an older document from another router
         overrides = dict(doc.sections.get(self.section, {}))
         if overrides != self._applied:
             try:
@@ -314,12 +317,13 @@ class SettingsFollower:
                     await result
             except Exception as exc:  # noqa: BLE001  (any failure: keep the old settings, retry on republish)
                 self._log_failure(doc, exc)
-                return
+                return True
             self._applied = overrides
         self.stamp, self.version, self._failed, self._heard_at = doc.stamp, doc.version, None, now
         SETTINGS_VERSION.labels(self.service).set(doc.version)
         log.info("live_settings_applied", service=self.service, version=doc.version, writer=doc.writer,
                  overrides=self._applied)
+        return True
 
     def _log_failure(self, doc: LiveDocument, exc: Exception) -> None:
         """An error the first time a document fails with a reason, debug on each retry."""

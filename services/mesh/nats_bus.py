@@ -32,8 +32,10 @@ from dataclasses import dataclass
 import structlog
 from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client as NatsClient
+from nats.errors import SlowConsumerError
 
 from services.mesh import mesh_auth, metrics, nats_auth
+from services.mesh.document_inbox import MAX_DOCUMENT_BYTES, NATS_PENDING_LIMITS, DocumentHandler, DocumentInbox
 from services.mesh.event_sequence import Delivery, SequenceTracker  # noqa: F401  (re-exported)
 
 log = structlog.get_logger(__name__)
@@ -81,11 +83,12 @@ class EventBus:
 
     def __init__(self, url: str, source: str, reconnect_wait_s: float = 0.5,
                  auth: nats_auth.ClientAuth | None = None, sealers: Mapping[str, Sealer] | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, max_document_bytes: int = MAX_DOCUMENT_BYTES) -> None:
         """``auth``: credentials (default: ``WEFT_NATS_USER`` / ``WEFT_NATS_PASSWORD``);
         ``sealers``: kind -> function applied to each stamped event of that kind (default:
         ``heartbeat_signing.default_sealers()``); ``tls``: context for a server that
-        requires TLS (default: trusts the mesh CA when one is configured)."""
+        requires TLS (default: trusts the mesh CA when one is configured);
+        ``max_document_bytes``: larger live documents are refused unread (document_inbox.py)."""
         subject("x", source)  # validates the name
         self.url = url
         self.log_url = nats_auth.redact_url(url)
@@ -103,7 +106,8 @@ class EventBus:
         self._sequences: dict[str, int] = {}
         self._tracker = SequenceTracker()
         self._subs: list[_Subscription] = []
-        self._doc_subs: list[tuple[str, Callable[[bytes], Awaitable[None]]]] = []  # (kind, handler)
+        self.max_document_bytes = max_document_bytes
+        self._doc_subs: list[DocumentInbox] = []
         self._on_connect: list[Callable[[], Awaitable[None] | None]] = []
         self._connect_task: asyncio.Task | None = None
         self._connected = asyncio.Event()
@@ -114,6 +118,7 @@ class EventBus:
         self._first_attempt = asyncio.Event()  # the first connect attempt has an outcome
         self.num_published = 0
         self.num_dropped = 0
+        self.num_disconnects = 0
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -165,6 +170,8 @@ class EventBus:
             except Exception:
                 pass
             self._nc = None
+        for inbox in self._doc_subs:
+            await inbox.close()
 
     async def _connect_forever(self) -> None:
         attempt = 0
@@ -192,8 +199,8 @@ class EventBus:
             self._first_attempt.set()
             for sub in self._subs:
                 await self._subscribe_on(nc, sub)
-            for kind, handler in self._doc_subs:
-                await self._subscribe_documents_on(nc, kind, handler)
+            for inbox in self._doc_subs:
+                await self._subscribe_documents_on(nc, inbox)
             log.info("nats_connected", url=self.log_url, source=self.source, user=self.auth.user or None)
             user = self.auth.user
             if user in nats_auth.ROLES and self.auth.password == nats_auth.dev_fallback_password(user):
@@ -226,6 +233,8 @@ class EventBus:
         # nats-py retries connecting internally and reports each failure here: warn
         # once per outage, the rest at debug. A permission violation leaves the
         # connection up: warn once per message (it names the subject).
+        if isinstance(exc, SlowConsumerError):
+            return self._on_slow_consumer(exc)
         error = self._error_text(exc)
         if "permissions violation" in error.lower():
             self._warn_once(error, "nats_permission_violation", user=self.auth.user or None, error=error)
@@ -238,6 +247,16 @@ class EventBus:
         else:
             log.debug("nats_error", error=error)
 
+    def _on_slow_consumer(self, exc: SlowConsumerError) -> None:
+        """nats-py's queue for one subscription was full and it dropped a message; the
+        connection stays up. A document's is counted by its inbox, logged rate-limited."""
+        kind = (exc.subject or "").split(".")[1:2]
+        inbox = next((i for i in self._doc_subs if [i.kind] == kind), None)
+        if inbox is not None:
+            inbox.drop("slow_consumer", subject=exc.subject)
+        else:
+            self._warn_once(f"slow consumer {kind}", "nats_slow_consumer", subject=exc.subject)
+
     def _warn_once(self, key: str, event: str, **fields) -> None:
         """Warn the first time ``key`` happens (at most 256 keys; then debug), so a
         flood of one refused or misaddressed message cannot flood the log."""
@@ -249,6 +268,7 @@ class EventBus:
 
     async def _on_disconnected(self) -> None:
         self._connected.clear()
+        self.num_disconnects += 1
         if not self._closed:
             log.warning("nats_disconnected", url=self.log_url)
 
@@ -307,24 +327,34 @@ class EventBus:
     # -- documents: whole JSON documents, not events (live_settings.py) ---------------
     async def publish_document(self, kind: str, data: bytes) -> bool:
         """Send ``data`` on ``weft.<kind>.<source>`` as it is (no header, no sequence: the
-        document carries its own version). Never raises; False when dropped."""
+        document carries its own version). Never raises; False when dropped, also when
+        over ``max_document_bytes`` (every receiver would refuse it: logged here once)."""
+        if len(data) > self.max_document_bytes:
+            self._warn_once(f"too large {kind}", "document_too_large", kind=kind, size_bytes=len(data),
+                            max_bytes=self.max_document_bytes)
+            return self._drop(kind)
         return await self._send(kind, data)
 
-    async def subscribe_documents(self, kind: str, handler: Callable[[bytes], Awaitable[None]]) -> None:
-        """Deliver every document on ``weft.<kind>.*`` to ``handler(data)``; survives reconnects."""
-        self._doc_subs.append((kind, handler))
+    async def subscribe_documents(self, kind: str, handler: DocumentHandler) -> None:
+        """Hand the newest document of each ``weft.<kind>.*`` subject to ``handler(data)``,
+        one at a time; survives reconnects. Older ones still waiting are dropped, and so
+        are any over ``max_document_bytes`` (document_inbox.py: a flood of big documents
+        must not get this connection cut off as a slow consumer)."""
+        inbox = DocumentInbox(kind, handler, max_bytes=self.max_document_bytes)
+        self._doc_subs.append(inbox)
         if self.connected:
-            await self._subscribe_documents_on(self._nc, kind, handler)
+            await self._subscribe_documents_on(self._nc, inbox)
 
-    async def _subscribe_documents_on(self, nc: NatsClient, kind: str, handler) -> None:
+    def num_documents_settled(self, kind: str) -> int:
+        """Documents of ``kind`` heard and then handled or dropped (superseded, ...)."""
+        return sum(i.num_handled + i.num_dropped for i in self._doc_subs if i.kind == kind)
+
+    async def _subscribe_documents_on(self, nc: NatsClient, inbox: DocumentInbox) -> None:
         async def on_message(msg) -> None:
-            EVENTS_RECEIVED.labels(kind).inc()
-            try:
-                await handler(msg.data)
-            except Exception:
-                log.exception("document_handler_failed", kind=kind, subject=msg.subject)
+            EVENTS_RECEIVED.labels(inbox.kind).inc()
+            inbox.offer(msg.subject, msg.data)
 
-        await nc.subscribe(f"weft.{kind}.*", cb=on_message)
+        await nc.subscribe(f"weft.{inbox.kind}.*", cb=on_message, **NATS_PENDING_LIMITS)
 
     # -- subscribing ----------------------------------------------------------------
     async def subscribe(self, kind: str, message_cls: type[Message], handler: Handler, source: str = "*",

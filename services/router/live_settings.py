@@ -276,13 +276,16 @@ class RouterLiveSettings:
             await self.bus.publish_document(BUS_KIND, self.sealed(BUS_KIND, doc))
             await self.bus.publish_document(ROUTER_BUS_KIND, self.sealed(ROUTER_BUS_KIND, doc))
 
-    async def _on_router_document(self, data: bytes) -> None:
+    async def _on_router_document(self, data: bytes) -> bool:
+        """True for a genuine document (the inbox lets its subject through a junk flood)."""
         try:
             self.adopt(data)
         except UnverifiedDocument:
-            pass  # logged (rate-limited) and counted by the seal; we keep our own
+            return False  # logged (rate-limited) and counted by the seal; we keep our own
         except SettingsError as exc:
             self._log_malformed("malformed", error=str(exc), running_version=self.document.version)
+            return False
+        return True
 
     async def start(self) -> None:
         """Connect the bus (when configured), republish forever, reload on SIGHUP."""
