@@ -79,7 +79,8 @@ async def main(argv: Sequence[str] | None = None) -> None:
     identity = Identity(name=name, address=config.address(config.port), model_id=config.resolved_model_id,
                         block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                         serves_rung=config.resolved_serves_rung, kv_cache_dtype=config.kv_cache_dtype)
-    events = ExecutorEvents(lambda kind, item: bus.publish(kind, encode_event(item)), identity,
+    servicer = None  # load reports carry its measured rates once it exists (encode_event)
+    events = ExecutorEvents(lambda kind, item: bus.publish(kind, encode_event(item, servicer)), identity,
                             config.heartbeat_interval_s, config.load_report_interval_s)
     bus.on_connect(events.publish_heartbeat)
     metrics_server = MetricsServer(config.host, config.metrics_port)

@@ -180,8 +180,9 @@ def kv_event_to_proto(change: KvChange) -> events_pb2.KvEvent:
     return msg
 
 
-def encode_event(item: Heartbeat | LoadSnapshot | KvChange):
-    """Domain event → its protobuf message (header left for the bus to stamp)."""
+def encode_event(item: Heartbeat | LoadSnapshot | KvChange, servicer: ExecutorServicer | None = None):
+    """Domain event → its protobuf message (header left for the bus to stamp). A load
+    report carries ``servicer``'s measured cost-model rates (none without a servicer)."""
     if isinstance(item, KvChange):
         return kv_event_to_proto(item)
     if isinstance(item, Heartbeat):
@@ -195,8 +196,13 @@ def encode_event(item: Heartbeat | LoadSnapshot | KvChange):
         )
     if isinstance(item, LoadSnapshot):
         return events_pb2.LoadReport(num_running=item.num_running, num_waiting=item.num_waiting,
-                                     num_free_blocks=item.num_free_blocks, num_blocks=item.num_blocks)
+                                     num_free_blocks=item.num_free_blocks, num_blocks=item.num_blocks,
+                                     **(servicer.measured_rates() if servicer is not None else {}))
     raise TypeError(f"unknown event {item!r}")
+
+
+def _transfer_block_bytes(engine) -> int:  # one block's keys and values in every layer; reads only
+    return sum(kv[:, 0].nbytes for kv in engine.runner.kv_caches)  # kv: [2, num_blocks, block_size, heads, dim]
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
@@ -218,6 +224,19 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.failed = ""  # why the engine is out of service (dead / wedged); set by fail_streams
         self._streams: dict[str, _Stream] = {}
         self._tier_ns: dict[str, tuple[int, int]] = {}  # request id -> promotion lookup (start, end), for timelines
+        self._block_bytes = 0  # one KV block as it transfers; read from the engine on first use
+
+    def measured_rates(self) -> dict[str, float | int]:
+        """The load report's measured cost-model fields (the Promoter's rates, which price
+        the scheduler's pauses); empty without a cachestore tier, where nothing measures them."""
+        if self.tiers is None:
+            return {}
+        if not self._block_bytes:
+            self._block_bytes = int(self.engine.peek(_transfer_block_bytes))  # static: never stale
+        cost = self.tiers.promoter.cost
+        return dict(prefill_tokens_per_s=cost.prefill_tokens_per_s, num_prefills=cost.num_prefills,
+                    transfer_bytes_per_s=cost.transfer_bytes_per_s, num_transfers=cost.num_transfers,
+                    block_bytes=self._block_bytes, transfer_overhead_ms=cost.rpc_overhead_s * 1000.0)
 
     def fail_streams(self, reason: str) -> int:
         """The engine is dead or wedged: refuse new streams and end every open one with

@@ -30,6 +30,7 @@ from services.scheduler.policy.intent_shift import IntentShiftDecision, IntentSh
 from services.scheduler.policy.pause import PauseDecision, PauseInputs, PausePlan, PausePolicy
 from services.scheduler.policy.priority import PriorityInputs, Prioritizer
 from services.scheduler.state.blocks import num_full_blocks
+from services.scheduler.state.membership import MeasuredRates
 from services.scheduler.state.sessions import HopContext, SessionState, SessionTable
 from services.shared.vocabulary import RequestClass
 
@@ -116,9 +117,12 @@ class AgentPlane:
                  intent: IntentShiftDetector | None = None, sessions: SessionTable | None = None,
                  block_size_of: Callable[[str], int] = lambda _: 16,
                  clock: Callable[[], float] = time.monotonic, can_demote: bool = True,
-                 kv_archive: KvArchive | None = None, intent_timeout_s: float = 0.25) -> None:
+                 kv_archive: KvArchive | None = None, intent_timeout_s: float = 0.25,
+                 rates_of: Callable[[str], MeasuredRates | None] = lambda _: None) -> None:
         """``can_demote``: whether the pause policy may choose demote (the executors'
         cachestore tier is configured); turned off for good once an executor cannot.
+        ``rates_of``: an executor's measured cost-model rates (``Membership.rates``), which
+        price its pause decisions where measured (None: the configured costs).
         ``kv_archive``: where released KV goes (None: it is only forgotten on the executor).
         ``intent_timeout_s``: how long a hop waits for the embedding signal before the
         intent check falls back to bigrams."""
@@ -130,6 +134,7 @@ class AgentPlane:
         self.intent = intent or IntentShiftDetector()
         self.sessions = sessions or SessionTable(clock=clock)
         self.block_size_of = block_size_of
+        self.rates_of = rates_of
         self.clock = clock
         self._pinned: dict[str, dict[tuple[str, str], tuple[int, float]]] = {}  # executor -> (tenant, session) -> (blocks, until)
         self.can_demote = can_demote
@@ -237,13 +242,24 @@ class AgentPlane:
         expected = plan.request.expected_tool_ms or (ses.observed_pause_ms if ses else 0.0) \
             or self.pause_policy_default_ms()
         num_tokens = len(plan.prompt_token_ids)
+        rates = self.rates_of(executor) or MeasuredRates()
         plan.pause = self.pause_policy.decide(PauseInputs(
             num_context_tokens=num_tokens, num_blocks=num_full_blocks(num_tokens, self.block_size_of(executor)),
             expected_pause_ms=float(expected),
             pool_used_blocks=pool_used_blocks, pool_num_blocks=pool_num_blocks,
             pool_pinned_blocks=self.pinned_blocks(executor), can_demote=self.can_demote,
+            prefill_ms_per_token=rates.prefill_ms_per_token, transfer_ms_per_block=rates.transfer_ms_per_block,
+            transfer_overhead_ms=rates.transfer_overhead_ms,
         ))
+        log.info("pause_decided", request_id=plan.request.request_id, session_id=plan.request.session_id,
+                 executor=executor, decision=plan.pause.decision.value, reason=plan.pause.reason,
+                 costs_ms={k: round(v, 2) for k, v in plan.pause.costs_ms}, cost_source=plan.pause.cost_source)
         return plan.pause
+
+    def prefill_ms_per_token(self, executor: str) -> float | None:
+        """``executor``'s measured prefill time per prompt token; None when not measured."""
+        rates = self.rates_of(executor)
+        return rates.prefill_ms_per_token if rates is not None else None
 
     def pause_policy_default_ms(self) -> float:
         return getattr(getattr(self.pause_policy, "c", None), "default_pause_ms", 2000.0)

@@ -57,7 +57,7 @@ def build_dispatcher(config: SchedulerConfig, view: MeshView, channels: ChannelP
         ContractBook(parse_tenant_quotas(config.tenant_quotas), config.prefill_ms_per_token),
         intent_detector(cachestore, config.model_dir, config.intent_shift_threshold), SessionTable(config.max_sessions),
         block_size_of=lambda name: getattr(view.membership.get(name), "block_size", 16), can_demote=config.demote,
-        kv_archive=cachestore)
+        kv_archive=cachestore, rates_of=view.membership.rates)
     return Dispatcher(
         view, make_placer(config.placement_policy, config.kv_overlap_weight), admission, channels,
         tenant_admission=TenantAdmission(admission, config.max_in_flight_per_tenant, config.max_queue_per_tenant,

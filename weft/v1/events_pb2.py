@@ -25,25 +25,25 @@ _sym_db = _symbol_database.Default()
 from weft.v1 import common_pb2 as weft_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14weft/v1/events.proto\x12\x07weft.v1\x1a\x14weft/v1/common.proto\"f\n\x0b\x45ventHeader\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x14\n\x0ctimestamp_ms\x18\x04 \x01(\x04\x12\r\n\x05\x65poch\x18\x05 \x01(\t\"\xe9\x01\n\x07KvEvent\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.weft.v1.EventHeader\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.weft.v1.KvEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x18\n\x0bparent_hash\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1b\n\x04tier\x18\x05 \x01(\x0e\x32\r.weft.v1.Tier\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x11\n\tpartition\x18\x08 \x01(\tB\x0e\n\x0c_parent_hash\"\x89\x01\n\nLoadReport\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.weft.v1.EventHeader\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\"\xd5\x02\n\x11\x45xecutorHeartbeat\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.weft.v1.EventHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12%\n\x05state\x18\x06 \x01(\x0e\x32\x16.weft.v1.ExecutorState\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x13\n\x0binterval_ms\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12-\n\x0bserves_rung\x18\x0b \x01(\x0e\x32\x18.weft.v1.DegradationRung\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\x12\x11\n\tsignature\x18\r \x01(\x0c*S\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_ACTIVE\x10\x01\x12\x11\n\rTIER_SLEEPING\x10\x02\x12\x11\n\rTIER_ARCHIVED\x10\x03*|\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x19\n\x15KV_EVENT_KIND_CLEARED\x10\x03*\x9f\x01\n\rExecutorState\x12\x1e\n\x1a\x45XECUTOR_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45XECUTOR_STATE_JOINING\x10\x01\x12\x1a\n\x16\x45XECUTOR_STATE_SERVING\x10\x02\x12\x1b\n\x17\x45XECUTOR_STATE_DRAINING\x10\x03\x12\x19\n\x15\x45XECUTOR_STATE_FAILED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14weft/v1/events.proto\x12\x07weft.v1\x1a\x14weft/v1/common.proto\"f\n\x0b\x45ventHeader\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x14\n\x0ctimestamp_ms\x18\x04 \x01(\x04\x12\r\n\x05\x65poch\x18\x05 \x01(\t\"\xe9\x01\n\x07KvEvent\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.weft.v1.EventHeader\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.weft.v1.KvEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x18\n\x0bparent_hash\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1b\n\x04tier\x18\x05 \x01(\x0e\x32\r.weft.v1.Tier\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x11\n\tpartition\x18\x08 \x01(\tB\x0e\n\x0c_parent_hash\"\xa5\x02\n\nLoadReport\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.weft.v1.EventHeader\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\x14\n\x0cnum_prefills\x18\x07 \x01(\x04\x12\x1c\n\x14transfer_bytes_per_s\x18\x08 \x01(\x01\x12\x15\n\rnum_transfers\x18\t \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\n \x01(\x04\x12\x1c\n\x14transfer_overhead_ms\x18\x0b \x01(\x01\"\xd5\x02\n\x11\x45xecutorHeartbeat\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.weft.v1.EventHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12%\n\x05state\x18\x06 \x01(\x0e\x32\x16.weft.v1.ExecutorState\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x13\n\x0binterval_ms\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12-\n\x0bserves_rung\x18\x0b \x01(\x0e\x32\x18.weft.v1.DegradationRung\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\x12\x11\n\tsignature\x18\r \x01(\x0c*S\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_ACTIVE\x10\x01\x12\x11\n\rTIER_SLEEPING\x10\x02\x12\x11\n\rTIER_ARCHIVED\x10\x03*|\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x19\n\x15KV_EVENT_KIND_CLEARED\x10\x03*\x9f\x01\n\rExecutorState\x12\x1e\n\x1a\x45XECUTOR_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45XECUTOR_STATE_JOINING\x10\x01\x12\x1a\n\x16\x45XECUTOR_STATE_SERVING\x10\x02\x12\x1b\n\x17\x45XECUTOR_STATE_DRAINING\x10\x03\x12\x19\n\x15\x45XECUTOR_STATE_FAILED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weft.v1.events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=879
-  _globals['_TIER']._serialized_end=962
-  _globals['_KVEVENTKIND']._serialized_start=964
-  _globals['_KVEVENTKIND']._serialized_end=1088
-  _globals['_EXECUTORSTATE']._serialized_start=1091
-  _globals['_EXECUTORSTATE']._serialized_end=1250
+  _globals['_TIER']._serialized_start=1035
+  _globals['_TIER']._serialized_end=1118
+  _globals['_KVEVENTKIND']._serialized_start=1120
+  _globals['_KVEVENTKIND']._serialized_end=1244
+  _globals['_EXECUTORSTATE']._serialized_start=1247
+  _globals['_EXECUTORSTATE']._serialized_end=1406
   _globals['_EVENTHEADER']._serialized_start=55
   _globals['_EVENTHEADER']._serialized_end=157
   _globals['_KVEVENT']._serialized_start=160
   _globals['_KVEVENT']._serialized_end=393
   _globals['_LOADREPORT']._serialized_start=396
-  _globals['_LOADREPORT']._serialized_end=533
-  _globals['_EXECUTORHEARTBEAT']._serialized_start=536
-  _globals['_EXECUTORHEARTBEAT']._serialized_end=877
+  _globals['_LOADREPORT']._serialized_end=689
+  _globals['_EXECUTORHEARTBEAT']._serialized_start=692
+  _globals['_EXECUTORHEARTBEAT']._serialized_end=1033
 # @@protoc_insertion_point(module_scope)

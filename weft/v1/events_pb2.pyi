@@ -78,18 +78,30 @@ class KvEvent(_message.Message):
     def __init__(self, header: _Optional[_Union[EventHeader, _Mapping]] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., partition: _Optional[str] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("header", "num_running", "num_waiting", "num_free_blocks", "num_blocks")
+    __slots__ = ("header", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "prefill_tokens_per_s", "num_prefills", "transfer_bytes_per_s", "num_transfers", "block_bytes", "transfer_overhead_ms")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
     header: EventHeader
     num_running: int
     num_waiting: int
     num_free_blocks: int
     num_blocks: int
-    def __init__(self, header: _Optional[_Union[EventHeader, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    num_prefills: int
+    transfer_bytes_per_s: float
+    num_transfers: int
+    block_bytes: int
+    transfer_overhead_ms: float
+    def __init__(self, header: _Optional[_Union[EventHeader, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., num_prefills: _Optional[int] = ..., transfer_bytes_per_s: _Optional[float] = ..., num_transfers: _Optional[int] = ..., block_bytes: _Optional[int] = ..., transfer_overhead_ms: _Optional[float] = ...) -> None: ...
 
 class ExecutorHeartbeat(_message.Message):
     __slots__ = ("header", "name", "address", "model_id", "block_size", "state", "max_num_seqs", "num_blocks", "interval_ms", "max_model_len", "serves_rung", "kv_cache_dtype", "signature")

@@ -18,7 +18,7 @@ from services.scheduler.policy.contracts import ContractTerms, Fallback
 from services.scheduler.policy.degradation import DegradationContract, Rung
 from services.scheduler.policy.pause import PauseDecision
 from services.scheduler.state.kv_index import KvIndex
-from services.scheduler.state.membership import ExecutorLoad, ExecutorRecord, ExecutorState, Membership
+from services.scheduler.state.membership import ExecutorLoad, ExecutorRecord, ExecutorState, MeasuredRates, Membership
 from services.shared.vocabulary import RequestClass
 from weft.v1 import common_pb2, events_pb2, executor_pb2, scheduler_pb2
 
@@ -198,8 +198,23 @@ def executor_record(msg: events_pb2.ExecutorHeartbeat, verified: bool) -> Execut
 
 
 def executor_load(msg: events_pb2.LoadReport) -> ExecutorLoad:
+    rates = MeasuredRates(
+        prefill_tokens_per_s=msg.prefill_tokens_per_s, num_prefills=msg.num_prefills,
+        transfer_bytes_per_s=msg.transfer_bytes_per_s, num_transfers=msg.num_transfers,
+        block_bytes=msg.block_bytes,
+        transfer_overhead_ms=msg.transfer_overhead_ms if 0 <= msg.transfer_overhead_ms < float("inf") else 0.0)
     return ExecutorLoad(num_running=msg.num_running, num_waiting=msg.num_waiting,
-                        num_free_blocks=msg.num_free_blocks, num_blocks=msg.num_blocks)
+                        num_free_blocks=msg.num_free_blocks, num_blocks=msg.num_blocks, rates=rates)
+
+
+def load_report(load: ExecutorLoad) -> events_pb2.LoadReport:
+    """``executor_load``'s inverse (ListExecutors shows the latest report, rates included)."""
+    r = load.rates
+    return events_pb2.LoadReport(
+        num_running=load.num_running, num_waiting=load.num_waiting, num_free_blocks=load.num_free_blocks,
+        num_blocks=load.num_blocks, prefill_tokens_per_s=r.prefill_tokens_per_s, num_prefills=r.num_prefills,
+        transfer_bytes_per_s=r.transfer_bytes_per_s, num_transfers=r.num_transfers, block_bytes=r.block_bytes,
+        transfer_overhead_ms=r.transfer_overhead_ms)
 
 
 def list_executors_response(membership: Membership, kv_index: KvIndex) -> scheduler_pb2.ListExecutorsResponse:
@@ -218,8 +233,5 @@ def list_executors_response(membership: Membership, kv_index: KvIndex) -> schedu
             last_seen_ago_ms=int(max(0.0, now - rec.last_seen_s) * 1000),
         )
         if rec.load is not None:
-            info.load.CopyFrom(events_pb2.LoadReport(
-                num_running=rec.load.num_running, num_waiting=rec.load.num_waiting,
-                num_free_blocks=rec.load.num_free_blocks, num_blocks=rec.load.num_blocks,
-            ))
+            info.load.CopyFrom(load_report(rec.load))
     return out

@@ -111,7 +111,9 @@ class AgentSteps:
         session (another tenant's id included); a repeated end is a no-op that succeeds."""
         sessions = self.plane.sessions
         already = sessions.was_ended(tenant, session_id)
-        ses = sessions.end(tenant, session_id)
+        running = any(p.request.tenant == tenant and p.request.session_id == session_id
+                      for p in self._plans.values())
+        ses = sessions.end(tenant, session_id, running)
         num_running = self._ended(tenant, session_id, ses)
         if ses is None and not num_running and not already:
             return None
@@ -210,7 +212,7 @@ class AgentSteps:
         d.ttft_ceiling_ms = plan.request.terms.ttft_ceiling_ms
         d.expected_cached_tokens = min(num_prompt_tokens, top.num_matched_blocks * block_size)
         d.ttft_estimate_ms = round(self.plane.contracts.estimate_with_cached(
-            plan.fallback, num_prompt_tokens, d.expected_cached_tokens))
+            plan.fallback, num_prompt_tokens, d.expected_cached_tokens, self.plane.prefill_ms_per_token(top.name)))
         d.pause, d.pause_reason, d.pin_ttl_ms = plan.pause.decision, plan.pause.reason, plan.pause.pin_ttl_ms
         if plan.intent is not None:  # the hop's intent was checked
             d.intent_checked, d.intent_shift = True, plan.intent.shifted

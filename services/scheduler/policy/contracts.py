@@ -6,6 +6,9 @@ NOTE: admission estimates a request's time to first token before it queues,
                 + new prompt tokens × prefill_ms_per_token   (new: past the longest prefix an
                                                                  executor holds, per the KV index)
 
+(``prefill_ms_per_token``: configured; once placed, the chosen executor's measured rate
+when its load reports carry one.)
+
 and its time per output token from what recent requests saw, scaled by how much more
 crowded the executors will be,
 
@@ -135,10 +138,13 @@ class ContractBook:
                 reason += f"; served on the {rung.label} rung"
         return FallbackChoice(path, reason, est, rung, queue_est)
 
-    def estimate_with_cached(self, choice: FallbackChoice, num_prompt_tokens: int, num_cached_tokens: int) -> float:
-        """``choice``'s TTFT estimate with only the tokens not expected cached prefilled.
-        Does not modify anything."""
-        return choice.queue_estimate_ms + max(0, num_prompt_tokens - num_cached_tokens) * self.prefill_ms_per_token
+    def estimate_with_cached(self, choice: FallbackChoice, num_prompt_tokens: int, num_cached_tokens: int,
+                             prefill_ms_per_token: float | None = None) -> float:
+        """``choice``'s TTFT estimate with only the tokens not expected cached prefilled, at
+        ``prefill_ms_per_token`` (the chosen executor's measured rate; None: the configured
+        one). Does not modify anything."""
+        per_token = self.prefill_ms_per_token if prefill_ms_per_token is None else prefill_ms_per_token
+        return choice.queue_estimate_ms + max(0, num_prompt_tokens - num_cached_tokens) * per_token
 
     def observe_request_ms(self, ms: float, num_output_tokens: int = 0) -> None:
         """Fold a finished request into the EWMAs (its whole time spread over its tokens

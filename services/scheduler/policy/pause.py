@@ -9,6 +9,12 @@ NOTE (cost model; every option is priced in milliseconds of engine time):
     demote  blocks × 2 × transfer_ms_per_block                down now, up (prefetched) on resume
             only when the executor can demote (the cachestore RPCs exist)
 
+The two rates are the executor's measured ones when its load reports carry them
+(``PauseInputs``: prefill_ms_per_token = 1000 / prefill tokens per s, transfer_ms_per_block
+= 1000 × block bytes / transfer bytes per s, and then a demote also pays the executor's
+per-transfer overhead twice), else the configured ``PauseCosts``. The plan says which
+priced it (``cost_source``: measured / configured / mixed) and so does its reason.
+
 The cheapest wins; ties prefer keep, then demote. A keep is refused when the
 executor's pinned blocks would pass ``max_pinned_fraction`` of its pool, so pins can
 never take a whole pool hostage. A kept session is pinned for ``ttl_factor`` × the
@@ -45,6 +51,11 @@ class PauseInputs:
     pool_num_blocks: int
     pool_pinned_blocks: int  # already pinned there (by this scheduler's decisions)
     can_demote: bool
+    # Measured on the executor holding the session (its load reports); None: not measured
+    # yet, the configured PauseCosts rate prices it.
+    prefill_ms_per_token: float | None = None
+    transfer_ms_per_block: float | None = None
+    transfer_overhead_ms: float = 0.0  # per transfer; only with a measured transfer rate
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,8 @@ class PausePlan:
     pin_ttl_ms: int = 0
     costs_ms: tuple[tuple[str, float], ...] = ()  # (option, cost) for logs and tests
     reason: str = ""
+    cost_source: str = ""  # measured / configured / mixed (one of the two rates); "": not priced
+
 
 
 @dataclass(frozen=True)
@@ -93,24 +106,30 @@ class CostPausePolicy(PausePolicy):
         total = max(1, x.pool_num_blocks)
         pressure = min(0.99, x.pool_used_blocks / total)
         pause_s = x.expected_pause_ms / 1000.0
-        recompute = x.num_context_tokens * c.prefill_ms_per_token
+        measured = [x.prefill_ms_per_token is not None]
+        prefill_ms = c.prefill_ms_per_token if x.prefill_ms_per_token is None else x.prefill_ms_per_token
         costs = {
-            "drop": pressure * recompute,
+            "drop": pressure * x.num_context_tokens * prefill_ms,
             "keep": x.num_blocks * pause_s * c.block_second_ms * pressure / (1.0 - pressure),
         }
         if x.can_demote:
-            costs["demote"] = x.num_blocks * 2 * c.transfer_ms_per_block
+            measured.append(x.transfer_ms_per_block is not None)
+            if x.transfer_ms_per_block is None:
+                costs["demote"] = x.num_blocks * 2 * c.transfer_ms_per_block
+            else:
+                costs["demote"] = 2 * (x.transfer_overhead_ms + x.num_blocks * x.transfer_ms_per_block)
+        source = "measured" if all(measured) else "configured" if not any(measured) else "mixed"
         pin_room = c.max_pinned_fraction * total - x.pool_pinned_blocks
-        reason = ""
+        reason = "cheapest"
         if x.num_blocks > pin_room:
             costs.pop("keep")
             reason = "pin budget exhausted"
+        reason += f" at {source} costs"
         order = {"keep": 0, "demote": 1, "drop": 2}
         best = min(costs, key=lambda k: (costs[k], order[k]))
         table = tuple(sorted(costs.items()))
-        if best == "keep":
-            return PausePlan(PauseDecision.KEEP, self.ttl_ms(x), table, reason or "cheapest")
-        return PausePlan(PauseDecision(best), 0, table, reason or "cheapest")
+        ttl = self.ttl_ms(x) if best == "keep" else 0
+        return PausePlan(PauseDecision(best), ttl, table, reason, source)
 
 
 class AlwaysKeepPolicy(CostPausePolicy):

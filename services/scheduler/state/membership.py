@@ -14,10 +14,15 @@ verified and a restarted executor may move to a new port as before.
 
 Each executor serves one degradation rung (``none``: full quality); the rungs the
 placeable executors serve are the ones the ladder can act on (degradation.py).
+
+Each load report also carries the executor's measured cost-model rates (``MeasuredRates``:
+prefill and transfer throughput); the latest ones price that executor's pause decisions
+(policy/pause.py), where a rate not measured yet leaves the configured cost.
 """
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -32,6 +37,39 @@ class ExecutorState(enum.Enum):
     FAILED = "failed"  # engine dead or wedged: no new work; the process exits for a restart
 
 
+def _finite_positive(ms: float) -> float | None:
+    """A per-unit cost from a reported rate; None (not measured) unless finite and > 0: an
+    infinite, NaN or vanishing rate is a broken measurement, never a free option."""
+    return ms if math.isfinite(ms) and ms > 0 else None
+
+
+@dataclass(frozen=True)
+class MeasuredRates:
+    """An executor's measured cost-model rates, as its latest load report says (the
+    promotion cost model's EWMAs). A count of 0: that rate is not measured yet."""
+
+    prefill_tokens_per_s: float = 0.0
+    num_prefills: int = 0
+    transfer_bytes_per_s: float = 0.0
+    num_transfers: int = 0
+    block_bytes: int = 0  # one KV block as it transfers
+    transfer_overhead_ms: float = 0.0  # fixed cost per transfer in the executor's cost model
+
+    @property
+    def prefill_ms_per_token(self) -> float | None:
+        """1000 / prefill tokens per second; None when not measured."""
+        if self.num_prefills > 0 and self.prefill_tokens_per_s > 0:
+            return _finite_positive(1000.0 / self.prefill_tokens_per_s)
+        return None
+
+    @property
+    def transfer_ms_per_block(self) -> float | None:
+        """1000 × block bytes / transfer bytes per second; None when not measured."""
+        if self.num_transfers > 0 and self.transfer_bytes_per_s > 0 and self.block_bytes > 0:
+            return _finite_positive(1000.0 * self.block_bytes / self.transfer_bytes_per_s)
+        return None
+
+
 @dataclass(frozen=True)
 class ExecutorLoad:
     """Latest load report of an executor."""
@@ -40,6 +78,7 @@ class ExecutorLoad:
     num_waiting: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    rates: MeasuredRates = MeasuredRates()
 
 
 @dataclass(frozen=True)
@@ -161,6 +200,12 @@ class Membership:
 
     def get(self, name: str) -> ExecutorRecord | None:
         return self._executors.get(name)
+
+    def rates(self, name: str) -> MeasuredRates | None:
+        """The measured rates of ``name``'s latest load report; None for an unknown executor
+        or one without a load report yet. Does not modify."""
+        rec = self._executors.get(name)
+        return rec.load.rates if rec is not None and rec.load is not None else None
 
     def all(self) -> list[ExecutorRecord]:
         return sorted(self._executors.values(), key=lambda r: r.name)

@@ -233,14 +233,18 @@ class SessionTable:
     def was_ended(self, tenant: str, session_id: str) -> bool:
         return (tenant, session_id) in self._ended
 
-    def end(self, tenant: str, session_id: str) -> SessionState | None:
-        """Forget the session and remember that it ended (bounded). Returns its state,
-        None when this tenant has no recorded context for it."""
+    def end(self, tenant: str, session_id: str, running: bool = False) -> SessionState | None:
+        """Forget the session and remember that it ended (bounded), only when this tenant
+        had it (a recorded context, or ``running``: a hop of it runs): an id it never had
+        leaves no trace, so a repeat is still unknown and a storm of made-up ids cannot push
+        real ends out. Returns its state, None when there is no recorded context."""
         key = (tenant, session_id)
-        self._ended[key] = None
-        self._ended.move_to_end(key)
-        _trim(self._ended, self.max_sessions)
-        return self._sessions.pop(key, None)
+        ses = self._sessions.pop(key, None)
+        if ses is not None or running:
+            self._ended[key] = None
+            self._ended.move_to_end(key)
+            _trim(self._ended, self.max_sessions)
+        return ses
 
     # -- fork and join ----------------------------------------------------------------
     def fork(self, tenant: str, session_id: str, child_ids: Sequence[str]) -> Forked:

@@ -180,7 +180,7 @@ def test_pins_yield_to_a_request_their_partition_could_not_otherwise_serve(check
     engine.add_request("live", _prompt(20, 9), GREEDY, partition="acme")
     out = _run(engine)["live"]
     assert out.num_output_tokens == 4 and out.finish_reason is FinishReason.LENGTH
-    assert "s0" not in engine.pins  # the soonest-expiring pin went first
+    assert "s1" not in engine.pins and "s0" in engine.pins  # the pin expiring last went first
 
 
 def test_priority_updates_reorder_the_waiting_queue(checkpoint):
@@ -194,3 +194,20 @@ def test_priority_updates_reorder_the_waiting_queue(checkpoint):
             break
         order += [o.request_id for o in engine.step() if o.finished]
     assert order == ["c", "b", "a"]
+
+
+def test_an_ended_sessions_blocks_are_evicted_before_an_older_idle_context(checkpoint):
+    engine = _engine(checkpoint, num_kv_blocks=10)
+    older, ended = _prompt(16, 300), _prompt(16, 600)
+    engine.add_request("older", older, GREEDY)  # no session: its blocks are freed first (LRU end)
+    _run(engine)
+    engine.add_request("ended", ended, GREEDY, session=SessionOptions("s", pin_ttl_s=60.0))
+    _run(engine)
+    assert engine.release_session("s") == (4, 0)
+    engine.add_request("flood", _prompt(20, 900), GREEDY)  # 6 blocks: 2 free, 4 of the 8 cached evicted
+    _run(engine)
+    engine.add_request("older-again", older, GREEDY)
+    engine.add_request("ended-again", ended, GREEDY)
+    done = _run(engine)
+    assert done["older-again"].num_cached_tokens == 12  # before: 0 (the most recently freed survived)
+    assert done["ended-again"].num_cached_tokens == 0
