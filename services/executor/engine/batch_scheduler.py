@@ -8,8 +8,12 @@ being computed in this very step by another sequence (forked sub-agents, program
 starting on one system prompt, one prompt sent by several callers) waits one step and hits
 it, instead of computing the same prefix again beside it (SGLang's in-batch prefix
 check; vLLM computes both). When a running sequence cannot get a
-block, a victim chosen by the preemption policy gives all of its blocks back and is
-recomputed later (its full blocks stay in the prefix cache, so that is usually cheap).
+block, idle sessions' pins (the *keep* of a tool pause, services/executor/kv/pinning.py)
+yield first, the session expected back last first; only then does a victim chosen by the
+preemption policy give all of its blocks back to be recomputed later (its full blocks stay
+in the prefix cache, so that is usually cheap). A waiting sequence that does not fit gets
+the same: live work comes before kept KV, which only protects a paused session's blocks
+from LRU eviction while the pool has other room.
 
 The scheduler also owns what a step's result does to its sequences (``update``: advance,
 append, stop, finish; nano-vllm's ``postprocess``, vLLM's ``update_from_output``), so
@@ -55,6 +59,10 @@ class BatchScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.in_batch_prefix_check = True  # False: copies compute side by side (the benchmark's baseline)
+        # (partition or None for anyone's, blocks wanted, session to spare) -> blocks unpinned;
+        # set by the engine that owns the pins (None: nothing is ever pinned)
+        self.reclaim_pins: Callable[..., int] | None = None
+        self.num_pin_yields = 0  # allocations that succeeded only after pins were released
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -93,6 +101,21 @@ class BatchScheduler:
         victim.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(victim)
 
+    def _allocate(self, seq: Sequence, n: int, hits: list = ()) -> bool:
+        """``kv.allocate_slots``, releasing idle sessions' pins while that makes it fit."""
+        if self.kv.allocate_slots(seq, n, hits):
+            return True
+        if self.reclaim_pins is None:
+            return False
+        # a quota cut is only helped by the partition's own pins; a full pool by anyone's
+        partition = None if self.kv.partition_allows(seq, n) else seq.partition
+        need = max(1, self.kv.num_blocks_needed(seq, n, len(hits)))
+        while self.reclaim_pins(partition, need, seq.session.session_id, seq.partition):
+            if self.kv.allocate_slots(seq, n, hits):
+                self.num_pin_yields += 1
+                return True
+        return False
+
     def _useful_victims(self, seq: Sequence, n: int, scheduled_ids: set[str]) -> list[Sequence]:
         """Running sequences whose blocks ``seq`` could actually use: its own partition's
         when its quota is what blocks it, else its own or a borrower's (others'
@@ -115,7 +138,7 @@ class BatchScheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget, self.max_prefill_chunk)
-            while not self.kv.allocate_slots(seq, n):
+            while not self._allocate(seq, n):
                 victim = self.policy.pick_victim(self._useful_victims(seq, n, scheduled_ids), self.kv)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -153,7 +176,7 @@ class BatchScheduler:
                     continue
                 cached = len(hits) * self.kv.block_size
                 n = min(seq.num_tokens - cached, budget, self.max_prefill_chunk)
-                if not self.kv.allocate_slots(seq, n, hits):
+                if not self._allocate(seq, n, hits):
                     if not self.running and not decodes and not prefills:
                         # Nothing else holds blocks, yet it does not fit: it never will.
                         self.waiting.popleft()

@@ -103,6 +103,7 @@ class LLMEngine:
             on_finish=self._finish_session,
             kv_compression=config.kv_compress_budget_blocks > 0,
         )
+        self.scheduler.reclaim_pins = self.pins.release_for  # live work before kept KV
         # scores only feed the attention policy; "oldest" needs none (all-equal scores)
         track_block_scores = (config.kv_compress_budget_blocks > 0
                               and config.kv_compress_policy == CompressPolicy.ATTENTION.value)
@@ -230,9 +231,16 @@ class LLMEngine:
 
     def release_session(self, session_id: str, evict_block_hashes=()) -> tuple[int, int]:
         """Unpin a session and forget the given cached hashes where no request holds
-        them (its stale part); returns (blocks unpinned, hashes forgotten)."""
+        them (its stale part); returns (blocks unpinned, hashes forgotten). The session is
+        over (ended, joined into its parent, or its intent moved on), so its released
+        blocks go first in line for eviction, its deepest first: a finished program's
+        context is evicted before any block an idle session may come back to (LRU alone
+        would keep it longest, as the most recently freed)."""
+        pinned = [b.block_hash for b in self.pins.pinned_blocks(session_id) if b.block_hash is not None]
         unpinned = self.pins.release(session_id)
-        return unpinned, self.pool.evict_cached(evict_block_hashes)
+        evicted = self.pool.evict_cached(evict_block_hashes)
+        self.pool.queue_for_eviction(pinned)
+        return unpinned, evicted
 
     def update_priorities(self, priorities: dict[str, float]) -> int:
         """Set new priorities (higher runs first) of known requests; returns how many.
@@ -318,7 +326,11 @@ class LLMEngine:
         left = []
         for seq in unservable:
             need = self.kv.num_blocks_to_run(seq.num_tokens)
-            if self.pins.release_for(seq.partition, need) or self.pins.release_for(None, need):
+            sid = seq.session.session_id
+            if self.kv.can_ever_hold(seq) and (
+                    self.pins.release_for(seq.partition, need, sid, seq.partition)
+                    or (self.pool.usage_allows(need, seq.partition)
+                        and self.pins.release_for(None, need, sid, seq.partition))):
                 self.scheduler.requeue(seq)
             else:
                 left.append(seq)
@@ -363,5 +375,6 @@ class LLMEngine:
             "num_compressed_blocks": self.num_compressed_blocks,
             "num_blocks": self.num_blocks,
             "num_pinned_blocks": self.pins.num_pinned_blocks,
+            "num_pin_yields": self.scheduler.num_pin_yields,
             "time": time.monotonic(),
         }

@@ -112,6 +112,8 @@ class BlockPool:
         self._free_uncached: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._free_cached: OrderedDict[int, Block] = OrderedDict()  # LRU first
         self._cached: dict[BlockHash, Block] = {}
+        self._parent: dict[BlockHash, BlockHash | None] = {}  # resident hash -> its chain parent
+        self._num_children: dict[BlockHash, int] = {}  # resident hash -> resident hashes chained on it
         self._events: list[KVEvent] = []
         self._specs: dict[str, PartitionSpec] = {}
         self._used: dict[str, int] = {}
@@ -239,7 +241,7 @@ class BlockPool:
                 _, block = self._free_cached.popitem(last=False)
                 if block.block_hash is not None:
                     removed.append(block.block_hash)
-                    del self._cached[block.block_hash]
+                    self._forget(block.block_hash)
                     block.block_hash = None
             self._hold(block, partition)
             out.append(block)
@@ -290,12 +292,23 @@ class BlockPool:
                 continue
             block.block_hash = h
             self._cached[h] = block
+            self._parent[h] = parent
+            if parent is not None:
+                self._num_children[parent] = self._num_children.get(parent, 0) + 1
             if not run:
                 run_parent = parent
             run.append(h)
             parent = h
         if run:
             self._events.append(BlockStored(tuple(run), run_parent, partition))
+
+    def _forget(self, block_hash: BlockHash) -> None:
+        del self._cached[block_hash]
+        parent = self._parent.pop(block_hash, None)
+        if parent is not None and self._num_children.get(parent, 0) > 1:
+            self._num_children[parent] -= 1
+        else:
+            self._num_children.pop(parent, None)
 
     def evict_cached(self, block_hashes: Iterable[BlockHash]) -> int:
         """Forget the given hashes where their blocks are free (e.g. a released session's
@@ -305,7 +318,7 @@ class BlockPool:
             block = self._cached.get(h)
             if block is None or block.ref_cnt > 0:
                 continue
-            del self._cached[h]
+            self._forget(h)
             self._free_cached.pop(block.block_id)
             block.block_hash = None
             self._free_uncached[block.block_id] = block
@@ -320,7 +333,15 @@ class BlockPool:
         ``free`` does: a prefix outlives its suffixes, so an eviction of a few blocks
         leaves the rest of the chain reachable by a prefix match. Returns how many moved.
         Held blocks are left alone: they join the queue by recency when released."""
-        moved = [self._cached[h] for h in block_hashes
+        chain = list(block_hashes)
+        # a block another resident chain continues stays in line by recency, with its
+        # ancestors: evicted first, it would orphan that chain's blocks (unreachable, still held)
+        cut = 0
+        for i, h in enumerate(chain):
+            inside = 1 if i + 1 < len(chain) and self._parent.get(chain[i + 1]) == h else 0
+            if self._num_children.get(h, 0) > inside:
+                cut = i + 1
+        moved = [self._cached[h] for h in chain[cut:]
                  if h in self._cached and self._cached[h].ref_cnt == 0]
         for block in moved:  # each goes before the ones moved earlier: the last hash ends up first
             self._free_cached.move_to_end(block.block_id, last=False)
@@ -333,6 +354,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        self._parent.clear()
+        self._num_children.clear()
         self._free_cached.clear()
         self._free_uncached = OrderedDict((b.block_id, b) for b in self.blocks)
         self._events.append(AllBlocksCleared())

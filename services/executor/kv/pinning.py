@@ -72,16 +72,37 @@ class PinTable:
         self.pool.free(pin.blocks, pin.partition)
         return len(pin.blocks)
 
-    def release_for(self, partition: str | None, num_blocks: int) -> int:
-        """Live work comes first: release ``partition``'s pins (None: anyone's),
-        soonest-expiring first, until ``num_blocks`` blocks were unpinned (or none are
-        left); returns how many."""
+    def _gain(self, pin: _Pin, requester: str | None) -> int:
+        """Blocks ``requester``'s partition could take once ``pin`` goes: those only the pin
+        holds, less any that fall back into the pin's partition's unused reservation."""
+        only_pin = sum(1 for b in pin.blocks if b.ref_cnt == 1)
+        if requester is None or pin.partition == requester:
+            return only_pin
+        reserved = self.pool.spec(pin.partition).reserved_blocks
+        used = self.pool.used_blocks(pin.partition)
+        return only_pin - (max(0, reserved - (used - only_pin)) - max(0, reserved - used))
+
+    def release_for(self, partition: str | None, num_blocks: int, spare: str = "",
+                    requester: str | None = None) -> int:
+        """Live work comes first: release ``partition``'s pins (None: anyone's) until
+        ``num_blocks`` blocks were unpinned (or none are left); returns how many. The pin
+        expiring last goes first: its session is expected back last (the pin's TTL is a
+        multiple of its expected pause), so its blocks are the ones the pool will miss
+        last (Belady's rule). ``spare``: a session whose pin stays (the requester's own).
+        ``requester``: the asking request's partition; a pin counts only the blocks it
+        alone holds that this partition could then take (not ones others still hold, nor
+        ones that fall back into the pin's partition's reservation), and a pin that would
+        free none stays."""
         freed = 0
-        for sid in sorted((sid for sid, p in self._pins.items() if partition in (None, p.partition)),
-                          key=lambda sid: self._pins[sid].expires_at_s):
+        for sid in sorted((sid for sid, p in self._pins.items()
+                           if partition in (None, p.partition) and sid != spare),
+                          key=lambda sid: self._pins[sid].expires_at_s, reverse=True):
             if freed >= num_blocks:
                 break
-            freed += self.release(sid)
+            gain = self._gain(self._pins[sid], requester)
+            if gain > 0:  # a pin whose blocks others hold (or its owner reserves) helps no one
+                self.release(sid)
+                freed += gain
         return freed
 
     def expire(self, now_s: float | None = None) -> list[str]:
