@@ -133,7 +133,8 @@ def _entropies(logits: torch.Tensor, entropy_rows: Seq[bool], num_rows: int) -> 
     # Only rows that asked (agent sessions): one log_softmax over those rows.
     rows = [i for i, want in enumerate(entropy_rows) if want]
     lp = logits[rows].log_softmax(-1)  # [len(rows), vocab]
-    ent = (-(lp.exp() * lp).sum(-1)).tolist()
+    # a -inf logit has p = 0 and adds nothing (0 * -inf would be NaN): clamp its log first
+    ent = (-(lp.exp() * lp.clamp_min(torch.finfo(lp.dtype).min)).sum(-1)).tolist()
     entropies = [0.0] * num_rows
     for i, e in zip(rows, ent):
         entropies[i] = e

@@ -2,7 +2,9 @@
 what ``logits.argmax(-1)`` answers, row by row: the first index among equal maxima, rows of
 -inf, vocabularies off the 16-float vector width, +inf; it declines (None) what it cannot
 answer the same way (a NaN, a tensor that is not contiguous fp32 [R, vocab]); and the
-engine's greedy tokens are unchanged by it."""
+engine's greedy tokens are unchanged by it. Its entropy (``argmax_entropy_rows``, for agent
+sessions' rows) is the sampler's, and an agent session's tokens and reported entropy are
+the same on the native path as on the sampler's."""
 from __future__ import annotations
 
 import os
@@ -15,6 +17,8 @@ from services.executor.attention.selector import backend_class
 from services.executor.engine.config import EngineConfig
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.sampling_params import SamplingParams
+from services.executor.engine.sequence import SessionOptions
+from services.executor.model.sampler import sample
 from services.executor.model.config import ModelConfig
 from services.executor.model.llama import LlamaModel
 from services.executor.model.native import library
@@ -82,3 +86,50 @@ def test_engine_greedy_tokens_unchanged_by_the_native_argmax(tmp_path):
     native, calls = run(True)
     reference, _ = run(False)
     assert calls > 0 and native == reference
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 1000, 49152])
+def test_entropy_rows_equal_the_samplers(decoder, vocab):
+    logits = 4 * torch.randn((5, vocab), generator=torch.Generator().manual_seed(vocab))
+    if vocab > 1:
+        logits[2, : vocab // 2] = -float("inf")  # masked entries add nothing
+    logits[3] = 0.0  # uniform: ln(vocab)
+    want = [True, False, True, True, True]
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    expected = sample(logits, [greedy] * 5, [None] * 5, want)
+    tokens, entropies = decoder.argmax_entropy_rows(logits, want)
+    assert tokens == expected.token_ids
+    assert entropies[1] == 0.0
+    assert entropies == pytest.approx(expected.entropies, rel=1e-4, abs=1e-5)
+    exact = torch.special.entr(logits.double().softmax(-1)).sum(-1).tolist()  # 0 log 0 = 0
+    assert [e for e, w in zip(entropies, want) if w] == pytest.approx([e for e, w in zip(exact, want) if w], rel=1e-4)
+    assert decoder.argmax_entropy_rows(logits.double(), want) is None
+    assert decoder.argmax_entropy_rows(logits, want[:2]) is None  # one flag per row
+
+
+def test_agent_rows_take_the_native_path_with_the_samplers_tokens_and_entropy(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "llama", "tiny", "llama", seed=5)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(native: bool) -> tuple[dict, dict, int]:
+        engine = LLMEngine(path, EngineConfig(block_size=4, native_decode=native))
+        calls = []
+        if native:
+            fused = engine.runner.native.argmax_entropy_rows
+            engine.runner.native.argmax_entropy_rows = lambda logits, want: calls.append(1) or fused(logits, want)
+        for i in range(4):  # two agent sessions beside two plain requests, one batch
+            session = SessionOptions(f"s{i}", track_entropy=True) if i % 2 else None
+            engine.add_request(f"r{i}", [7 + i, 9, 300 + i] * 2, params, **({"session": session} if session else {}))
+        out, entropy = {f"r{i}": [] for i in range(4)}, {}
+        while engine.has_unfinished_requests:
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+                if o.finished:
+                    entropy[o.request_id] = o.mean_entropy
+        return out, entropy, len(calls)
+
+    tokens, entropy, calls = run(True)
+    ref_tokens, ref_entropy, _ = run(False)
+    assert calls > 0 and tokens == ref_tokens
+    assert entropy == pytest.approx(ref_entropy, rel=1e-4)
+    assert entropy["r1"] > 0 and entropy["r0"] == 0.0

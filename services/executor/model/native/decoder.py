@@ -126,6 +126,23 @@ class NativeDecoder:
             return None
         return out.tolist()
 
+    def argmax_entropy_rows(self, logits: torch.Tensor,
+                            want: list[bool]) -> tuple[list[int], list[float]] | None:  # logits: [R, vocab]
+        """``argmax_rows`` and each wanted row's entropy in nats (0.0 for the others), what
+        the sampler's ``-(p * log p).sum()`` of the raw logits gives up to float rounding;
+        None when ``argmax_rows`` would be. Reads ``logits`` only."""
+        if (logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous()
+                or logits.device.type != "cpu" or logits.shape[0] != len(want) or not want):
+            return None
+        rows, vocab = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        entropy = torch.empty(rows, dtype=torch.float64)
+        mask = torch.tensor(want, dtype=torch.uint8)
+        if self._lib.weft_argmax_entropy_rows(logits.data_ptr(), rows, vocab, out.data_ptr(), mask.data_ptr(),
+                                              entropy.data_ptr(), torch.get_num_threads()) != 0:
+            return None
+        return out.tolist(), entropy.tolist()
+
     def step_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   seq_lens_host: tuple[int, ...]) -> torch.Tensor:  # [R, vocab] fp32 logits
