@@ -1,0 +1,109 @@
+"""Regression tests for attacker A2's defects in services/mesh/document_inbox.py (issue 17),
+each failing on main at f13d0ee: a junk flood on fresh subjects kept a known router's new
+document out, a handler's CancelledError stopped the inbox for good, an offer after close
+started a worker nothing cancels. Still open (docs/live_config.md): junk on a router's own
+subject supersedes its document (documents name no sender before their signature is read)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from services.mesh.document_inbox import MAX_PENDING_SUBJECTS, DocumentInbox
+
+DEADLINE_S = 10.0
+
+
+async def until(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_a_junk_flood_on_distinct_subjects_does_not_keep_a_known_routers_new_document_out():
+    """A publisher allowed on weft.settings.> (any holder of the router role's NATS password;
+    with the development fallback passwords, anyone who reaches the NATS port) keeps the 64
+    slots full with junk on fresh subjects, faster than the worker empties them (the realistic
+    regime: one junk message costs the attacker a publish, the receiver a parse and a 3x pause).
+    The real router, whose documents were accepted before the flood, makes a change and
+    republishes it every few seconds, i.e. every many handlings: it finds the inbox full every
+    time and is dropped as ``overflow`` -- the change never propagates while the flood lasts,
+    although the module says 'nothing is lost for good'. The handler says which documents it
+    accepted (returns True), which is what the proposed fix needs to keep a slot for them."""
+    async def scenario():
+        handled: list[str] = []
+        inbox: DocumentInbox
+        counter = iter(range(10**9))
+        flooding = False
+
+        async def handler(data: bytes) -> bool:
+            handled.append(data.decode())
+            if flooding:  # the flood refills the slot this handling freed
+                inbox.offer(f"weft.settings.junk-{next(counter)}", b"junk")
+                if len(handled) % 20 == 0:  # the router's periodic republish of its new document
+                    inbox.offer("weft.settings.router-1", b"v2")
+            await asyncio.sleep(0)
+            return data != b"junk"  # accepted: signed by the mesh secret and well formed
+
+        inbox = DocumentInbox("settings-flood", handler, clock=lambda: 0.0)  # no pause: pacing is not the point
+        try:
+            inbox.offer("weft.settings.router-1", b"v1")
+            await until(lambda: handled == ["v1"], "the router's first document handled")
+            flooding = True
+            for _ in range(MAX_PENDING_SUBJECTS):
+                inbox.offer(f"weft.settings.junk-{next(counter)}", b"junk")
+            await until(lambda: len(handled) >= 2000, "2,000 documents handled")
+            return handled
+        finally:
+            await inbox.close()
+
+    handled = asyncio.run(scenario())
+    assert "v2" in handled, "the router's new document was dropped as overflow on all 100 republishes"
+
+
+def test_a_handler_cancelled_inside_does_not_stop_the_inbox_for_good():
+    """A handler whose await is cancelled from elsewhere (the executor's PartitionTable.apply awaits
+    async_engine.call; SettingsFollower.receive catches Exception only) raises CancelledError, a
+    BaseException: the worker task ends, ``offer`` only starts a worker when ``_task is None``,
+    so every later document waits for ever, silently."""
+    async def scenario():
+        handled: list[bytes] = []
+        tried: list[bytes] = []
+
+        async def handler(data: bytes) -> None:
+            tried.append(data)
+            if data == b"first":
+                raise asyncio.CancelledError()  # what an awaited future cancelled elsewhere raises
+            handled.append(data)
+
+        inbox = DocumentInbox("settings-cancel", handler, clock=lambda: 0.0)
+        try:
+            inbox.offer("weft.settings.router-1", b"first")
+            await until(lambda: tried == [b"first"] and not inbox._pending, "the first document tried")
+            inbox.offer("weft.settings.router-1", b"second")
+            await until(lambda: handled == [b"second"], "the second document handled")
+        finally:
+            await inbox.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_offer_after_close_starts_no_worker():
+    """close() does not mark the inbox closed: a message delivered after it (NatsBus.close gives
+    nc.close() 2 s, then closes the inboxes even if the connection is still delivering) starts a
+    fresh worker task that nothing will ever cancel."""
+    async def scenario():
+        async def handler(data: bytes) -> None:
+            await asyncio.Event().wait()  # a handler that is still busy when the process shuts down
+
+        inbox = DocumentInbox("settings-closed", handler)
+        inbox.offer("weft.settings.router-1", b"a")
+        await asyncio.sleep(0)
+        await inbox.close()
+        inbox.offer("weft.settings.router-1", b"late")
+        task = inbox._task
+        if task is not None:
+            task.cancel()
+        return task
+
+    assert asyncio.run(scenario()) is None, "a worker task was started after close()"
