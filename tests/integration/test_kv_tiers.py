@@ -103,10 +103,13 @@ def test_demote_then_promote_gives_bit_identical_kv(checkpoint, tmp_path):
 def test_a_pause_demotion_keeps_the_local_copies_first_in_line_for_eviction(checkpoint, tmp_path):
     async def go():
         async with stack(checkpoint, tmp_path) as (stub, store, servicer, engine):
-            await generate(stub, "a")
+            tokens, _ = await generate(stub, "a")
             hashes = servicer.tiers.promoter.prompt_hashes(PROMPT, "")
-            reply = await stub.DemoteBlocks(executor_pb2.DemoteBlocksRequest(token_ids=PROMPT, evict_first=True))
-            assert reply.num_demoted_blocks == 7 and reply.num_evicted_blocks == 7  # queued, not forgotten
+            # the session's whole context, as the scheduler sends it: queueing only a prefix
+            # of a resident chain would leave its continuation unreachable (BlockPool.queue_for_eviction)
+            reply = await stub.DemoteBlocks(executor_pb2.DemoteBlocksRequest(token_ids=PROMPT + tokens,
+                                                                             evict_first=True))
+            assert reply.num_demoted_blocks == 8 and reply.num_evicted_blocks == 8  # queued, not forgotten
             assert len(await servicer.engine.call(lambda e: e.pool.get_cached_blocks(hashes))) == 7
             assert all(t is not None for t in await servicer.tiers.promoter.client.contains(hashes))
             _, cached = await generate(stub, "b")  # the resume finds them here: no load, no recompute
