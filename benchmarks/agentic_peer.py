@@ -15,7 +15,8 @@ Engines (all started once per model, each with its own warm-up, then left runnin
                   of benchmarks/peers/weights.py; /completion with token-id prompts, stream
   weft            a default ``weft up`` mesh (launcher processes on loopback); hops carry
                   session_id, program_id, hop_index, expected_tool_ms and request_class
-                  agentic, chats request_class interactive
+                  agentic, chats request_class interactive; a finished program ends its
+                  session (EndSession), as an agent framework would
   weft-no-hints   another default mesh; requests carry no session info at all
   weft-fcfs       ``--policy fcfs --preemption-policy fcfs --no-demote``, hints sent
 
@@ -107,6 +108,9 @@ class LlamaServer:
                 out.extend(tokens)
         return (first or time.perf_counter()) - start, out
 
+    async def end_session(self, session_id: str) -> None:
+        """No session API: its slots' prompt cache is plain LRU."""
+
     async def stop(self) -> None:
         if self.session is not None:
             await self.session.close()
@@ -161,6 +165,13 @@ class WeftMesh:
             out.extend(chunk.token_ids_delta)
         return (first or time.perf_counter()) - start, out
 
+    async def end_session(self, session_id: str) -> None:
+        """What an agent framework does when its program is done: the session's pins go and
+        its blocks are first in line for eviction."""
+        from weft.v1 import router_pb2
+
+        await self.stub.EndSession(router_pb2.EndSessionRequest(session_id=session_id), timeout=30)
+
     async def stop(self) -> None:
         if self.channel is not None:
             await self.channel.close()
@@ -204,6 +215,8 @@ async def replay(engine, config: str, tag: str, programs: list[Program], chats: 
                     if hop.pause_s:
                         await asyncio.sleep(hop.pause_s)  # the tool runs
                 log.jct_s.append(time.perf_counter() - start)
+                if hinted:  # after the clock: the program is done
+                    await engine.end_session(f"{tag}-{p.program_id}")
             except Exception as exc:  # counted and reported, the run goes on
                 log.num_errors += 1
                 print(f"  [{config}] {p.program_id} failed: {exc!r}"[:300], flush=True)
@@ -309,19 +322,6 @@ async def run_model(args, model_name: str) -> list[rep.RunSummary]:
     return runs
 
 
-def charts(args, model_name: str, runs: list[rep.RunSummary]) -> list[str]:
-    from benchmarks.report import write_bar_chart
-
-    med = lambda c, f: rep.statistics.median([getattr(r, f) for r in runs if r.config == c])  # noqa: E731
-    configs = [c for c in args.configs if any(r.config == c for r in runs)]
-    path = args.out_dir / f"agentic_peer_{model_name}.png"
-    write_bar_chart(path, f"{model_name}: median over seeds (program s x1000 / TTFT ms)",
-                    ["program p50 (ms)", "program p99 (ms)", "interactive TTFT p50", "interactive TTFT p99"],
-                    {c: [med(c, "jct_p50_s") * 1000, med(c, "jct_p99_s") * 1000, med(c, "ttft_int_p50_ms"),
-                         med(c, "ttft_int_p99_ms")] for c in configs}, ylabel="ms")
-    return [path.name]
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="weft bench agentic --peer llama-server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -380,7 +380,7 @@ def main(argv=None) -> int:
                  f"{args.peer_http_threads}`; seeds "
                  f"{args.seeds}; a run's deadline {args.run_timeout_s:.0f} s.", ""]
         runs = asyncio.run(run_model(args, m))
-        section = rep.model_section(m, runs, charts(args, m, runs))
+        section = rep.model_section(m, runs, rep.charts(args.out_dir, args.configs, m, runs))
         section = section[:2] + lines + section[2:]  # after the "### model" heading
         outer = rep.splice_section(outer, "\n".join(section), key=f"peer-{m}", at_end=True)
         document = rep.splice_section(document, outer)

@@ -176,6 +176,20 @@ def model_section(model: str, runs: list[RunSummary], chart_files: list[str]) ->
     return out
 
 
+def charts(out_dir, config_order: list[str], model_name: str, runs: list[RunSummary]) -> list[str]:
+    """One bar chart of the medians over seeds per configuration; returns its file name."""
+    from benchmarks.report import write_bar_chart
+
+    med = lambda c, f: statistics.median([getattr(r, f) for r in runs if r.config == c])  # noqa: E731
+    configs = [c for c in config_order if any(r.config == c for r in runs)]
+    path = out_dir / f"agentic_peer_{model_name}.png"
+    write_bar_chart(path, f"{model_name}: median over seeds (program s x1000 / TTFT ms)",
+                    ["program p50 (ms)", "program p99 (ms)", "interactive TTFT p50", "interactive TTFT p99"],
+                    {c: [med(c, "jct_p50_s") * 1000, med(c, "jct_p99_s") * 1000, med(c, "ttft_int_p50_ms"),
+                         med(c, "ttft_int_p99_ms")] for c in configs}, ylabel="ms")
+    return [path.name]
+
+
 def markers(key: str) -> tuple[str, str]:
     return f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
 

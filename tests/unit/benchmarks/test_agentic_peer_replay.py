@@ -19,6 +19,10 @@ class FakeEngine:
         self.in_flight = self.max_in_flight = 0
         self.block_prefix = block_prefix  # requests whose id starts with it never answer
         self.never = asyncio.Event()
+        self.ended = []  # session ids, in the order ended
+
+    async def end_session(self, session_id):
+        self.ended.append(session_id)
 
     async def generate(self, rid, prompt, max_tokens, hints, on_first=None):
         self.calls.append((rid, list(prompt), hints))
@@ -51,6 +55,7 @@ def test_every_hop_sends_the_whole_context_and_programs_run_two_at_a_time():
     hints = [h for rid, _, h in engine.calls if rid.startswith("t-prog-0-")]
     assert [h.hop_index for h in hints] == list(range(len(p.hops)))
     assert all(h.request_class == "agentic" and h.session_id == "t-prog-0" for h in hints)
+    assert sorted(engine.ended) == sorted(f"t-{p.program_id}" for p in programs)  # each once, when it is done
 
 
 def test_the_no_hints_configuration_sends_no_hints():
@@ -58,6 +63,7 @@ def test_the_no_hints_configuration_sends_no_hints():
     engine = FakeEngine()
     asyncio.run(replay(engine, rep.NO_HINTS, "t", programs, chats, SPEC, deadline_s=60))
     assert engine.calls and all(h is None for _, _, h in engine.calls)
+    assert engine.ended == []
 
 
 def test_the_deadline_cuts_off_a_hung_program_and_counts_it():
