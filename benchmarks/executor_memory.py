@@ -113,7 +113,8 @@ async def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], li
     from services.executor.engine.engine import LLMEngine
     from services.executor.engine.config import EngineConfig
     from services.executor.events import KvChange
-    from services.executor.server import ExecutorServicer, encode_event
+    from services.executor.event_codec import encode_event
+    from services.executor.server import ExecutorServicer
     from services.executor.engine.step_trace import StepTrace
     from weft.v1 import common_pb2, executor_pb2
 

@@ -64,7 +64,8 @@ async def main(argv: Sequence[str] | None = None) -> None:
     from services.executor.engine.async_engine import AsyncEngine
     from services.executor.engine.engine import LLMEngine
     from services.executor.engine.watchdog import EngineVerdict, EngineWatchdog, WatchdogPolicy
-    from services.executor.server import ENGINE_REQUESTS, ERROR_RULES, ExecutorServicer, encode_event
+    from services.executor.event_codec import encode_event
+    from services.executor.server import ENGINE_REQUESTS, ERROR_RULES, ExecutorServicer
     from services.executor.engine.step_trace import StepTrace
     from services.mesh import metric_catalogue as catalogue
     from weft.v1 import executor_pb2_grpc

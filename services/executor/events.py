@@ -1,7 +1,7 @@
 """What the executor tells the mesh over NATS: kv events, load reports, heartbeats.
 
 Domain dataclasses only: ``publish(kind, item)`` (wired in app.py to
-``server.encode_event`` + the bus) turns them into protobuf events.
+``event_codec.encode_event`` + the bus) turns them into protobuf events.
 
 kv events come from the engine thread (``AsyncEngine``'s ``on_kv_events`` callback);
 they cross into the event loop with ``call_soon_threadsafe`` and are published in

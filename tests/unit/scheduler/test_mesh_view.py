@@ -1,7 +1,7 @@
 """Events → membership and kv index, including resync on gaps and restarts."""
 from services.executor.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from services.executor.events import KvChange
-from services.executor.server import kv_event_to_proto
+from services.executor.event_codec import kv_event_to_proto
 from services.mesh.nats_bus import Delivery
 from services.scheduler.state.kv_index import KvIndex
 from services.scheduler.state.membership import ExecutorState, Membership

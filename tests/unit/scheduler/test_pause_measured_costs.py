@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from services.executor.events import LoadSnapshot
-from services.executor.server import ExecutorServicer, encode_event
+from services.executor.event_codec import encode_event
+from services.executor.server import ExecutorServicer
 from services.executor.tiers.promotion import CostModel
 from services.scheduler.agent_plane import AgentPlane, HopRequest
 from services.scheduler.api.convert import executor_load, list_executors_response

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from services.executor.events import ExecutorState as ExecState, Heartbeat, Identity
-from services.executor.server import encode_event
+from services.executor.event_codec import encode_event
 from services.mesh.nats_bus import Delivery
 from services.scheduler.policy.admission import Admission
 from services.scheduler.policy.degradation import DegradationLadder, LadderConfig, Rung, parse_thresholds
