@@ -18,7 +18,7 @@ from pathlib import Path
 
 from services.executor.engine.config import EngineConfig
 from services.mesh.env_config import option
-from services.mesh.nats_bus import subject
+from services.mesh.subjects import subject
 from services.mesh.service_options import ServiceOptions, check_port
 from services.shared.vocabulary import POOL_RUNG_LABELS, Rung
 

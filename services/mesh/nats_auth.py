@@ -49,11 +49,14 @@ import hmac
 import json
 import os
 import secrets
+import ssl
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
+
+from services.mesh import mesh_auth
 
 ROLES = ("executor", "scheduler", "cachestore", "router")
 USER_ENV = "WEFT_NATS_USER"
@@ -61,7 +64,7 @@ PASSWORD_ENV = "WEFT_NATS_PASSWORD"
 PASSWORD_FILE_ENV = "WEFT_NATS_PASSWORD_FILE"
 MIN_PASSWORD_CHARS = 16
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("nats.conf")  # render_config(), checked in
-_EVENT_KINDS = ("heartbeat", "load", "kv")  # subjects weft.<kind>.<source> (nats_bus.subject)
+_EVENT_KINDS = ("heartbeat", "load", "kv")  # subjects weft.<kind>.<source> (subjects.subject)
 _SETTINGS_KIND = "settings"  # live_settings.BUS_KIND
 
 
@@ -230,6 +233,24 @@ def redact(text: str, *secrets_: str) -> str:
         if s:
             text = text.replace(s, "***")
     return text
+
+
+class NatsLoginRefused(RuntimeError):
+    """NATS refused this service's credentials: a configuration error (services exit
+    EXIT_CONFIG, which supervisors do not restart), never an outage."""
+
+
+def is_authorization_error(error: str) -> bool:
+    return "authorization" in error.lower()
+
+
+def mesh_tls_context() -> ssl.SSLContext | None:
+    """Trust the mesh CA (``WEFT_MESH_TLS_CA``, else its certificate) for a NATS server
+    that requires TLS; None: nats-py's default (system CAs), used only if it does."""
+    security = mesh_auth.current()
+    if not security.client_tls:
+        return None
+    return ssl.create_default_context(cafile=security.tls_ca_path or security.tls_cert_path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import re
 import ssl
 import time
 import uuid
@@ -34,13 +33,12 @@ from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client as NatsClient
 from nats.errors import SlowConsumerError
 
-from services.mesh import mesh_auth, metrics, nats_auth
+from services.mesh import metrics, nats_auth
 from services.mesh.document_inbox import MAX_DOCUMENT_BYTES, NATS_PENDING_LIMITS, DocumentHandler, DocumentInbox
 from services.mesh.event_sequence import Delivery, SequenceTracker  # noqa: F401  (re-exported)
+from services.mesh.subjects import addressed_from, subject
 
 log = structlog.get_logger(__name__)
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 EVENTS_PUBLISHED = metrics.counter("weft_bus_events_published_total", "Events sent to NATS.", ["kind"])
 EVENTS_DROPPED = metrics.counter("weft_bus_events_dropped_total", "Events dropped: NATS unreachable.", ["kind"])
@@ -53,14 +51,6 @@ EVENTS_MISADDRESSED = metrics.counter("weft_bus_events_misaddressed_total",
 Sealer = Callable[[Message], None]  # completes a stamped event before it is sent (signs it)
 
 
-def subject(kind: str, source: str) -> str:
-    """``weft.<kind>.<source>``; both parts must be subject-safe names."""
-    for part, value in (("kind", kind), ("source", source)):
-        if not _NAME_RE.match(value):
-            raise ValueError(f"{part} {value!r} must match {_NAME_RE.pattern}")
-    return f"weft.{kind}.{source}"
-
-
 Handler = Callable[[Message, Delivery], Awaitable[None] | None]
 
 
@@ -71,11 +61,6 @@ class _Subscription:
     message_cls: type[Message]
     handler: Handler
     accept: Callable[[Message], bool] | None = None  # checked before sequence tracking
-
-
-class NatsLoginRefused(RuntimeError):
-    """NATS refused this service's credentials: a configuration error (services exit
-    EXIT_CONFIG, which supervisors do not restart), never an outage."""
 
 
 class EventBus:
@@ -93,7 +78,7 @@ class EventBus:
         self.url = url
         self.log_url = nats_auth.redact_url(url)
         self.auth = auth if auth is not None else nats_auth.ClientAuth.from_environ()
-        self.tls = tls if tls is not None else _mesh_tls_context()
+        self.tls = tls if tls is not None else nats_auth.mesh_tls_context()
         if sealers is None:
             from services.mesh.heartbeat_signing import default_sealers
 
@@ -138,7 +123,7 @@ class EventBus:
         return self.connected
 
     async def require_login(self, timeout_s: float = 5.0) -> None:
-        """Raise ``NatsLoginRefused`` when the server refused this service's login on the
+        """Raise ``nats_auth.NatsLoginRefused`` when the server refused this service's login on the
         first attempt: wrong user or password is a configuration error that retrying never
         fixes (an executor that cannot announce itself would look healthy and get no work).
         Returns when connected, when NATS is unreachable (an outage the bus rides out), or
@@ -148,7 +133,7 @@ class EventBus:
         except asyncio.TimeoutError:
             return
         if self.login_refused:
-            raise NatsLoginRefused(
+            raise nats_auth.NatsLoginRefused(
                 f"NATS at {self.log_url} refused the login of user {self.auth.user or '(anonymous)'}: set "
                 f"{nats_auth.USER_ENV} and {nats_auth.PASSWORD_ENV} to this service's role and its password")
 
@@ -218,12 +203,12 @@ class EventBus:
         while nats-py retries inside it): refused login or unreachable server. A refusal
         stays noted until a connect succeeds: nats-py reports it to the error callback and
         then raises a generic "no servers" error for the same attempt."""
-        self.login_refused = self.login_refused or _is_authorization_error(self._error_text(exc))
+        self.login_refused = self.login_refused or nats_auth.is_authorization_error(self._error_text(exc))
         self._first_attempt.set()
 
     def _log_connect_failure(self, exc: BaseException) -> None:
         error = self._error_text(exc)
-        if _is_authorization_error(error):
+        if nats_auth.is_authorization_error(error):
             log.error("nats_authorization_failed", url=self.log_url, user=self.auth.user or None, error=error,
                       detail=f"set {nats_auth.USER_ENV} and {nats_auth.PASSWORD_ENV} to this service's NATS role")
         else:
@@ -383,7 +368,7 @@ class EventBus:
         except DecodeError:
             log.warning("event_malformed", subject=subj)
             return None
-        if not _addressed_from(subj, sub.kind, event.header.source):
+        if not addressed_from(subj, sub.kind, event.header.source):
             EVENTS_MISADDRESSED.labels(sub.kind).inc()
             self._warn_once(f"misaddressed {subj}", "event_misaddressed", subject=subj,
                             source=event.header.source[:64])
@@ -410,21 +395,3 @@ class EventBus:
         except Exception:
             log.exception("event_handler_failed", kind=kind, source=h.source)
         return delivery
-
-
-def _is_authorization_error(error: str) -> bool:
-    return "authorization" in error.lower()
-
-
-def _addressed_from(subj: str, kind: str, source: str) -> bool:
-    """Whether an event on ``subj`` may claim ``source``: only on its own subject."""
-    return bool(_NAME_RE.match(source)) and subj == f"weft.{kind}.{source}"
-
-
-def _mesh_tls_context() -> ssl.SSLContext | None:
-    """Trust the mesh CA (``WEFT_MESH_TLS_CA``, else its certificate) for a NATS server
-    that requires TLS; None: nats-py's default (system CAs), used only if it does."""
-    security = mesh_auth.current()
-    if not security.client_tls:
-        return None
-    return ssl.create_default_context(cafile=security.tls_ca_path or security.tls_cert_path)

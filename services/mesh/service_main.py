@@ -21,7 +21,7 @@ EXIT_CONFIG = 78  # sysexits.h EX_CONFIG: a restart cannot help
 def run_service(main: Callable[[], Coroutine], service: str, config_errors: tuple[type[BaseException], ...]) -> None:
     """``asyncio.run(main())``; an exception of ``config_errors`` (or NATS refusing the
     login) becomes one ``service_config_error`` line and exit status ``EXIT_CONFIG``."""
-    from services.mesh.nats_bus import NatsLoginRefused
+    from services.mesh.nats_auth import NatsLoginRefused
 
     try:
         asyncio.run(main())

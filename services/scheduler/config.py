@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.mesh.env_config import option
-from services.mesh.nats_bus import subject
+from services.mesh.subjects import subject
 from services.mesh.service_options import ServiceOptions, check_port
 from services.scheduler.migration import MigrationPolicy
 from services.scheduler.policy.degradation import LadderConfig, parse_thresholds

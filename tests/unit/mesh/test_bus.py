@@ -1,6 +1,7 @@
 import asyncio
 
-from services.mesh.nats_bus import Delivery, EventBus, SequenceTracker, subject
+from services.mesh.nats_bus import Delivery, EventBus, SequenceTracker
+from services.mesh.subjects import subject
 from services.mesh.nats_server import free_port
 from weft.v1 import events_pb2
 
