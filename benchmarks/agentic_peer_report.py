@@ -27,6 +27,7 @@ WEFT_SETTINGS = {HINTS: {}, NO_HINTS: {},
                  "weft-no-demote": {"demote": "false"},
                  "weft-fcfs-order": {"preemption_policy": "fcfs"},
                  "weft-no-finish-demote": {"demote_on_finish": "never"},
+                 "weft-finish-demote-always": {"demote_on_finish_min_held": "0"},  # the unconditional write
                  "weft-fcfs-policy": {"policy": "fcfs"},
                  "weft-no-las": {"priority_weights": "las=0"},
                  # the old 256 MiB pool, where KV across tool pauses is short (hints matter most there)

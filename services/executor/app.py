@@ -125,7 +125,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
         if config.promote_before_prefill and not promote:
             log.info("promotion_disabled", executor=name, reason="prefix caching is off")
         tiers = build_tier_ops(async_engine, config.cachestore_address, engine.model_id, config.block_size,
-                               config.demote_on_finish, promote)
+                               config.demote_on_finish, promote, config.demote_on_finish_min_held)
     servicer = ExecutorServicer(async_engine, name, engine.model_id, config.block_size, tiers=tiers,
                                 no_tiers_reason=no_tiers_reason, step_trace=step_trace)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, grpc_server.server)

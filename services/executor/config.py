@@ -57,6 +57,10 @@ class ExecutorConfig(EngineConfig, ServiceOptions):
         "host:port of the cachestore for KV offload / promotion; empty: no lower tiers.", default="")
     demote_on_finish: str = option("Which finished requests' blocks are written to the cachestore.",
                                    default="sessions", choices=("never", "sessions", "all"))
+    demote_on_finish_min_held: float = option(
+        "Write a finished request's blocks (demote_on_finish) only while at least this fraction of the KV pool "
+        "is held by requests and pins: below it LRU keeps them through a pause and the write is CPU the steps "
+        "need; 0: always.", default=0.5)
     promote_before_prefill: bool = option(
         "Load a prompt's prefix blocks from the cachestore before its prefill when cheaper than recompute.",
         default=True)
@@ -71,6 +75,8 @@ class ExecutorConfig(EngineConfig, ServiceOptions):
         for name in ("heartbeat_interval_s", "load_report_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.demote_on_finish_min_held <= 1.0:
+            raise ValueError(f"demote_on_finish_min_held must be in [0, 1], got {self.demote_on_finish_min_held}")
         if self.engine_stall_s < 0:
             raise ValueError(f"engine_stall_s must be >= 0 (0 disables), got {self.engine_stall_s}")
         if self.name:

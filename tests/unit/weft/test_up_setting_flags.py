@@ -30,6 +30,7 @@ CONFIGS = {"scheduler": SchedulerConfig, "executor": ExecutorConfig, "cachestore
 SAMPLES = {
     "max_in_flight": "7", "max_queue": "9", "max_in_flight_per_tenant": "3", "max_queue_per_tenant": "4",
     "retry_after_ms": "50", "priority_interval_s": "0.25", "default_tool_ms": "750", "max_pinned_fraction": "0.25",
+    "demote_on_finish_min_held": "0.25",
     "prefill_ms_per_token": "0.5", "block_second_ms": "3", "transfer_ms_per_block": "1.5",
     "intent_shift_threshold": "0.7", "max_sessions": "99", "degradation_rungs": "none,shed",
     "degradation_thresholds": "shed=0.9:0.7", "degradation_min_dwell_s": "1.5", "tenant_quotas": "acme=64", "tenant_weights": "acme=2",
