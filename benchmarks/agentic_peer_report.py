@@ -28,6 +28,9 @@ WEFT_SETTINGS = {HINTS: {}, NO_HINTS: {},
                  "weft-fcfs-order": {"preemption_policy": "fcfs"},
                  "weft-no-finish-demote": {"demote_on_finish": "never"},
                  "weft-finish-demote-always": {"demote_on_finish_min_held": "0"},  # the unconditional write
+                 # a smaller step token budget: a CPU step of 2048 prefill tokens takes ~1-2 s
+                 "weft-budget512": {"max_num_batched_tokens": "512"},
+                 "weft-no-hints-budget512": {"max_num_batched_tokens": "512"},
                  "weft-fcfs-policy": {"policy": "fcfs"},
                  "weft-no-las": {"priority_weights": "las=0"},
                  # the old 256 MiB pool, where KV across tool pauses is short (hints matter most there)

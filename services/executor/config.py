@@ -58,9 +58,9 @@ class ExecutorConfig(EngineConfig, ServiceOptions):
     demote_on_finish: str = option("Which finished requests' blocks are written to the cachestore.",
                                    default="sessions", choices=("never", "sessions", "all"))
     demote_on_finish_min_held: float = option(
-        "Write a finished request's blocks (demote_on_finish) only while at least this fraction of the KV pool "
-        "is held by requests and pins: below it LRU keeps them through a pause and the write is CPU the steps "
-        "need; 0: always.", default=0.5)
+        "Write a finished request's blocks (demote_on_finish) only while running requests hold at least this "
+        "fraction of the KV pool (pins count as room: they yield to live work); below it LRU keeps them through "
+        "a pause and the write is CPU the steps need; 0: always.", default=0.5)
     promote_before_prefill: bool = option(
         "Load a prompt's prefix blocks from the cachestore before its prefill when cheaper than recompute.",
         default=True)

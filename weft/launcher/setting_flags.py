@@ -132,8 +132,9 @@ FLAGS: tuple[SettingFlag, ...] = (
        "which finished requests' KV blocks an executor writes to the cachestore",
        choices=("never", "sessions", "all")),
     _e("--demote-on-finish-min-held", PAUSES, "demote_on_finish_min_held", "0.5",
-       "demote-on-finish writes only while at least this fraction of the executor's KV pool is held by "
-       "requests and pins (below it LRU keeps the blocks anyway); 0: always", metavar="F"),
+       "demote-on-finish writes only while running requests hold at least this fraction of the executor's KV "
+       "pool (pins count as room: they yield to live work; below it LRU keeps the blocks anyway); 0: always",
+       metavar="F"),
     # -- degradation ladder -------------------------------------------------------------
     _s("--degradation-rungs", LADDER, "degradation_rungs", "none,kv_int8,kv_compress,smaller_model,shed",
        "comma-separated rungs the ladder may use (a degraded rung acts only while an executor serves it: "

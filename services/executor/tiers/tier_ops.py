@@ -45,7 +45,7 @@ class TierOps:
                  promote_before_prefill: bool = True, finish_min_held: float = 0.0,
                  pool_held: Callable[[], float] = lambda: 1.0) -> None:
         """``finish_min_held``: demote-on-finish writes only while ``pool_held()`` (the
-        fraction of the KV pool held by requests and pins) is at least this; 0: always."""
+        fraction of the KV pool running requests hold) is at least this; 0: always."""
         self.promoter = promoter
         self.demoter = demoter
         self.demote_on_finish = demote_on_finish
@@ -130,7 +130,11 @@ def build_tier_ops(async_engine, cachestore_address: str, model_id: str, block_s
 
 
 def _held_fraction(engine) -> float:
-    """The fraction of the KV pool requests and pins hold (free and cached-free blocks are
-    room); read by ``AsyncEngine.peek``, one step stale at most."""
+    """The fraction of the KV pool running requests hold: free and cached-free blocks are
+    room, and so are pinned ones (an idle paused session's pin yields to live work, so
+    pins alone never push a finished hop's blocks out). Read by ``AsyncEngine.peek``, one
+    step stale at most; a block both pinned and in use counts once as room (a heuristic)."""
     pool = engine.pool
-    return 1.0 - pool.num_free_blocks / max(1, pool.num_blocks)
+    pins = getattr(engine, "pins", None)
+    pinned = pins.num_pinned_blocks if pins is not None else 0
+    return max(0.0, 1.0 - (pool.num_free_blocks + pinned) / max(1, pool.num_blocks))

@@ -79,7 +79,39 @@ def test_never_and_session_less_requests_are_not_counted_as_skipped_by_pressure(
     assert demoter.demoted == [] and ops.num_finish_demotions_skipped == 0
 
 
-def test_held_fraction_counts_free_and_cached_free_blocks_as_room():
+def test_held_fraction_counts_free_cached_free_and_pinned_blocks_as_room():
     pool = SimpleNamespace(num_free_blocks=30, num_blocks=40)
     assert _held_fraction(SimpleNamespace(pool=pool)) == pytest.approx(0.25)
     assert _held_fraction(SimpleNamespace(pool=SimpleNamespace(num_free_blocks=0, num_blocks=0))) == 1.0
+    # pins are idle sessions' blocks that yield to live work: a pool full of pins is room
+    pinned = SimpleNamespace(num_pinned_blocks=6)
+    assert _held_fraction(SimpleNamespace(pool=pool, pins=pinned)) == pytest.approx(0.1)
+    full_of_pins = SimpleNamespace(pool=SimpleNamespace(num_free_blocks=0, num_blocks=40),
+                                   pins=SimpleNamespace(num_pinned_blocks=40))
+    assert _held_fraction(full_of_pins) == 0.0
+
+
+def test_a_real_engine_reads_a_running_request_as_held_and_its_pin_as_room(tmp_path):
+    """On a real engine: an idle pool is room; a running request holds its blocks; once it
+    finishes with a keep (pinned) they are room again, though no longer free."""
+    from services.executor.engine.config import EngineConfig
+    from services.executor.engine.engine import LLMEngine
+    from services.executor.engine.sampling_params import SamplingParams
+    from services.executor.engine.sequence import SessionOptions
+    from weft.testing.tiny_model import make_tiny_checkpoint
+
+    engine = LLMEngine(make_tiny_checkpoint(tmp_path / "tiny", preset="tiny", arch="llama"),
+                       EngineConfig(num_kv_blocks=16, block_size=4))
+    assert _held_fraction(engine) == 0.0
+    engine.add_request("r", list(range(10, 30)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                       session=SessionOptions(session_id="s", pin_ttl_s=60.0))
+    engine.step()  # prefill: 20 prompt tokens in 5 blocks
+    running = _held_fraction(engine)
+    assert running >= 5 / 16
+    for _ in range(10):
+        if not engine.has_unfinished_requests:
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests and engine.pins.num_pinned_blocks >= 5
+    assert engine.pool.num_free_blocks < 16  # pinned: not free, not evictable by LRU ...
+    assert _held_fraction(engine) == 0.0  # ... but room for this gate: the pin yields to live work
