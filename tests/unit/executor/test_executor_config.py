@@ -56,3 +56,18 @@ def test_reading_the_executor_config_does_not_load_torch():
     code = "import sys, services.executor.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("value", ["nan", "-0.1", "1.5", "inf"])
+def test_demote_on_finish_min_held_outside_zero_to_one_is_refused_by_name(tmp_path, capsys, value):
+    with pytest.raises(SystemExit):
+        load_config(ExecutorConfig, "executor", "x",
+                    ["--model-dir", str(tmp_path), "--demote-on-finish-min-held", value], {})
+    assert "demote_on_finish_min_held must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_demote_on_finish_min_held_reads_its_flag_and_variable(tmp_path):
+    args = ["--model-dir", str(tmp_path)]
+    assert load_config(ExecutorConfig, "executor", "x", args, {}).demote_on_finish_min_held == 0.5
+    env = {"WEFT_EXECUTOR_DEMOTE_ON_FINISH_MIN_HELD": "0"}
+    assert load_config(ExecutorConfig, "executor", "x", args, env).demote_on_finish_min_held == 0.0
