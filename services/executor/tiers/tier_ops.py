@@ -5,7 +5,9 @@
   model compares against; the last one triggers demote-on-finish for the request's
   whole token sequence (prompt + output), in the background, while the pool is under
   pressure (``finish_min_held``: below it LRU keeps the blocks anyway, and on a CPU the
-  write costs the steps: 15 % on the agent benchmark's program p99, bench preset);
+  write competes with the steps; one agent-benchmark run had program p99 15 % shorter
+  without it on every seed, a rerun against this gate mixed (0.67, 1.05, 1.13): not
+  separable from that box's noise);
 * ``demote`` / ``promote``: the explicit ``DemoteBlocks`` / ``PromoteBlocks`` RPCs.
 
 A cachestore that is down or full never fails a request: promotion degrades to

@@ -2,8 +2,8 @@
 
 A finished session request's blocks are written to the cachestore only while the
 executor's pool is held at least ``finish_min_held``: below it LRU keeps them through any
-pause, and on a CPU the write costs the steps (the agent benchmark's program p99 was 15 %
-longer with the unconditional write on the bench preset, every seed).
+pause, and on a CPU the write competes with the steps (one agent-benchmark run: program p99
+15 % longer with the unconditional write on every seed; a rerun was mixed).
 """
 from __future__ import annotations
 
