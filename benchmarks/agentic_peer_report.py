@@ -38,7 +38,13 @@ WEFT_SETTINGS = {HINTS: {}, NO_HINTS: {},
                  "weft-no-hints-kv256m": {"kv_cache_memory_bytes": str(256 << 20)},
                  # the same room in tokens on any model: 360 blocks of 16 = 5,760 tokens (SmolLM2's 256 MiB)
                  "weft-kv360b": {"num_kv_blocks": "360"},
-                 "weft-no-hints-kv360b": {"num_kv_blocks": "360"}}
+                 "weft-no-hints-kv360b": {"num_kv_blocks": "360"},
+                 # moderate pressure: about the 8 running programs' contexts (~70 blocks each on
+                 # average), so paused sessions compete with live hops for room without thrashing
+                 "weft-kv640b": {"num_kv_blocks": "640"},
+                 "weft-no-hints-kv640b": {"num_kv_blocks": "640"},
+                 "weft-kv960b": {"num_kv_blocks": "960"},
+                 "weft-no-hints-kv960b": {"num_kv_blocks": "960"}}
 ABLATIONS = tuple(c for c in WEFT_SETTINGS if c not in CONFIGS)
 
 
