@@ -41,6 +41,8 @@ WEFT_SETTINGS = {HINTS: {}, NO_HINTS: {},
                  "weft-no-hints-kv360b": {"num_kv_blocks": "360"},
                  # moderate pressure: about the 8 running programs' contexts (~70 blocks each on
                  # average), so paused sessions compete with live hops for room without thrashing
+                 "weft-kv480b": {"num_kv_blocks": "480"},
+                 "weft-no-hints-kv480b": {"num_kv_blocks": "480"},
                  "weft-kv640b": {"num_kv_blocks": "640"},
                  "weft-no-hints-kv640b": {"num_kv_blocks": "640"},
                  "weft-kv960b": {"num_kv_blocks": "960"},
