@@ -25,9 +25,16 @@ import structlog
 from services.executor.tiers.offload import DemoteOnFinish, Demoter
 from services.executor.engine.engine import StepOutput
 from services.executor.tiers.promotion import Promoter
+from services.mesh import metrics
 from services.shared.vocabulary import partition_of
 
 log = structlog.get_logger(__name__)
+
+# a finished request the demote-on-finish setting covers: written to the cachestore, or
+# skipped because the pool had room (--demote-on-finish-min-held)
+FINISH_DEMOTIONS = metrics.counter("weft_executor_finish_demotions_total",
+                                   "Finished requests demote-on-finish covered, by outcome (written, skipped).",
+                                   ["outcome"])
 
 
 @dataclass
@@ -96,7 +103,9 @@ class TierOps:
                 return
             if self.finish_min_held > 0 and self.pool_held() < self.finish_min_held:
                 self.num_finish_demotions_skipped += 1
+                FINISH_DEMOTIONS.labels("skipped").inc()
                 return
+            FINISH_DEMOTIONS.labels("written").inc()
             task = asyncio.get_running_loop().create_task(self._demote_quietly(t), name=f"demote-{request_id}")
             self._background.add(task)
             task.add_done_callback(self._background.discard)

@@ -15,6 +15,7 @@ import pytest
 from services.executor.engine.engine import StepOutput
 from services.executor.tiers.offload import DemoteOnFinish
 from services.executor.tiers.tier_ops import TierOps, _held_fraction
+from services.mesh import metrics
 from weft.v1 import common_pb2, executor_pb2
 
 
@@ -52,13 +53,21 @@ def run(ops: TierOps, *requests) -> None:
     asyncio.run(main())
 
 
+def finish_demotions(outcome: str) -> float:
+    return metrics.REGISTRY.get_sample_value("weft_executor_finish_demotions_total", {"outcome": outcome}) or 0.0
+
+
 @pytest.mark.parametrize("held, written", [(0.2, False), (0.49, False), (0.5, True), (0.9, True)])
 def test_a_finished_session_is_written_only_while_the_pool_is_held_past_the_threshold(held, written):
     demoter = RecordingDemoter()
     ops = TierOps(NoPromotion(), demoter, DemoteOnFinish.SESSIONS, finish_min_held=0.5, pool_held=lambda: held)
+    before = {o: finish_demotions(o) for o in ("written", "skipped")}
     run(ops, request("r1"))
     assert demoter.demoted == ([[1, 2, 3, 9]] if written else [])
     assert ops.num_finish_demotions_skipped == (0 if written else 1)
+    # the operator sees the same on /metrics
+    assert finish_demotions("written") - before["written"] == (1 if written else 0)
+    assert finish_demotions("skipped") - before["skipped"] == (0 if written else 1)
 
 
 def test_threshold_zero_writes_on_an_empty_pool_and_never_reads_the_pool():
