@@ -16,6 +16,7 @@ from services.scheduler.state.sessions import SessionBusyError, SessionTable, ex
 from tests.unit.router.test_session_lifecycle_doors import A, B, completion, grpc_key, open_doors
 from tests.unit.scheduler import test_session_lifecycle as lifecycle
 from tests.unit.scheduler.test_session_lifecycle import GatedExecutor, hop, start_mesh
+from tests.waiting import until
 from weft.testing.tiny_model import make_tiny_checkpoint
 from weft.v1 import common_pb2, executor_pb2, router_pb2
 
@@ -25,15 +26,6 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "tiny"
     make_tiny_checkpoint(path)
     return path
-
-
-async def until(condition, what: str) -> None:
-    """Wait on a condition (never a fixed sleep as synchronisation)."""
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
 
 
 def test_one_request_id_sent_twice_cannot_run_two_hops_of_a_session():

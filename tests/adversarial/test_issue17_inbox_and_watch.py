@@ -6,6 +6,7 @@ a deadline; nothing here depends on how fast the machine is."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
@@ -14,16 +15,14 @@ from services.mesh import metrics
 from services.mesh.document_inbox import DocumentInbox
 from services.shared.stream_resume import StallRule, StallWatch
 from services.shared.stream_watch import WatchedReads
+from tests import waiting
+from tests.waiting import GatedSource
 
 DEADLINE_S = 10.0
 HOUR_S = 3600.0
 
 
-async def until(condition, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)  # waiting on a condition, not for time to pass
+until = functools.partial(waiting.until, deadline_s=DEADLINE_S)  # this file's own bound
 
 
 def dropped(kind: str, reason: str) -> float:
@@ -114,28 +113,6 @@ def test_closing_with_documents_queued_ends_the_worker_and_handles_none_of_them(
 
 
 # -- the stall watch on reads --------------------------------------------------------------
-class Source:
-    """An upstream that sends nothing until ``give``; records that it is being waited on."""
-
-    def __init__(self) -> None:
-        self.allowed = 0
-        self.changed = asyncio.Event()
-        self.waiting = asyncio.Event()
-
-    def give(self, n: int = 1) -> None:
-        self.allowed += n
-        self.changed.set()
-
-    async def items(self):
-        i = 0
-        while True:
-            while i >= self.allowed:
-                self.changed.clear()
-                self.waiting.set()
-                await self.changed.wait()
-            self.waiting.clear()
-            yield i
-            i += 1
 
 
 class Lost(Exception):
@@ -160,7 +137,7 @@ def test_a_thousand_streams_whose_clients_leave_at_once_leave_no_timer_check_or_
             checks_entered.append(1)
             await forever.wait()
 
-        sources = [Source() for _ in range(num_streams)]
+        sources = [GatedSource() for _ in range(num_streams)]
         reads = []
         for i, source in enumerate(sources):
             source.give()
@@ -194,7 +171,7 @@ def test_a_client_leaving_in_the_loop_turn_the_verdict_lands_stays_a_cancellatio
     now = [0.0]
 
     async def scenario():
-        source = Source()
+        source = GatedSource()
         reads = WatchedReads(source.items(), watch(1.0, clock=lambda: now[0]), lambda silent_s: Lost())
         reader = asyncio.ensure_future(reads.next())
         await source.waiting.wait()

@@ -6,18 +6,15 @@ subject supersedes its document (documents name no sender before their signature
 from __future__ import annotations
 
 import asyncio
-import time
+import functools
 
 from services.mesh.document_inbox import MAX_PENDING_SUBJECTS, DocumentInbox
+from tests import waiting
 
 DEADLINE_S = 10.0
 
 
-async def until(condition, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
+until = functools.partial(waiting.until, deadline_s=DEADLINE_S)  # this file's own bound
 
 
 def test_a_junk_flood_on_distinct_subjects_does_not_keep_a_known_routers_new_document_out():

@@ -6,6 +6,7 @@ a server on a free loopback port; every wait is on a condition with a deadline."
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 from structlog.testing import capture_logs
@@ -17,6 +18,7 @@ from services.mesh.nats_server import NatsServer
 from services.router.auth import KeyStore
 from services.router.errors import AuthenticationError
 from services.router.live_settings import LiveOptions, RouterLiveSettings
+from tests import waiting
 
 DEADLINE_S = 20.0
 REPUBLISH_S = 0.2
@@ -43,11 +45,7 @@ def knows(live: RouterLiveSettings, key: str) -> bool:
     return True
 
 
-async def until(condition, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + DEADLINE_S
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)  # waiting on a condition, not for time to pass
+until = functools.partial(waiting.until, deadline_s=DEADLINE_S)  # this file's own bound
 
 
 def garbage(i: int, genuine: dict) -> bytes:

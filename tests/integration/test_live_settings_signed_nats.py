@@ -9,6 +9,7 @@ free loopback port; every wait is on a condition with a deadline."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import pytest
@@ -20,6 +21,7 @@ from services.mesh.nats_server import NatsServer
 from services.router.auth import KeyStore
 from services.router.errors import AuthenticationError
 from services.router.live_settings import LiveOptions, RouterLiveSettings
+from tests import waiting
 
 DEADLINE_S = 15.0
 REPUBLISH_S = 0.1
@@ -45,11 +47,7 @@ def knows(live: RouterLiveSettings, key: str) -> bool:
     return True
 
 
-async def until(condition, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + DEADLINE_S
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)  # waiting on a condition, not for time to pass
+until = functools.partial(waiting.until, deadline_s=DEADLINE_S)  # this file's own bound
 
 
 def test_two_meshes_on_one_nats_server_do_not_adopt_each_others_keys_or_settings(tmp_path):

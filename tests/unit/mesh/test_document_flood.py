@@ -5,6 +5,7 @@ the real document from being applied. Every wait is on a condition with a deadli
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
 
@@ -18,17 +19,14 @@ from services.mesh.mesh_auth import MeshSecurity
 from services.mesh.nats_bus import Delivery, EventBus
 from services.mesh.nats_server import NatsServer
 from services.mesh.settings_signing import DocumentSeal
+from tests import waiting
 from weft.v1 import events_pb2
 
 DEADLINE_S = 30.0
 SECRET = "issue17-flood-secret"
 
 
-async def until(condition, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)  # waiting on a condition, not for time to pass
+until = functools.partial(waiting.until, deadline_s=DEADLINE_S)  # this file's own bound
 
 
 def dropped(kind: str, reason: str) -> float:

@@ -13,33 +13,10 @@ from structlog.testing import capture_logs
 
 from services.shared.stream_resume import StallRule, StallWatch
 from services.shared.stream_watch import StallCheckFailed, WatchedReads
+from tests.waiting import GatedSource
 
 HOUR_S = 3600.0
 SAFETY_S = 10.0  # every test's outer bound: a hang fails, it never blocks the suite
-
-
-class Source:
-    """Items released one by one: ``give(n)`` lets n more through; records its closing."""
-
-    def __init__(self) -> None:
-        self.allowed = 0
-        self.changed = asyncio.Event()
-        self.waiting = asyncio.Event()  # set whenever it is blocked on the next item
-
-    def give(self, n: int = 1) -> None:
-        self.allowed += n
-        self.changed.set()
-
-    async def items(self):
-        i = 0
-        while True:
-            while i >= self.allowed:
-                self.changed.clear()
-                self.waiting.set()
-                await self.changed.wait()
-            self.waiting.clear()
-            yield i
-            i += 1
 
 
 class Boom(Exception):
@@ -65,7 +42,7 @@ def test_reads_start_no_task_and_an_idle_watch_leaves_nothing_armed_after_close(
         loop = asyncio.get_running_loop()
         started: list[object] = []
         loop.set_task_factory(lambda loop, coro, **kw: started.append(coro) or asyncio.Task(coro, loop=loop, **kw))
-        source = Source()
+        source = GatedSource()
         reads = WatchedReads(source.items(), watch(), lambda silent_s: Boom())
         source.give(30)
         try:
@@ -81,7 +58,7 @@ def test_reads_start_no_task_and_an_idle_watch_leaves_nothing_armed_after_close(
 
 def test_a_verdict_fails_the_read_in_progress_and_the_cancellation_is_taken_back():
     async def main():
-        source = Source()
+        source = GatedSource()
         reads = WatchedReads(source.items(), watch(), lambda silent_s: Boom(f"silent {silent_s}"))
         with pytest.raises(Boom, match="silent 0.05"):
             await reads.next()
@@ -93,7 +70,7 @@ def test_a_verdict_fails_the_read_in_progress_and_the_cancellation_is_taken_back
 
 def test_no_verdict_waits_a_further_period_on_the_same_read():
     async def main():
-        source = Source()
+        source = GatedSource()
         calls: list[float] = []
 
         def stalled(silent_s: float):
@@ -113,7 +90,7 @@ def test_no_verdict_waits_a_further_period_on_the_same_read():
 
 def test_a_read_with_a_shorter_ceiling_brings_the_armed_timer_forward():
     async def main():
-        source = Source()
+        source = GatedSource()
         w = watch(first_s=HOUR_S, stall_s=0.05)
         reads = WatchedReads(source.items(), w, lambda silent_s: Boom())
         source.give()
@@ -128,7 +105,7 @@ def test_a_read_with_a_shorter_ceiling_brings_the_armed_timer_forward():
 
 def test_a_client_cancel_stays_a_cancellation():
     async def main():
-        source = Source()
+        source = GatedSource()
         reads = WatchedReads(source.items(), watch(first_s=HOUR_S), lambda silent_s: Boom())
         reader = asyncio.ensure_future(reads.next())
         await source.waiting.wait()
@@ -149,7 +126,7 @@ def test_a_stall_check_that_raises_fails_the_read_and_logs_once(kind):
         async def async_check(silent_s: float):
             raise Boom("the check's own bug")
 
-        source = Source()
+        source = GatedSource()
         reads = WatchedReads(source.items(), watch(), sync_check if kind == "sync" else async_check)
         with capture_logs() as logs, pytest.raises(StallCheckFailed) as info:
             await reads.next()
@@ -166,7 +143,7 @@ def test_an_awaited_verdict_counts_only_for_the_read_it_judged():
     """Read 0 stalls; its check is slow; item 0 arrives and read 1 starts before the check
     ends: the check's verdict is void, and read 1 gets its own check at its own ceiling."""
     async def main():
-        source = Source()
+        source = GatedSource()
         gate = asyncio.Event()
         calls: list[int] = []
 
@@ -194,7 +171,7 @@ def test_an_awaited_verdict_counts_only_for_the_read_it_judged():
 
 def test_close_cancels_a_check_in_flight():
     async def main():
-        source = Source()
+        source = GatedSource()
         entered = asyncio.Event()
         cancelled = asyncio.Event()
 
