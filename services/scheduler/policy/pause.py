@@ -67,7 +67,6 @@ class PausePlan:
     cost_source: str = ""  # measured / configured / mixed (one of the two rates); "": not priced
 
 
-
 @dataclass(frozen=True)
 class PauseCosts:
     prefill_ms_per_token: float = 0.2
