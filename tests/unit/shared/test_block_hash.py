@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.shared.block_hash import extra_keys_for, hash_block_chain
+from services.shared.block_hash import extra_keys_for, hash_block, hash_block_chain
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -47,3 +47,17 @@ def test_block_hash_covers_the_parent_so_equal_tokens_after_different_prefixes_d
     b = hash_block_chain([2, 2, 5, 5], 2)
     assert a[1] != b[1]
     assert hash_block_chain([1, 1, 5, 5], 2, parent=a[0], start=2) == [a[1]]
+
+
+def test_a_chain_is_hash_block_applied_block_by_block_from_any_start_and_parent():
+    tokens = [(i * 7919) % 50_000 for i in range(203)]  # a trailing partial block too
+    extra = extra_keys_for("m", "t")
+    for block_size in (1, 4, 16):
+        for parent, start in ((None, 0), (12345, 0), (None, 2 * block_size), (2**64 - 1, 3 * block_size)):
+            expected, prev = [], parent
+            for begin in range(start, len(tokens) - block_size + 1, block_size):
+                prev = hash_block(prev, tokens[begin:begin + block_size], extra)
+                expected.append(prev)
+            assert hash_block_chain(tokens, block_size, extra, parent=parent, start=start) == expected
+    assert hash_block_chain(tokens[:3], 4) == []
+    assert hash_block_chain(tokens, 4, start=len(tokens) - len(tokens) % 4) == []
