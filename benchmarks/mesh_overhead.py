@@ -8,9 +8,15 @@ Paths, same checkpoint, same prompts, one request at a time, all in one run:
   scheduler gRPC  client -> scheduler -> executor: adds the control-plane hop
   mesh gRPC       client -> router (public gRPC) -> scheduler -> executor, token-id prompts
   mesh HTTP       client -> router (OpenAI /v1/completions, SSE) -> scheduler -> executor
+  gRPC floor      client -> relay -> relay -> leaf: the mesh's shape with nothing in it
+                  (benchmarks/grpc_floor.py: three processes, raw bytes, the leaf streams
+                  --max-tokens small messages at once)
 
 The two internal paths are the breakdown: they show where the mesh's time goes, hop
-by hop (--no-breakdown skips them).
+by hop (--no-breakdown skips them). The floor says how much of the mesh's added time
+any three loopback grpc.aio hops cost on this machine; the rest is Weft's own work (the
+services' request handling, protobuf messages, the executor's side of the engine hand-off)
+(--no-floor skips it).
 
 The mesh is started with the launcher (`weft up`'s code: real NATS, one process per
 service, loopback only). Requests are interleaved path by path so drift (thermal,
@@ -49,9 +55,11 @@ apply_executor_env()  # the executor processes' torch runtime settings, before t
 
 from tqdm.auto import tqdm  # noqa: E402
 
+from benchmarks.grpc_floor import FloorChain, FloorClient  # noqa: E402
 from benchmarks.report import write_markdown  # noqa: E402
 
 PATHS = ("in-process", "executor gRPC", "scheduler gRPC", "mesh gRPC", "mesh HTTP")
+FLOOR = "gRPC floor"
 BREAKDOWN = ("executor gRPC", "scheduler gRPC")
 
 
@@ -77,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="launcher state dir of the benchmark's own mesh (logs land in <dir>/logs)")
     p.add_argument("--no-breakdown", action="store_true",
                    help="skip the per-hop breakdown paths (executor and scheduler called directly)")
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the transport floor path (three empty gRPC hops, benchmarks/grpc_floor.py)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="where results are written")
     args = p.parse_args(argv)
     args.prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
@@ -229,6 +239,7 @@ async def bench(args, model_dir: Path) -> Results:
                                   extra_env={"WEFT_EXECUTOR_ENABLE_PREFIX_CACHING": "false"}))
     print("starting the mesh ...", flush=True)
     state = await launcher.start()
+    floor = None
     try:
         local = await asyncio.to_thread(InProcess, model_dir)
         grpc_path = MeshGrpc(state.grpc_address)
@@ -245,6 +256,10 @@ async def bench(args, model_dir: Path) -> Results:
         if args.no_breakdown:
             for name in BREAKDOWN:
                 runners.pop(name)
+        if not args.no_floor:
+            floor = await asyncio.to_thread(FloorChain, 3)
+            floor_client = FloorClient(floor.address)
+            runners[FLOOR] = lambda p: floor_client.run(args.max_tokens, args.request_timeout)
         paths = list(runners)
         for _ in range(args.warmup):
             for run in runners.values():
@@ -265,9 +280,13 @@ async def bench(args, model_dir: Path) -> Results:
         await http_path.session.close()
         for channel in (grpc_path.channel, executor.channel, scheduler.channel):
             await channel.close()
+        if floor is not None:
+            await floor_client.close()
         local.engine.shutdown()
         return results
     finally:
+        if floor is not None:
+            floor.stop()
         await launcher.stop()
 
 
@@ -307,7 +326,7 @@ def report(args, model_dir: Path, results: Results) -> str:
     first = results[0]
     for n, paths in first.items():
         for name in paths:
-            base = name == "in-process"
+            base = name in ("in-process", FLOOR)  # the floor runs no engine: its TTFT is all added time
             rows.append([n, name, cell(p50(results, n, name, "ttft")), pooled_p99(results, n, name, "ttft"),
                          cell(p50(results, n, name, "itl")), pooled_p99(results, n, name, "itl"),
                          "—" if base else cell(p50(results, n, name, "ttft", "in-process"), signed=True),
@@ -315,7 +334,25 @@ def report(args, model_dir: Path, results: Results) -> str:
     table = write_markdown(headers, rows)
     if all(name in paths for name in PATHS for paths in first.values()):
         table += "\n\n### Where the mesh's time goes (p50 differences, ms)\n\n" + breakdown(results)
+    if all(FLOOR in paths for paths in first.values()):
+        table += "\n\n### Against the transport floor (p50 TTFT, ms)\n\n" + against_floor(results)
     return table
+
+
+def against_floor(results: Results) -> str:
+    """What the mesh adds to TTFT, split into the floor (three empty gRPC hops: the gRPC
+    floor path's own TTFT) and the rest, Weft's own work (medians of the rounds' values)."""
+    headers = ["prompt tokens", "path", "added TTFT", "floor: 3 empty hops", "Weft's own work (added − floor)"]
+    rows = []
+    for n in results[0]:
+        floor = p50(results, n, FLOOR, "ttft")
+        for name in ("mesh gRPC", "mesh HTTP"):
+            if name not in results[0][n]:
+                continue
+            added = p50(results, n, name, "ttft", "in-process")
+            own = [a - f for a, f in zip(added, floor)]
+            rows.append([n, name, cell(added, signed=True), cell(floor), cell(own, signed=True)])
+    return write_markdown(headers, rows)
 
 
 def breakdown(results: Results) -> str:
