@@ -20,7 +20,9 @@ services' request handling, protobuf messages, the executor's side of the engine
 
 The mesh is started with the launcher (`weft up`'s code: real NATS, one process per
 service, loopback only). Requests are interleaved path by path so drift (thermal,
-background) hits every path alike. Prefix caching is off on both engines so repeated
+background) hits every path alike; the order rotates one place per prompt, so the path
+that follows the in-process one (whose engine's threads are still winding down in this
+process) changes every request. Prefix caching is off on both engines so repeated
 prompts cost the same everywhere; EOS is ignored so every request yields exactly
 --max-tokens tokens. ITL is per token: a chunk of k tokens after a gap g counts k gaps
 of g/k (so coalesced chunks cannot flatter a path).
@@ -85,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="launcher state dir of the benchmark's own mesh (logs land in <dir>/logs)")
     p.add_argument("--no-breakdown", action="store_true",
                    help="skip the per-hop breakdown paths (executor and scheduler called directly)")
+    p.add_argument("--gap-ms", type=float, default=0.0,
+                   help="idle pause after each request, so none starts while the last one's tail runs (default: 0; "
+                        "every path gets slower with it: each request then wakes idle processes)")
     p.add_argument("--no-floor", action="store_true",
                    help="skip the transport floor path (three empty gRPC hops, benchmarks/grpc_floor.py)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="where results are written")
@@ -269,14 +274,19 @@ async def bench(args, model_dir: Path) -> Results:
         with tqdm(total=total, desc="requests", unit="req") as bar:
             for rnd in results:
                 for n in args.prompt_lens:
-                    for prompt in prompts[n]:
-                        for name in paths:  # interleaved: drift hits every path alike
+                    for i, prompt in enumerate(prompts[n]):
+                        # Interleaved, and rotated one place per prompt: drift and the tail of the
+                        # request before (the in-process engine's OpenMP threads winding down,
+                        # the mesh's trailers) hit every path alike, not always the same one.
+                        for name in paths[i % len(paths):] + paths[:i % len(paths)]:
                             start, arrivals, count = await asyncio.wait_for(runners[name](prompt),
                                                                             args.request_timeout)
                             if count != args.max_tokens:
                                 raise RuntimeError(f"{name} returned {count} tokens, expected {args.max_tokens}")
                             rnd[n][name].add(start, arrivals)
                             bar.update(1)
+                            if args.gap_ms:
+                                await asyncio.sleep(args.gap_ms / 1000)
         await http_path.session.close()
         for channel in (grpc_path.channel, executor.channel, scheduler.channel):
             await channel.close()
