@@ -103,7 +103,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     step_trace.update_gauges(engine)
     if config.partitions:
         engine.set_partitions(config.partitions)
-    async_engine = AsyncEngine(engine, on_kv_events=events.on_kv_events)
+    async_engine = AsyncEngine(engine, on_kv_events=events.on_kv_events, first_token_yield_s=config.first_token_yield_s)
     # Live settings (docs/live_config.md): the router's document may swap the partition table.
     partitions = PartitionTable(async_engine, config.tenant_partitions)
     await SettingsFollower("executor", "executor", partitions.apply).subscribe(bus)

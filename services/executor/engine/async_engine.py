@@ -17,6 +17,16 @@ The thread is the executor's only engine, so nothing a caller does may end it:
   flight fail with it, and the loop goes on.
 Should the thread end or stall anyway, ``probe()`` shows it to the executor's watchdog
 (engine_watchdog.py), which takes the process out of the mesh for a restart.
+
+First-token yield (``first_token_yield_s``): a step that gives a request its first token
+is followed by a short idle pause of the engine thread (and so of its OpenMP threads)
+before the next step, when at most ``FIRST_TOKEN_YIELD_MAX_REQUESTS`` requests are
+unfinished. On a mesh whose services share the engine's cores, the first token still has
+to leave this process and cross the scheduler and the router, and the next decode step,
+started at once, takes the CPU they need: measured on 2 cores, a 1.5 ms pause took ~1 ms
+off the mesh's p50 TTFT (docs/architecture.md, "first-token yield"), paid as a later
+second token. With more requests running the pause would delay all of them, and their
+own tokens need the same relays, so it is skipped. 0 (the default here) never pauses.
 """
 from __future__ import annotations
 
@@ -38,6 +48,8 @@ from services.executor.engine.sampling_params import SamplingParams
 from services.executor.engine.sequence import NO_SESSION, SessionOptions
 
 log = structlog.get_logger(__name__)
+
+FIRST_TOKEN_YIELD_MAX_REQUESTS = 2  # unfinished requests at most for a first-token yield
 
 # Hands one output (or the error ending the stream) to its caller; False: the caller is gone.
 Sink = Callable[[StepOutput | BaseException], bool]
@@ -95,9 +107,14 @@ def _claim(fut: Future) -> bool:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_kv_events: Callable[[list[KVEvent]], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_kv_events: Callable[[list[KVEvent]], None] | None = None,
+                 first_token_yield_s: float = 0.0) -> None:
+        if not 0.0 <= first_token_yield_s <= 0.05:
+            raise ValueError(f"first_token_yield_s must be in [0, 0.05], got {first_token_yield_s}")
         self.engine = engine
         self._on_kv_events = on_kv_events
+        self.first_token_yield_s = first_token_yield_s
+        self.num_first_token_yields = 0  # pauses taken (tests and metrics read it)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stopping = threading.Event()
@@ -261,6 +278,17 @@ class AsyncEngine:
                     self._on_kv_events(events)
                 except Exception:  # a publishing bug loses these events, never the engine
                     log.exception("engine_kv_events_failed", num_events=len(events))
+        if self.first_token_yield_s and self._yields_after(outputs):
+            self.num_first_token_yields += 1
+            self._stopping.wait(self.first_token_yield_s)  # a shutdown ends it at once
+
+    def _yields_after(self, outputs) -> bool:
+        """Whether this step gave a request that goes on its first token, with few enough
+        requests unfinished that pausing for it delays almost nobody (module NOTE)."""
+        if len(self.engine.requests) > FIRST_TOKEN_YIELD_MAX_REQUESTS:
+            return False
+        return any(out.new_token_ids and not out.finished and out.num_output_tokens == len(out.new_token_ids)
+                   for out in outputs)
 
     def _mark_progress(self) -> None:
         self._last_progress_s = time.monotonic()
