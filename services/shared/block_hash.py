@@ -8,6 +8,7 @@ executors, the scheduler and the cachestore agree on them over the wire.
 from __future__ import annotations
 
 import hashlib
+import operator
 from array import array
 from collections.abc import Sequence
 
@@ -37,19 +38,25 @@ def hash_block_chain(
 ) -> list[BlockHash]:
     """Hashes of every *full* block of ``token_ids[start:]``, continuing from ``parent``.
 
-    ``start`` must be a multiple of ``block_size``; a trailing partial block has no hash.
+    ``start`` must be a non-negative multiple of ``block_size`` (an int >= 1), else
+    ValueError / TypeError; a trailing partial block has no hash.
     Each hash is ``hash_block``'s, computed in one call over the same bytes (the ids are
     packed once): an agent hop's 2k-token prompt is hashed by the scheduler, the executor's
     engine thread and the tiers, and this takes ~2/3 of the time of hashing block by block.
     """
-    if start % block_size:
-        raise ValueError(f"start ({start}) must be a multiple of block_size ({block_size})")
+    block_size, start = operator.index(block_size), operator.index(start)  # TypeError for 2.0, None, "4"
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if start < 0 or start % block_size:
+        raise ValueError(f"start ({start}) must be a non-negative multiple of block_size ({block_size})")
+    if isinstance(token_ids, (bytes, bytearray)):  # array("q", ...) would read them as raw memory
+        raise TypeError(f"token_ids must be a sequence of ints, not {type(token_ids).__name__}")
     num_blocks = max(0, (len(token_ids) - start) // block_size)
     if not num_blocks:
         return []
+    prev = _ROOT if parent is None else parent.to_bytes(8, "little")  # before the ids: hash_block's order
     data = array("q", token_ids[start:start + num_blocks * block_size]).tobytes()
     tail = len(extra_keys).to_bytes(4, "little") + extra_keys
-    prev = _ROOT if parent is None else parent.to_bytes(8, "little")
     step = 8 * block_size
     blake2b, from_bytes = hashlib.blake2b, int.from_bytes
     hashes: list[BlockHash] = []
