@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -64,9 +65,10 @@ async def serve(upstream: str | None, ready) -> None:
 
 
 class FloorChain:
-    """``hops`` server processes chained on loopback; ``address`` is the first one's."""
+    """``hops`` server processes chained on loopback; ``address`` is the first one's. A hop
+    that does not say its port within ``start_timeout_s`` fails the chain (all hops end)."""
 
-    def __init__(self, hops: int = 3) -> None:
+    def __init__(self, hops: int = 3, start_timeout_s: float = 60.0) -> None:
         if hops < 1:
             raise ValueError("hops must be >= 1")
         self.procs: list[subprocess.Popen] = []
@@ -79,6 +81,9 @@ class FloorChain:
                 proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True,
                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
                 self.procs.append(proc)
+                ready, _, _ = select.select([proc.stdout], [], [], start_timeout_s)
+                if not ready:
+                    raise RuntimeError(f"floor hop did not start within {start_timeout_s} s")
                 line = proc.stdout.readline()
                 if not line.startswith("PORT "):
                     raise RuntimeError(f"floor hop did not start (said {line!r}, exit {proc.poll()})")
