@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
@@ -63,6 +64,31 @@ class MeshState(Protocol):
 STARTUP_GRACE_S = 3.0  # a restarted scheduler waits this long for its first executor heartbeat (_first_executors)
 
 
+class _HashChains:
+    """The block hash chains of recent prompts, least recently used dropped. A request
+    with a TTFT ceiling ranks its prompt twice (the contract's cached-prefix estimate, then
+    placement), and an agent hop's prompt is its whole context: hashing 2k tokens costs
+    ~0.2 ms of the scheduler's CPU each time. Keyed by content (a tuple of the ids costs a
+    fraction of a hash), so a changed prompt can never be served an old chain. The lists
+    returned are shared: callers only read them."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._chains: OrderedDict[tuple, list[int]] = OrderedDict()
+
+    def get(self, prompt: Sequence[int], block_size: int, extra_keys: bytes) -> list[int]:
+        key = (block_size, extra_keys, tuple(prompt))
+        hashes = self._chains.get(key)
+        if hashes is not None:
+            self._chains.move_to_end(key)
+            return hashes
+        hashes = hash_block_chain(prompt, block_size, extra_keys)
+        self._chains[key] = hashes
+        if len(self._chains) > self.capacity:
+            self._chains.popitem(last=False)
+        return hashes
+
+
 class Dispatcher:
     def __init__(self, view: MeshState, placer: Placer, admission: Admission, port: ExecutorPort, *,
                  tenant_admission: TenantAdmission | None = None, degrade: DegradeSteps | None = None,
@@ -90,6 +116,7 @@ class Dispatcher:
         self.suspects = suspects or SuspectRegistry()
         self.relay = Relay(view.membership, port, self.inflight, self.rank, placement_attempts, migration,
                            self.suspects)
+        self.hash_chains = _HashChains()
 
     async def _first_executors(self, job: Job, prompt, rung) -> list:
         """A scheduler just (re)started knows no executor until their heartbeats arrive
@@ -211,7 +238,7 @@ class Dispatcher:
             key = (rec.model_id, rec.block_size, rec.kv_cache_dtype)
             if key not in chains:
                 keys = extra_keys_for(rec.model_id, tenant, rec.kv_cache_dtype)
-                hashes = hash_block_chain(prompt, rec.block_size, keys)
+                hashes = self.hash_chains.get(prompt, rec.block_size, keys)
                 chains[key] = (len(hashes), self.view.kv_index.match_prefix(hashes), hashes)
             num_prompt_blocks, matched, hashes = chains[key]
             load = rec.load or ExecutorLoad()
