@@ -62,10 +62,11 @@ class ExecutorConfig(EngineConfig, ServiceOptions):
         "fraction of the KV pool (pins count as room: they yield to live work); below it LRU keeps them through "
         "a pause and the write is CPU the steps need; 0: always.", default=0.5)
     first_token_yield_ms: float = option(
-        "CPU engines: milliseconds the engine pauses after a step that gave a request its first token, when at "
-        "most two requests are unfinished, so the token crosses the scheduler and the router before the next "
-        "decode step takes the cores they share (~1 ms off the mesh's TTFT on 2 cores, paid by the second "
-        "token); 0: never. Ignored on CUDA, where the device would idle.", default=1.5)
+        "CPU engines: milliseconds the engine pauses after a step that gave an interactive request its first "
+        "token, when at most two requests are unfinished, so the token crosses the scheduler and the router "
+        "before the next decode step takes the cores they share (~1 ms off the mesh's TTFT on 2 cores; the "
+        "reply ends later, so agent hops and batch work never ask for it); 0: never. Ignored on CUDA, where "
+        "the device would idle.", default=1.5)
     promote_before_prefill: bool = option(
         "Load a prompt's prefix blocks from the cachestore before its prefill when cheaper than recompute.",
         default=True)

@@ -142,6 +142,17 @@ def step_to_proto(out: StepOutput, executor: str) -> executor_pb2.ExecuteRespons
     )
 
 
+FIRST_TOKEN_CLASSES = frozenset({common_pb2.REQUEST_CLASS_UNSPECIFIED, common_pb2.REQUEST_CLASS_INTERACTIVE})
+
+
+def wants_first_token_yield(request: executor_pb2.ExecuteRequest) -> bool:
+    """Whether the request's promise is a fast first token, so the engine may pause after
+    it (async_engine.py's first-token yield): the interactive class, and a request sent
+    without a class (only a direct caller of this API; the router always sends one). An
+    agent's hop, batch work and a deterministic task wait for the whole reply instead."""
+    return request.session.request_class in FIRST_TOKEN_CLASSES
+
+
 def session_from_proto(request: executor_pb2.ExecuteRequest) -> SessionOptions:
     """The hop's pause / quota / entropy options (raises InvalidRequestError naming the field)."""
     sid = request.session.session_id
@@ -293,6 +304,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             # Each tenant is charged to its own partition (its quota, when one is configured).
             partition=partition_of(request.partition, request.tenant_salt), tenant_salt=request.tenant_salt,
             priority=request.priority, session=session,  # higher runs first, on the wire and in the engine
+            first_token_yield=wants_first_token_yield(request),
         ):
             if self.tiers is not None:
                 self.tiers.observe(request.request_id, out)

@@ -18,15 +18,18 @@ The thread is the executor's only engine, so nothing a caller does may end it:
 Should the thread end or stall anyway, ``probe()`` shows it to the executor's watchdog
 (engine_watchdog.py), which takes the process out of the mesh for a restart.
 
-First-token yield (``first_token_yield_s``): a step that gives a request its first token
-is followed by a short idle pause of the engine thread (and so of its OpenMP threads)
-before the next step, when at most ``FIRST_TOKEN_YIELD_MAX_REQUESTS`` requests are
-unfinished. On a mesh whose services share the engine's cores, the first token still has
-to leave this process and cross the scheduler and the router, and the next decode step,
-started at once, takes the CPU they need: measured on 2 cores, a 1.5 ms pause took ~1 ms
-off the mesh's p50 TTFT (docs/architecture.md, "first-token yield"), paid as a later
-second token. With more requests running the pause would delay all of them, and their
-own tokens need the same relays, so it is skipped. 0 (the default here) never pauses.
+First-token yield (``first_token_yield_s``): a step that gives a request that asked for it
+(``generate(first_token_yield=True)``) its first token is followed by a short idle pause of
+the engine thread (and so of its OpenMP threads) before the next step, when at most
+``FIRST_TOKEN_YIELD_MAX_REQUESTS`` requests are unfinished. On a mesh whose services share
+the engine's cores, the first token still has to leave this process and cross the
+scheduler and the router, and the next decode step, started at once, takes the CPU they
+need: measured on 2 cores, a 1.5 ms pause took ~1 ms off the mesh's p50 TTFT, but the
+whole reply ended 0.5-2.7 ms later (docs/architecture.md, "first-token yield"). So only a
+request whose promise is its first token asks for it (the executor: the interactive
+class); an agent's hop waits for its whole reply. With more requests running the pause
+would delay all of them, and their own tokens need the same relays, so it is skipped.
+0 (the default here) never pauses.
 """
 from __future__ import annotations
 
@@ -69,6 +72,7 @@ class _Add:
     priority: float
     sink: Sink
     session: SessionOptions = NO_SESSION
+    first_token_yield: bool = True
     accepted: Future = field(default_factory=Future)
 
 
@@ -115,6 +119,7 @@ class AsyncEngine:
         self._on_kv_events = on_kv_events
         self.first_token_yield_s = first_token_yield_s
         self.num_first_token_yields = 0  # pauses taken (tests and metrics read it)
+        self._yielding: set[str] = set()  # engine thread: requests that asked for the yield, before their first token
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stopping = threading.Event()
@@ -135,9 +140,12 @@ class AsyncEngine:
         tenant_salt: str = "",
         priority: float = 0.0,
         session: SessionOptions = NO_SESSION,
+        first_token_yield: bool = True,
     ) -> AsyncIterator[StepOutput]:
         """Stream the request's step outputs until it finishes. Raises
-        ``InvalidRequestError`` before the first output if the engine refuses it."""
+        ``InvalidRequestError`` before the first output if the engine refuses it.
+        ``first_token_yield``: the engine may pause after this request's first token (the
+        module's NOTE; only when this driver has a ``first_token_yield_s``)."""
         if self._closed.is_set():
             raise EngineDeadError("engine thread is not running")
         loop = asyncio.get_running_loop()
@@ -155,7 +163,8 @@ class AsyncEngine:
                 return False
             return True
 
-        cmd = _Add(request_id, list(prompt_token_ids), params, partition, tenant_salt, priority, sink, session)
+        cmd = _Add(request_id, list(prompt_token_ids), params, partition, tenant_salt, priority, sink, session,
+                   first_token_yield=first_token_yield)
         self._send(cmd)
         finished = False
         try:
@@ -283,12 +292,16 @@ class AsyncEngine:
             self._stopping.wait(self.first_token_yield_s)  # a shutdown ends it at once
 
     def _yields_after(self, outputs) -> bool:
-        """Whether this step gave a request that goes on its first token, with few enough
-        requests unfinished that pausing for it delays almost nobody (module NOTE)."""
-        if len(self.engine.requests) > FIRST_TOKEN_YIELD_MAX_REQUESTS:
+        """Whether this step gave a request that asked for the yield and goes on its first
+        token, with few enough requests unfinished that pausing for it delays almost nobody
+        (module NOTE). A request is judged at its first token (or its end) only."""
+        owed = [out for out in outputs if out.request_id in self._yielding and (out.new_token_ids or out.finished)]
+        for out in owed:
+            self._yielding.discard(out.request_id)
+        if not owed or len(self.engine.requests) > FIRST_TOKEN_YIELD_MAX_REQUESTS:
             return False
         return any(out.new_token_ids and not out.finished and out.num_output_tokens == len(out.new_token_ids)
-                   for out in outputs)
+                   for out in owed)
 
     def _mark_progress(self) -> None:
         self._last_progress_s = time.monotonic()
@@ -326,9 +339,12 @@ class AsyncEngine:
                 _settle(cmd.accepted, exc=exc)
                 return
             self._sinks[cmd.request_id] = cmd.sink
+            if cmd.first_token_yield and self.first_token_yield_s:
+                self._yielding.add(cmd.request_id)
             _settle(cmd.accepted)
         elif isinstance(cmd, _Abort):
             self._sinks.pop(cmd.request_id, None)
+            self._yielding.discard(cmd.request_id)
             if self.engine.abort_request(cmd.request_id):
                 log.info("request_aborted", request_id=cmd.request_id)
         elif isinstance(cmd, _Call):
@@ -360,6 +376,7 @@ class AsyncEngine:
     def _drop(self, request_id: str, exc: BaseException | None) -> None:
         """Forget and abort a request; tell its caller ``exc`` when given. Never raises."""
         sink = self._sinks.pop(request_id, None)
+        self._yielding.discard(request_id)
         try:
             self.engine.abort_request(request_id)
         except Exception:

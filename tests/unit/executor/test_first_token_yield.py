@@ -1,7 +1,7 @@
 """The engine driver's first-token yield (async_engine.py's NOTE): after a step that gave a
-request that goes on its first token, the engine thread pauses, when at most two requests
-are unfinished; the tokens are the same either way; the executor's option is refused out
-of range and is 0 on CUDA."""
+request that asked for it and goes on its first token, the engine thread pauses, when at
+most two requests are unfinished; the tokens are the same either way; the executor asks
+for it for interactive requests only; its option is refused out of range and is 0 on CUDA."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +12,8 @@ import pytest
 from services.executor.config import ExecutorConfig
 from services.executor.engine.async_engine import FIRST_TOKEN_YIELD_MAX_REQUESTS, AsyncEngine
 from services.executor.engine.sampling_params import SamplingParams
+from services.executor.server import wants_first_token_yield
+from weft.v1 import common_pb2, executor_pb2
 from tests.unit.executor.test_async_engine import PROMPTS, _collect, checkpoint, make_async_engine  # noqa: F401
 
 DEADLINE_S = 20.0
@@ -35,6 +37,20 @@ def test_a_lone_request_gets_one_pause_after_its_first_token_and_the_same_tokens
     assert plain.num_first_token_yields == 0
 
 
+def test_a_request_that_does_not_ask_for_the_pause_gets_none(make_async_engine):
+    ae = make_async_engine(first_token_yield_s=0.002)
+
+    async def main():
+        tokens = []
+        async for out in ae.generate("hop", PROMPTS[0], _greedy(6), first_token_yield=False):
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    assert len(asyncio.run(asyncio.wait_for(main(), DEADLINE_S))) == 6
+    assert ae.num_first_token_yields == 0
+    assert not ae._yielding  # nothing left behind
+
+
 def test_a_reply_that_ends_at_its_first_token_needs_no_pause(make_async_engine):
     ae = make_async_engine(first_token_yield_s=0.002)
     tokens = asyncio.run(asyncio.wait_for(_collect(ae, "one", PROMPTS[1], _greedy(1)), DEADLINE_S))
@@ -42,27 +58,49 @@ def test_a_reply_that_ends_at_its_first_token_needs_no_pause(make_async_engine):
     assert ae.num_first_token_yields == 0
 
 
-def _out(n_new: int, n_out: int, finished: bool = False):
-    return SimpleNamespace(new_token_ids=(7,) * n_new, num_output_tokens=n_out, finished=finished)
+def _out(rid: str, n_new: int, n_out: int, finished: bool = False):
+    return SimpleNamespace(request_id=rid, new_token_ids=(7,) * n_new, num_output_tokens=n_out, finished=finished)
 
 
-def _driver(num_unfinished: int) -> AsyncEngine:
-    """``_yields_after`` reads only the engine's unfinished requests: no thread needed."""
+def _driver(num_unfinished: int, asked=("a", "b", "c")) -> AsyncEngine:
+    """``_yields_after`` reads the engine's unfinished requests and who asked: no thread needed."""
     ae = object.__new__(AsyncEngine)
     ae.engine = SimpleNamespace(requests={f"r{i}": None for i in range(num_unfinished)})
+    ae._yielding = set(asked)
     return ae
 
 
-def test_the_pause_rule_first_tokens_of_going_requests_with_few_unfinished():
-    few = _driver(FIRST_TOKEN_YIELD_MAX_REQUESTS)
-    assert few._yields_after([_out(1, 1)])  # a first token, the request goes on
-    assert few._yields_after([_out(1, 5), _out(1, 1)])  # one of the step's outputs is a first token
-    assert not few._yields_after([_out(1, 5)])  # a later token
-    assert not few._yields_after([_out(1, 1, finished=True)])  # nothing follows it
-    assert not few._yields_after([_out(0, 0)])  # a prefill chunk without a token
-    assert not few._yields_after([])
-    many = _driver(FIRST_TOKEN_YIELD_MAX_REQUESTS + 1)
-    assert not many._yields_after([_out(1, 1)])  # the pause would delay the others
+def test_the_pause_rule_first_tokens_of_going_requests_that_asked_with_few_unfinished():
+    assert _driver(FIRST_TOKEN_YIELD_MAX_REQUESTS)._yields_after([_out("a", 1, 1)])  # asked, goes on
+    assert _driver(2)._yields_after([_out("x", 1, 5), _out("a", 1, 1)])  # one of the step's outputs
+    assert not _driver(2)._yields_after([_out("x", 1, 1)])  # did not ask
+    assert not _driver(2)._yields_after([_out("a", 1, 1, finished=True)])  # nothing follows it
+    assert not _driver(2)._yields_after([_out("a", 0, 0)])  # a prefill chunk without a token
+    assert not _driver(2)._yields_after([])
+    assert not _driver(FIRST_TOKEN_YIELD_MAX_REQUESTS + 1)._yields_after([_out("a", 1, 1)])  # would delay others
+
+
+def test_each_request_is_judged_once_at_its_first_token_or_its_end():
+    ae = _driver(1)
+    assert not ae._yields_after([_out("a", 0, 0)])  # still prefilling: still owed
+    assert ae._yielding == {"a", "b", "c"}
+    assert ae._yields_after([_out("a", 1, 1)])
+    assert not ae._yields_after([_out("a", 1, 1)])  # judged already
+    ae._yields_after([_out("b", 0, 0, finished=True)])  # ended without a token
+    assert ae._yielding == {"c"}
+    ae = _driver(FIRST_TOKEN_YIELD_MAX_REQUESTS + 1)
+    assert not ae._yields_after([_out("a", 1, 1)]) and "a" not in ae._yielding  # judged (no pause) all the same
+
+
+@pytest.mark.parametrize("request_class,asks", [
+    (common_pb2.REQUEST_CLASS_UNSPECIFIED, True), (common_pb2.REQUEST_CLASS_INTERACTIVE, True),
+    (common_pb2.REQUEST_CLASS_AGENTIC, False), (common_pb2.REQUEST_CLASS_BATCH, False),
+    (common_pb2.REQUEST_CLASS_DETERMINISTIC, False),
+])
+def test_the_executor_asks_for_the_pause_for_interactive_requests_only(request_class, asks):
+    request = executor_pb2.ExecuteRequest(request_id="r", prompt_token_ids=[1, 2],
+                                          session=common_pb2.SessionInfo(request_class=request_class))
+    assert wants_first_token_yield(request) is asks
 
 
 @pytest.mark.parametrize("value", [-0.001, 0.051])
