@@ -118,7 +118,7 @@ class AsyncEngine:
         self.engine = engine
         self._on_kv_events = on_kv_events
         self.first_token_yield_s = first_token_yield_s
-        self.num_first_token_yields = 0  # pauses taken (tests and metrics read it)
+        self.num_first_token_yields = 0  # pauses taken (tests read it)
         self._yielding: set[str] = set()  # engine thread: requests that asked for the yield, before their first token
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
