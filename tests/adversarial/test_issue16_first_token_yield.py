@@ -14,7 +14,8 @@ import time
 import pytest
 
 from services.executor.config import DESCRIPTION, ExecutorConfig
-from services.executor.engine.async_engine import FIRST_TOKEN_YIELD_MAX_REQUESTS, AsyncEngine, EngineDeadError, _Add
+from services.executor.engine.async_engine import AsyncEngine, EngineDeadError, _Add
+from services.executor.engine.first_token_yield import MAX_UNFINISHED as FIRST_TOKEN_YIELD_MAX_REQUESTS
 from services.executor.engine.sampling_params import SamplingParams
 from services.mesh.env_config import load_config
 from tests.unit.executor.test_async_engine import (  # noqa: F401  (fixtures)
@@ -165,8 +166,8 @@ def test_shutdown_ends_a_pause_at_once_and_fails_the_stream(make_async_engine):
     ae = make_async_engine(first_token_yield_s=0.05)
     # A pause far longer than any deadline here (past the driver's own range check): had
     # shutdown to wait it out, the thread could not end within shutdown's join below.
-    ae.first_token_yield_s = 3600.0
-    spy = _SpyStopping(ae.first_token_yield_s)
+    ae.first_token_yield.pause_s = 3600.0
+    spy = _SpyStopping(ae.first_token_yield.pause_s)
     ae._stopping = spy  # the thread is idle, blocked on its inbox; it reads the attribute per loop
 
     async def main():

@@ -18,18 +18,8 @@ The thread is the executor's only engine, so nothing a caller does may end it:
 Should the thread end or stall anyway, ``probe()`` shows it to the executor's watchdog
 (engine_watchdog.py), which takes the process out of the mesh for a restart.
 
-First-token yield (``first_token_yield_s``): a step that gives a request that asked for it
-(``generate(first_token_yield=True)``) its first token is followed by a short idle pause of
-the engine thread (and so of its OpenMP threads) before the next step, when at most
-``FIRST_TOKEN_YIELD_MAX_REQUESTS`` requests are unfinished. On a mesh whose services share
-the engine's cores, the first token still has to leave this process and cross the
-scheduler and the router, and the next decode step, started at once, takes the CPU they
-need: measured on 2 cores, a 1.5 ms pause took ~1 ms off the mesh's p50 TTFT, but the
-whole reply ended 0.5-2.7 ms later (docs/architecture.md, "first-token yield"). So only a
-request whose promise is its first token asks for it (the executor: the interactive
-class); an agent's hop waits for its whole reply. With more requests running the pause
-would delay all of them, and their own tokens need the same relays, so it is skipped.
-0 (the default here) never pauses.
+Between steps the thread may pause after a request's first token (``first_token_yield_s``,
+first_token_yield.py's NOTE), for requests that ask (``generate(first_token_yield=True)``).
 """
 from __future__ import annotations
 
@@ -46,13 +36,12 @@ import structlog
 from services.executor.kv.block_pool import KVEvent
 from services.shared.vocabulary import DEFAULT_PARTITION
 from services.executor.engine.engine import LLMEngine, StepOutput
+from services.executor.engine.first_token_yield import FirstTokenYield
 from services.executor.engine.watchdog import EngineProbe
 from services.executor.engine.sampling_params import SamplingParams
 from services.executor.engine.sequence import NO_SESSION, SessionOptions
 
 log = structlog.get_logger(__name__)
-
-FIRST_TOKEN_YIELD_MAX_REQUESTS = 2  # unfinished requests at most for a first-token yield
 
 # Hands one output (or the error ending the stream) to its caller; False: the caller is gone.
 Sink = Callable[[StepOutput | BaseException], bool]
@@ -113,13 +102,9 @@ def _claim(fut: Future) -> bool:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_kv_events: Callable[[list[KVEvent]], None] | None = None,
                  first_token_yield_s: float = 0.0) -> None:
-        if not 0.0 <= first_token_yield_s <= 0.05:
-            raise ValueError(f"first_token_yield_s must be in [0, 0.05], got {first_token_yield_s}")
+        self.first_token_yield = FirstTokenYield(first_token_yield_s)  # the engine thread's (raises ValueError)
         self.engine = engine
         self._on_kv_events = on_kv_events
-        self.first_token_yield_s = first_token_yield_s
-        self.num_first_token_yields = 0  # pauses taken (tests read it)
-        self._yielding: set[str] = set()  # engine thread: requests that asked for the yield, before their first token
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stopping = threading.Event()
@@ -144,8 +129,8 @@ class AsyncEngine:
     ) -> AsyncIterator[StepOutput]:
         """Stream the request's step outputs until it finishes. Raises
         ``InvalidRequestError`` before the first output if the engine refuses it.
-        ``first_token_yield``: the engine may pause after this request's first token (the
-        module's NOTE; only when this driver has a ``first_token_yield_s``)."""
+        ``first_token_yield``: the engine may pause after this request's first token
+        (first_token_yield.py; only when this driver has a ``first_token_yield_s``)."""
         if self._closed.is_set():
             raise EngineDeadError("engine thread is not running")
         loop = asyncio.get_running_loop()
@@ -287,21 +272,12 @@ class AsyncEngine:
                     self._on_kv_events(events)
                 except Exception:  # a publishing bug loses these events, never the engine
                     log.exception("engine_kv_events_failed", num_events=len(events))
-        if self.first_token_yield_s and self._yields_after(outputs):
-            self.num_first_token_yields += 1
-            self._stopping.wait(self.first_token_yield_s)  # a shutdown ends it at once
+        # A shutdown ends a pause at once (the wait is on the stopping event).
+        self.first_token_yield.after_step(outputs, len(self.engine.requests), self._stopping.wait)
 
-    def _yields_after(self, outputs) -> bool:
-        """Whether this step gave a request that asked for the yield and goes on its first
-        token, with few enough requests unfinished that pausing for it delays almost nobody
-        (module NOTE). A request is judged at its first token (or its end) only."""
-        owed = [out for out in outputs if out.request_id in self._yielding and (out.new_token_ids or out.finished)]
-        for out in owed:
-            self._yielding.discard(out.request_id)
-        if not owed or len(self.engine.requests) > FIRST_TOKEN_YIELD_MAX_REQUESTS:
-            return False
-        return any(out.new_token_ids and not out.finished and out.num_output_tokens == len(out.new_token_ids)
-                   for out in owed)
+    @property
+    def num_first_token_yields(self) -> int:
+        return self.first_token_yield.num_pauses
 
     def _mark_progress(self) -> None:
         self._last_progress_s = time.monotonic()
@@ -339,12 +315,11 @@ class AsyncEngine:
                 _settle(cmd.accepted, exc=exc)
                 return
             self._sinks[cmd.request_id] = cmd.sink
-            if cmd.first_token_yield and self.first_token_yield_s:
-                self._yielding.add(cmd.request_id)
+            self.first_token_yield.admit(cmd.request_id, cmd.first_token_yield)
             _settle(cmd.accepted)
         elif isinstance(cmd, _Abort):
             self._sinks.pop(cmd.request_id, None)
-            self._yielding.discard(cmd.request_id)
+            self.first_token_yield.forget(cmd.request_id)
             if self.engine.abort_request(cmd.request_id):
                 log.info("request_aborted", request_id=cmd.request_id)
         elif isinstance(cmd, _Call):
@@ -376,7 +351,7 @@ class AsyncEngine:
     def _drop(self, request_id: str, exc: BaseException | None) -> None:
         """Forget and abort a request; tell its caller ``exc`` when given. Never raises."""
         sink = self._sinks.pop(request_id, None)
-        self._yielding.discard(request_id)
+        self.first_token_yield.forget(request_id)
         try:
             self.engine.abort_request(request_id)
         except Exception:

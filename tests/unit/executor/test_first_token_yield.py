@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from services.executor.config import ExecutorConfig
-from services.executor.engine.async_engine import FIRST_TOKEN_YIELD_MAX_REQUESTS, AsyncEngine
+from services.executor.engine.async_engine import AsyncEngine
+from services.executor.engine.first_token_yield import MAX_UNFINISHED, FirstTokenYield
 from services.executor.engine.sampling_params import SamplingParams
 from services.executor.server import wants_first_token_yield
 from weft.v1 import common_pb2, executor_pb2
@@ -48,7 +49,7 @@ def test_a_request_that_does_not_ask_for_the_pause_gets_none(make_async_engine):
 
     assert len(asyncio.run(asyncio.wait_for(main(), DEADLINE_S))) == 6
     assert ae.num_first_token_yields == 0
-    assert not ae._yielding  # nothing left behind
+    assert not ae.first_token_yield._owed  # nothing left behind
 
 
 def test_a_reply_that_ends_at_its_first_token_needs_no_pause(make_async_engine):
@@ -62,34 +63,50 @@ def _out(rid: str, n_new: int, n_out: int, finished: bool = False):
     return SimpleNamespace(request_id=rid, new_token_ids=(7,) * n_new, num_output_tokens=n_out, finished=finished)
 
 
-def _driver(num_unfinished: int, asked=("a", "b", "c")) -> AsyncEngine:
-    """``_yields_after`` reads the engine's unfinished requests and who asked: no thread needed."""
-    ae = object.__new__(AsyncEngine)
-    ae.engine = SimpleNamespace(requests={f"r{i}": None for i in range(num_unfinished)})
-    ae._yielding = set(asked)
-    return ae
+def _owing(*request_ids: str) -> FirstTokenYield:
+    rule = FirstTokenYield(0.001)
+    for rid in request_ids:
+        rule.admit(rid, True)
+    return rule
 
 
 def test_the_pause_rule_first_tokens_of_going_requests_that_asked_with_few_unfinished():
-    assert _driver(FIRST_TOKEN_YIELD_MAX_REQUESTS)._yields_after([_out("a", 1, 1)])  # asked, goes on
-    assert _driver(2)._yields_after([_out("x", 1, 5), _out("a", 1, 1)])  # one of the step's outputs
-    assert not _driver(2)._yields_after([_out("x", 1, 1)])  # did not ask
-    assert not _driver(2)._yields_after([_out("a", 1, 1, finished=True)])  # nothing follows it
-    assert not _driver(2)._yields_after([_out("a", 0, 0)])  # a prefill chunk without a token
-    assert not _driver(2)._yields_after([])
-    assert not _driver(FIRST_TOKEN_YIELD_MAX_REQUESTS + 1)._yields_after([_out("a", 1, 1)])  # would delay others
+    assert _owing("a").due([_out("a", 1, 1)], MAX_UNFINISHED)  # asked, goes on
+    assert _owing("a").due([_out("x", 1, 5), _out("a", 1, 1)], 2)  # one of the step's outputs
+    assert not _owing("a").due([_out("x", 1, 1)], 2)  # did not ask
+    assert not _owing("a").due([_out("a", 1, 1, finished=True)], 2)  # nothing follows it
+    assert not _owing("a").due([_out("a", 0, 0)], 2)  # a prefill chunk without a token
+    assert not _owing("a").due([], 2)
+    assert not _owing("a").due([_out("a", 1, 1)], MAX_UNFINISHED + 1)  # would delay the others
 
 
 def test_each_request_is_judged_once_at_its_first_token_or_its_end():
-    ae = _driver(1)
-    assert not ae._yields_after([_out("a", 0, 0)])  # still prefilling: still owed
-    assert ae._yielding == {"a", "b", "c"}
-    assert ae._yields_after([_out("a", 1, 1)])
-    assert not ae._yields_after([_out("a", 1, 1)])  # judged already
-    ae._yields_after([_out("b", 0, 0, finished=True)])  # ended without a token
-    assert ae._yielding == {"c"}
-    ae = _driver(FIRST_TOKEN_YIELD_MAX_REQUESTS + 1)
-    assert not ae._yields_after([_out("a", 1, 1)]) and "a" not in ae._yielding  # judged (no pause) all the same
+    rule = _owing("a", "b", "c")
+    assert not rule.due([_out("a", 0, 0)], 1)  # still prefilling: still owed
+    assert rule._owed == {"a", "b", "c"}
+    assert rule.due([_out("a", 1, 1)], 1)
+    assert not rule.due([_out("a", 1, 1)], 1)  # judged already
+    rule.due([_out("b", 0, 0, finished=True)], 1)  # ended without a token
+    rule.forget("c")  # aborted
+    assert rule._owed == set()
+    rule = _owing("a")
+    assert not rule.due([_out("a", 1, 1)], MAX_UNFINISHED + 1) and not rule._owed  # judged (no pause) all the same
+
+
+def test_nobody_is_owed_a_pause_of_zero_or_one_not_asked_for():
+    rule = FirstTokenYield(0.0)
+    rule.admit("a", True)
+    rule = FirstTokenYield(0.001)
+    rule.admit("b", False)
+    assert not rule._owed
+
+
+def test_a_due_step_waits_the_pause_and_counts_it():
+    waits: list[float] = []
+    rule = _owing("a")
+    rule.after_step([_out("a", 1, 1)], 1, waits.append)
+    rule.after_step([_out("a", 1, 2)], 1, waits.append)  # a later token: no pause
+    assert waits == [0.001] and rule.num_pauses == 1
 
 
 @pytest.mark.parametrize("request_class,asks", [
