@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from benchmarks import mesh_overhead
+from benchmarks import mesh_overhead_report as mesh_overhead
 from benchmarks.grpc_floor import METHOD, FloorChain, FloorClient, _request, _same, parse_args
 
 
