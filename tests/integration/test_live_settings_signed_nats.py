@@ -72,6 +72,10 @@ def test_two_meshes_on_one_nats_server_do_not_adopt_each_others_keys_or_settings
             await until(lambda: mesh_b.seal.num_refused >= b_refused + 2
                         and scheduler_b.seal.num_refused >= scheduler_refused + 2, "mesh B to hear mesh A")
             await until(lambda: scheduler_b.version == mesh_b.document.version, "scheduler B to follow router B")
+            # Mesh A hears B's documents on the same subject as its own (republished every
+            # REPUBLISH_S); one may be superseded in A's inbox before its seal sees it, so the
+            # refusal is waited for, not assumed by the time B has heard A.
+            await until(lambda: mesh_a.seal.num_refused > 0, "mesh A to refuse a document of mesh B")
             assert mesh_b.document.writer == "router-mesh-b"
             assert dict(mesh_b.document.sections["scheduler"]) == {"policy": "priority"}
             assert knows(mesh_b, "sk-mesh-b-tenant")
