@@ -19,14 +19,20 @@ BlockHash = int
 _ROOT = b"weft-kv-v1"
 
 
+def _digest(parent: bytes, ids: bytes, tail: bytes) -> bytes:
+    """The one definition of a block's hash bytes: parent (or the root), the ids as int64,
+    then ``_tail(extra_keys)``."""
+    return hashlib.blake2b(parent + ids + tail, digest_size=8).digest()
+
+
+def _tail(extra_keys: bytes) -> bytes:
+    return len(extra_keys).to_bytes(4, "little") + extra_keys
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b"") -> BlockHash:
     """Hash of one full block given its parent's hash (None for the first block)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(_ROOT if parent is None else parent.to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
-    h.update(len(extra_keys).to_bytes(4, "little"))
-    h.update(extra_keys)
-    return int.from_bytes(h.digest(), "little")
+    prev = _ROOT if parent is None else parent.to_bytes(8, "little")
+    return int.from_bytes(_digest(prev, array("q", token_ids).tobytes(), _tail(extra_keys)), "little")
 
 
 def hash_block_chain(
@@ -56,13 +62,12 @@ def hash_block_chain(
         return []
     prev = _ROOT if parent is None else parent.to_bytes(8, "little")  # before the ids: hash_block's order
     data = array("q", token_ids[start:start + num_blocks * block_size]).tobytes()
-    tail = len(extra_keys).to_bytes(4, "little") + extra_keys
+    tail = _tail(extra_keys)
     step = 8 * block_size
-    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
     hashes: list[BlockHash] = []
     for begin in range(0, len(data), step):
-        prev = blake2b(prev + data[begin:begin + step] + tail, digest_size=8).digest()
-        hashes.append(from_bytes(prev, "little"))
+        prev = _digest(prev, data[begin:begin + step], tail)
+        hashes.append(int.from_bytes(prev, "little"))
     return hashes
 
 
