@@ -41,6 +41,12 @@ CASES = {
     "mqa": ("llama", {"num_key_value_heads": 1}, 8, [5, 20, 33], False),
     "head_dim_6": ("llama", {"head_dim": 6}, 3, [5, 20, 33, 9], False),
     "hidden_100": ("llama", {"hidden_size": 100, "head_dim": 24}, 1, [5, 20, 33], False),
+    # AVX2 attend_row keeps a head's output in registers 8 chunks (64 floats) at a time:
+    # 128 takes two full groups, 76 a second group of one masked chunk
+    "head_dim_128": ("llama", {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128}, 16,
+                     [5, 20, 33, 9], False),
+    "head_dim_76": ("llama", {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 76}, 16,
+                    [5, 20, 33, 9], False),
     "tiny_dims": ("llama", {"hidden_size": 8, "head_dim": 2, "intermediate_size": 3, "vocab_size": 5}, 4,
                   [5, 20, 33], False),
     "qwen2_tied_bias": ("qwen2", {}, 16, [5, 20, 33, 64], False),

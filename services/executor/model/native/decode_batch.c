@@ -24,7 +24,11 @@
  */
 #include "llama_step.h"
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define TILE_W 6 /* weight rows per register tile: two halves of 3 (half_dots) */
+#else
 #define TILE_W 4 /* weight rows per register tile */
+#endif
 #define TILE_R 4 /* activation rows per register tile */
 #define PF_DIST 1 /* the weight tile prefetched: the next one (2 ahead, or into L2, measured no better) */
 #define PF_HINT _MM_HINT_T0
@@ -99,8 +103,77 @@ static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw
     TILE_CASE(1, 4) TILE_CASE(1, 3) TILE_CASE(1, 2) TILE_CASE(1, 1)
 #undef TILE_CASE
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 has 16 vector registers, not 32: the 4 x 4 tile runs as two 2 x 4 halves (8
+ * accumulators, 2 weight chunks and 1 activation chunk live: 11 registers; 6 loads per 8
+ * FMAs, so the FMA units, not the loads, set the pace). One plain dot per pair (the
+ * fallback below) loads twice per FMA and reduces every pair on its own: on a 2-core Zen 2
+ * a 16-row SmolLM2 step took ~2x as long that way. */
+#define HALF_W 3
+#define HALF_STEP(LOAD, at)                                                                     \
+    do {                                                                                        \
+        __m256 wv[HALF_W];                                                                      \
+        for (int a = 0; a < nw; a++) wv[a] = LOAD(w + (size_t)a * k + (at));                    \
+        for (int b = 0; b < nr; b++) {                                                          \
+            __m256 xv = LOAD(x + (size_t)b * ldx + (at));                                       \
+            __asm__("" : "+x"(xv)); /* one load into a register, not one folded into each FMA */ \
+            for (int a = 0; a < nw; a++) acc[a][b] = _mm256_fmadd_ps(wv[a], xv, acc[a][b]);     \
+        }                                                                                       \
+    } while (0)
+#define LOAD_FULL(p) _mm256_loadu_ps(p)
+#define LOAD_MASKED(p) _mm256_maskload_ps(p, m)
+
+/* out[a * TILE_R + b] = W[a, :] . X[b, :] for a < nw <= 2, b < nr; the rows of the later
+ * tile pf in the bit mask pf_rows are prefetched, one cache line per 16 columns. Always
+ * inlined with constant nw / nr (the accumulators stay in registers; see tile_dots above). */
+static inline __attribute__((always_inline)) void half_dots(const float *w, int k, const float *x, int ldx,
+                                                            const int nw, const int nr, const float *pf,
+                                                            unsigned pf_rows, float *out) {
+    __m256 acc[HALF_W][TILE_R];
+    for (int a = 0; a < HALF_W; a++)
+        for (int b = 0; b < TILE_R; b++) acc[a][b] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= k; i += 16) {
+        for (int a = 0; a < HALF_W; a++)
+            if (pf_rows & (1u << a)) _mm_prefetch((const char *)(pf + (size_t)a * k + i), PF_HINT);
+        HALF_STEP(LOAD_FULL, i);
+        HALF_STEP(LOAD_FULL, i + 8);
+    }
+    for (; i + 8 <= k; i += 8) HALF_STEP(LOAD_FULL, i);
+    if (i < k) {
+        const __m256i m = mask8(k - i);
+        HALF_STEP(LOAD_MASKED, i);
+    }
+    if (nw == HALF_W && nr == TILE_R) {
+        __m256 v[HALF_W * TILE_R];
+        for (int a = 0; a < HALF_W; a++)
+            for (int b = 0; b < TILE_R; b++) v[a * TILE_R + b] = acc[a][b];
+        _mm256_storeu_ps(out, reduce8(v)); /* the first 8 sums in one tree, the rest one by one */
+        for (int j = 8; j < HALF_W * TILE_R; j++) out[j] = hsum8(v[j]);
+    } else {
+        for (int a = 0; a < nw; a++)
+            for (int b = 0; b < nr; b++) out[a * TILE_R + b] = hsum8(acc[a][b]);
+    }
+}
+
+static void half_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *pf,
+                          unsigned pf_rows, float *out) {
+#define HALF_CASE(W_, R_) \
+    if (nw == W_ && nr == R_) { half_dots(w, k, x, ldx, W_, R_, pf, pf_rows, out); return; }
+    HALF_CASE(3, 4) HALF_CASE(3, 3) HALF_CASE(3, 2) HALF_CASE(3, 1)
+    HALF_CASE(2, 4) HALF_CASE(2, 3) HALF_CASE(2, 2) HALF_CASE(2, 1)
+    HALF_CASE(1, 4) HALF_CASE(1, 3) HALF_CASE(1, 2) HALF_CASE(1, 1)
+#undef HALF_CASE
+}
+
+static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *pf,
+                          unsigned pf_rows, float *out) {
+    for (int a0 = 0; a0 < nw; a0 += HALF_W)
+        half_dispatch(w + (size_t)a0 * k, k, x, ldx, nw - a0 < HALF_W ? nw - a0 : HALF_W, nr, pf + (size_t)a0 * k,
+                      (pf_rows >> a0) & ((1u << HALF_W) - 1u), out + a0 * TILE_R);
+}
 #else
-/* Without AVX-512: one dot per (weight row, activation row); same results, slower. */
+/* Without AVX2 or AVX-512: one dot per (weight row, activation row); same results, slower. */
 static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *pf,
                           unsigned pf_rows, float *out) {
     (void)pf;
@@ -171,6 +244,13 @@ static void gate_up_rows_for(const float *gu, const float *X, float *act, int in
                 _mm512_storeu_ps(g, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(e, _mm512_set1_ps(1.f))),
                                                   _mm512_loadu_ps(u)));
             }
+#elif defined(__AVX2__) && defined(__FMA__)
+            for (int j = 0; j < TILE_W * TILE_R; j += 8) { /* 8 silu(g) * u at a time */
+                const __m256 gv = _mm256_loadu_ps(g + j);
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+                _mm256_storeu_ps(g + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(e, _mm256_set1_ps(1.f))),
+                                                      _mm256_loadu_ps(u + j)));
+            }
 #else
             for (int j = 0; j < TILE_W * TILE_R; j++) g[j] = g[j] / (1.f + expf(-g[j])) * u[j];
 #endif
@@ -195,8 +275,9 @@ static void gate_up_rows_for(const float *gu, const float *X, float *act, int in
  * head_dim: the last 16-float chunk of a head is masked. Same sums as attend_head
  * (llama_step.h) up to fp32 rounding order. */
 static void attend_row(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
-                       int g0, int g1, int group, const int32_t *block_table, int seq_len) {
+                       int32_t *tok, int g0, int g1, int group, const int32_t *block_table, int seq_len) {
     const int d = m->head_dim, kvh = m->num_kv_heads, bs = m->block_size, chunks = (d + 15) / 16;
+    (void)tok;
     const int heads = (g1 - g0) * group, h0 = g0 * group, row_floats = kvh * d;
     const size_t v_offset = (size_t)m->num_blocks * bs * row_floats;
     const __mmask16 tail = (d % 16) ? (__mmask16)((1u << (d % 16)) - 1u) : (__mmask16)0xFFFF;
@@ -265,10 +346,105 @@ static void attend_row(const weft_model *m, const float *cache, const float *q, 
     }
 #undef KV_ROW
 }
-#else
-/* Without AVX-512: attend_head (llama_step.h) per query head. */
+#elif defined(__AVX2__) && defined(__FMA__)
+/* attend_row above in AVX2: each token's cache slot looked up once (tok: [seq_len] scratch;
+ * a lookup per token per chunk, with its divide by block_size, cost more than the
+ * arithmetic), keys in blocks of 8 tokens (8 score accumulators + q + a key: 10 of the 16
+ * registers), exp8, then the values token by token with the head's output in registers
+ * (up to 8 chunks of 8 at a time: one sequential read of each token's value row). The
+ * head's last chunk is masked when head_dim is not a multiple of 8. Same sums up to fp32
+ * rounding order. */
 static void attend_row(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
-                       int g0, int g1, int group, const int32_t *block_table, int seq_len) {
+                       int32_t *tok, int g0, int g1, int group, const int32_t *block_table, int seq_len) {
+    const int d = m->head_dim, kvh = m->num_kv_heads, bs = m->block_size, full = d / 8, chunks = (d + 7) / 8;
+    const int heads = (g1 - g0) * group, h0 = g0 * group, row_floats = kvh * d;
+    const size_t v_offset = (size_t)m->num_blocks * bs * row_floats;
+    const __m256i tail = mask8(d - full * 8);
+    const __m256 scale = _mm256_set1_ps(m->scale);
+    for (int t = 0, blk = 0; t < seq_len; blk++)
+        for (int j = 0; j < bs && t < seq_len; j++) tok[t++] = block_table[blk] * bs + j;
+#define KV_ROW(t) (cache + (size_t)tok[t] * row_floats) /* token t, all heads */
+    for (int t0 = 0; t0 < seq_len; t0 += 8) {
+        const int nt = min_int(8, seq_len - t0);
+        const float *rows[8];
+        for (int j = 0; j < 8; j++) rows[j] = KV_ROW(t0 + (j < nt ? j : 0));
+        for (int j = 0; j < nt; j++) { /* this block's values to L2, the next block's keys to L1 */
+            const float *v = rows[j] + v_offset, *kn = t0 + 8 + j < seq_len ? KV_ROW(t0 + 8 + j) : NULL;
+            for (int f = g0 * d; f < g1 * d; f += 16) {
+                __builtin_prefetch(v + f, 0, 2);
+                if (kn) __builtin_prefetch(kn + f, 0, 3);
+            }
+        }
+        for (int hd = 0; hd < heads; hd++) {
+            const float *qh = q + (size_t)(h0 + hd) * d;
+            const size_t koff = (size_t)((h0 + hd) / group) * d;
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int c = 0; c < full; c++) {
+                const __m256 qv = _mm256_loadu_ps(qh + c * 8);
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(rows[j] + koff + c * 8), qv, acc[j]);
+            }
+            if (full < chunks) {
+                const __m256 qv = _mm256_maskload_ps(qh + full * 8, tail);
+                for (int j = 0; j < 8; j++)
+                    acc[j] = _mm256_fmadd_ps(_mm256_maskload_ps(rows[j] + koff + full * 8, tail), qv, acc[j]);
+            }
+            _mm256_maskstore_ps(scores + (size_t)hd * seq_len + t0, mask8(nt), _mm256_mul_ps(reduce8(acc), scale));
+        }
+    }
+    for (int hd = 0; hd < heads; hd++) { /* softmax in place: scores -> probabilities */
+        float *sc = scores + (size_t)hd * seq_len;
+        __m256 mx = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
+        int t = 0;
+        for (; t + 8 <= seq_len; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + t));
+        float top = hmax8(mx);
+        for (; t < seq_len; t++) top = sc[t] > top ? sc[t] : top;
+        const __m256 topv = _mm256_set1_ps(top);
+        for (t = 0; t + 8 <= seq_len; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), topv));
+            sum = _mm256_add_ps(sum, e);
+            _mm256_storeu_ps(sc + t, e);
+        }
+        float total = hsum8(sum);
+        for (; t < seq_len; t++) total += (sc[t] = expf(sc[t] - top));
+        const float inv = 1.f / total;
+        for (t = 0; t < seq_len; t++) sc[t] *= inv;
+    }
+    for (int hd = 0; hd < heads; hd++) { /* out[hd] = sum_t p[hd, t] v[t], 8 chunks at a time */
+        const float *sc = scores + (size_t)hd * seq_len, *vb = cache + v_offset + (size_t)((h0 + hd) / group) * d;
+        float *oh = out + (size_t)(h0 + hd) * d;
+        for (int c0 = 0; c0 < chunks; c0 += 8) {
+            const int nc = min_int(8, chunks - c0);
+            __m256 acc[8];
+            for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+            if (c0 + nc <= full) {
+                for (int t = 0; t < seq_len; t++) {
+                    const __m256 p = _mm256_set1_ps(sc[t]);
+                    const float *v = vb + (size_t)tok[t] * row_floats + c0 * 8;
+                    for (int c = 0; c < nc; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + c * 8), acc[c]);
+                }
+            } else { /* this group holds the masked last chunk */
+                for (int t = 0; t < seq_len; t++) {
+                    const __m256 p = _mm256_set1_ps(sc[t]);
+                    const float *v = vb + (size_t)tok[t] * row_floats + c0 * 8;
+                    for (int c = 0; c < nc; c++)
+                        acc[c] = _mm256_fmadd_ps(p, c0 + c < full ? _mm256_loadu_ps(v + c * 8)
+                                                                  : _mm256_maskload_ps(v + c * 8, tail), acc[c]);
+                }
+            }
+            for (int c = 0; c < nc; c++) {
+                if (c0 + c < full) _mm256_storeu_ps(oh + (c0 + c) * 8, acc[c]);
+                else _mm256_maskstore_ps(oh + (c0 + c) * 8, tail, acc[c]);
+            }
+        }
+    }
+#undef KV_ROW
+}
+#else
+/* Without AVX2 or AVX-512: attend_head (llama_step.h) per query head. */
+static void attend_row(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
+                       int32_t *tok, int g0, int g1, int group, const int32_t *block_table, int seq_len) {
+    (void)tok;
     for (int hd = g0 * group; hd < g1 * group; hd++)
         attend_head(m, cache, q + (size_t)hd * m->head_dim, out + (size_t)hd * m->head_dim, scores, hd / group,
                     block_table, seq_len);
@@ -291,13 +467,15 @@ int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const
     int max_len = 1;
     for (int r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     /* scratch: h [R, H] | qkv [R, qkv_dim] | attn [R, q_dim] | act [R, inter]
-     *          | scores [threads, num_heads, max_len] | x [threads, R, H] */
+     *          | scores [threads, num_heads, max_len] | x [threads, R, H]
+     *          | token slots [threads, max_len] (int32, attend_row's) */
     size_t n_scratch = (size_t)R * (H + qkv_dim + q_dim + inter) + (size_t)num_threads * nh * max_len
                        + (size_t)num_threads * R * H;
-    float *buf = (float *)malloc(n_scratch * sizeof(float));
+    float *buf = (float *)malloc(n_scratch * sizeof(float) + (size_t)num_threads * max_len * sizeof(int32_t));
     if (!buf) return -1;
     float *h = buf, *qkv = h + (size_t)R * H, *attn = qkv + (size_t)R * qkv_dim, *act = attn + (size_t)R * q_dim;
     float *scores = act + (size_t)R * inter, *xs = scores + (size_t)num_threads * nh * max_len;
+    int32_t *toks = (int32_t *)(buf + n_scratch);
     for (int r = 0; r < R; r++) memcpy(h + (size_t)r * H, m->embed + (size_t)token_ids[r] * H, (size_t)H * sizeof(float));
     const size_t v_offset = (size_t)m->num_blocks * m->block_size * kv_dim;
 
@@ -306,6 +484,7 @@ int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const
         /* Each thread normalises all R rows of h into its own x (cheaper than a barrier). */
         const int tid = omp_get_thread_num();
         float *x = xs + (size_t)tid * R * H, *sc = scores + (size_t)tid * nh * max_len;
+        int32_t *tok = toks + (size_t)tid * max_len;
         for (int l = 0; l < m->num_layers; l++) {
             float *cache = m->kv_cache[l];
             for (int r = 0; r < R; r++) rms_norm(h + (size_t)r * H, m->input_norm[l], x + (size_t)r * H, H, m->eps);
@@ -328,7 +507,7 @@ int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const
             #pragma omp for schedule(dynamic, 1)
             for (int p = 0; p < R * split; p++) {
                 const int r = p / split, part = p % split;
-                attend_row(m, cache, qkv + (size_t)r * qkv_dim, attn + (size_t)r * q_dim, sc, part * nkv / split,
+                attend_row(m, cache, qkv + (size_t)r * qkv_dim, attn + (size_t)r * q_dim, sc, tok, part * nkv / split,
                            (part + 1) * nkv / split, group, block_tables + (size_t)r * table_stride, seq_lens[r]);
             }
             gemm_rows_for(m->o[l], m->o_bias[l], attn, q_dim, h, H, H, q_dim, R, 1); /* h += o(attn) */
