@@ -45,10 +45,13 @@ int weft_decode_step(const weft_model *m, int64_t token_id, int64_t position, in
     const int q_dim = nh * d, kv_dim = nkv * d, qkv_dim = q_dim + 2 * kv_dim, inter = m->intermediate;
     const int group = nh / nkv;
     if (num_threads < 1) num_threads = 1;
-    /* scratch: h [H] | qkv [qkv_dim] | attn [q_dim] | act [inter] | scores [nh, seq_len] | x [threads, H] */
+    /* scratch: h [H] | qkv [qkv_dim] | attn [q_dim] | act [inter] | scores [nh, seq_len] | x [threads, H]
+     *          | token slots [nkv, seq_len] (int32, attend_kv_heads's, one per KV head) */
     size_t n_scratch = (size_t)H + qkv_dim + q_dim + inter + (size_t)nh * seq_len + (size_t)num_threads * H;
-    float *buf = (float *)malloc(n_scratch * sizeof(float));
+    float *buf = (float *)malloc(n_scratch * sizeof(float) + (size_t)nkv * seq_len * sizeof(int32_t));
     if (!buf) return -1;
+    int32_t *toks = (int32_t *)(buf + n_scratch);
+    (void)toks;
     float *h = buf, *qkv = h + H, *attn = qkv + qkv_dim, *act = attn + q_dim, *scores = act + inter;
     float *xs = scores + (size_t)nh * seq_len;
     const float *cos = m->cos + (size_t)position * d, *sin = m->sin + (size_t)position * d;
@@ -72,9 +75,14 @@ int weft_decode_step(const weft_model *m, int64_t token_id, int64_t position, in
                 rope(q, group, d, cos, sin);
                 memcpy(cache + k_slot + (size_t)g * d, k, (size_t)d * sizeof(float));
                 memcpy(cache + v_offset + k_slot + (size_t)g * d, v, (size_t)d * sizeof(float));
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+                attend_kv_heads(m, cache, qkv, attn, scores + (size_t)g * group * seq_len, toks + (size_t)g * seq_len,
+                                g, g + 1, group, block_table, seq_len);
+#else
                 for (int hd = g * group; hd < (g + 1) * group; hd++)
                     attend_head(m, cache, qkv + (size_t)hd * d, attn + (size_t)hd * d, scores + (size_t)hd * seq_len,
                                 g, block_table, seq_len);
+#endif
             }
             gemv_for(m->o[l], m->o_bias[l], attn, h, H, q_dim, 1); /* h += o(attn) */
             rms_norm(h, m->post_norm[l], x, H, m->eps);

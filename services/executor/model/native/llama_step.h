@@ -25,6 +25,8 @@
  * the thread's contiguous range arrive while this one is summed). */
 #define PREFETCH_AHEAD 256
 
+static inline int imin(int a, int b) { return a < b ? a : b; }
+
 /* ---- one weight row against one vector ---------------------------------------------- */
 
 #if defined(__AVX512F__)
@@ -211,5 +213,102 @@ static void attend_head(const weft_model *m, const float *cache, const float *q,
         for (int j = 0; j < d; j++) out[j] += p * v[j];
     }
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* One row's attention for the query heads of KV heads [g0, g1) in AVX2 (decode_batch.c's
+ * attend_row, decode.c's per KV head; an AVX-512 build has its own in decode_batch.c): each token's cache slot looked up once (tok: [seq_len] scratch;
+ * a lookup per token per chunk, with its divide by block_size, cost more than the
+ * arithmetic), keys in blocks of 8 tokens (8 score accumulators + q + a key: 10 of the 16
+ * registers), exp8, then the values token by token with the head's output in registers
+ * (up to 8 chunks of 8 at a time: one sequential read of each token's value row). The
+ * head's last chunk is masked when head_dim is not a multiple of 8. Same sums up to fp32
+ * rounding order. */
+static void attend_kv_heads(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
+                       int32_t *tok, int g0, int g1, int group, const int32_t *block_table, int seq_len) {
+    const int d = m->head_dim, kvh = m->num_kv_heads, bs = m->block_size, full = d / 8, chunks = (d + 7) / 8;
+    const int heads = (g1 - g0) * group, h0 = g0 * group, row_floats = kvh * d;
+    const size_t v_offset = (size_t)m->num_blocks * bs * row_floats;
+    const __m256i tail = mask8(d - full * 8);
+    const __m256 scale = _mm256_set1_ps(m->scale);
+    for (int t = 0, blk = 0; t < seq_len; blk++)
+        for (int j = 0; j < bs && t < seq_len; j++) tok[t++] = block_table[blk] * bs + j;
+#define KV_ROW(t) (cache + (size_t)tok[t] * row_floats) /* token t, all heads */
+    for (int t0 = 0; t0 < seq_len; t0 += 8) {
+        const int nt = imin(8, seq_len - t0);
+        const float *rows[8];
+        for (int j = 0; j < 8; j++) rows[j] = KV_ROW(t0 + (j < nt ? j : 0));
+        for (int j = 0; j < nt; j++) { /* this block's values to L2, the next block's keys to L1 */
+            const float *v = rows[j] + v_offset, *kn = t0 + 8 + j < seq_len ? KV_ROW(t0 + 8 + j) : NULL;
+            for (int f = g0 * d; f < g1 * d; f += 16) {
+                __builtin_prefetch(v + f, 0, 2);
+                if (kn) __builtin_prefetch(kn + f, 0, 3);
+            }
+        }
+        for (int hd = 0; hd < heads; hd++) {
+            const float *qh = q + (size_t)(h0 + hd) * d;
+            const size_t koff = (size_t)((h0 + hd) / group) * d;
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int c = 0; c < full; c++) {
+                const __m256 qv = _mm256_loadu_ps(qh + c * 8);
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(rows[j] + koff + c * 8), qv, acc[j]);
+            }
+            if (full < chunks) {
+                const __m256 qv = _mm256_maskload_ps(qh + full * 8, tail);
+                for (int j = 0; j < 8; j++)
+                    acc[j] = _mm256_fmadd_ps(_mm256_maskload_ps(rows[j] + koff + full * 8, tail), qv, acc[j]);
+            }
+            _mm256_maskstore_ps(scores + (size_t)hd * seq_len + t0, mask8(nt), _mm256_mul_ps(reduce8(acc), scale));
+        }
+    }
+    for (int hd = 0; hd < heads; hd++) { /* softmax in place: scores -> probabilities */
+        float *sc = scores + (size_t)hd * seq_len;
+        __m256 mx = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
+        int t = 0;
+        for (; t + 8 <= seq_len; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + t));
+        float top = hmax8(mx);
+        for (; t < seq_len; t++) top = sc[t] > top ? sc[t] : top;
+        const __m256 topv = _mm256_set1_ps(top);
+        for (t = 0; t + 8 <= seq_len; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), topv));
+            sum = _mm256_add_ps(sum, e);
+            _mm256_storeu_ps(sc + t, e);
+        }
+        float total = hsum8(sum);
+        for (; t < seq_len; t++) total += (sc[t] = expf(sc[t] - top));
+        const float inv = 1.f / total;
+        for (t = 0; t < seq_len; t++) sc[t] *= inv;
+    }
+    for (int hd = 0; hd < heads; hd++) { /* out[hd] = sum_t p[hd, t] v[t], 8 chunks at a time */
+        const float *sc = scores + (size_t)hd * seq_len, *vb = cache + v_offset + (size_t)((h0 + hd) / group) * d;
+        float *oh = out + (size_t)(h0 + hd) * d;
+        for (int c0 = 0; c0 < chunks; c0 += 8) {
+            const int nc = imin(8, chunks - c0);
+            __m256 acc[8];
+            for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+            if (c0 + nc <= full) {
+                for (int t = 0; t < seq_len; t++) {
+                    const __m256 p = _mm256_set1_ps(sc[t]);
+                    const float *v = vb + (size_t)tok[t] * row_floats + c0 * 8;
+                    for (int c = 0; c < nc; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + c * 8), acc[c]);
+                }
+            } else { /* this group holds the masked last chunk */
+                for (int t = 0; t < seq_len; t++) {
+                    const __m256 p = _mm256_set1_ps(sc[t]);
+                    const float *v = vb + (size_t)tok[t] * row_floats + c0 * 8;
+                    for (int c = 0; c < nc; c++)
+                        acc[c] = _mm256_fmadd_ps(p, c0 + c < full ? _mm256_loadu_ps(v + c * 8)
+                                                                  : _mm256_maskload_ps(v + c * 8, tail), acc[c]);
+                }
+            }
+            for (int c = 0; c < nc; c++) {
+                if (c0 + c < full) _mm256_storeu_ps(oh + (c0 + c) * 8, acc[c]);
+                else _mm256_maskstore_ps(oh + (c0 + c) * 8, tail, acc[c]);
+            }
+        }
+    }
+#undef KV_ROW
+}
+#endif
 
 #endif
