@@ -46,11 +46,12 @@ int weft_decode_step(const weft_model *m, int64_t token_id, int64_t position, in
     const int group = nh / nkv;
     if (num_threads < 1) num_threads = 1;
     /* scratch: h [H] | qkv [qkv_dim] | attn [q_dim] | act [inter] | scores [nh, seq_len] | x [threads, H]
-     *          | token slots [nkv, seq_len] (int32, attend_kv_heads's, one per KV head) */
+     *          | token slots [nkv, seq_len] (int64, attend_kv_heads's, one per KV head) */
     size_t n_scratch = (size_t)H + qkv_dim + q_dim + inter + (size_t)nh * seq_len + (size_t)num_threads * H;
-    float *buf = (float *)malloc(n_scratch * sizeof(float) + (size_t)nkv * seq_len * sizeof(int32_t));
+    n_scratch += n_scratch & 1; /* the int64 slots after the floats start 8-byte aligned */
+    float *buf = (float *)malloc(n_scratch * sizeof(float) + (size_t)nkv * seq_len * sizeof(int64_t));
     if (!buf) return -1;
-    int32_t *toks = (int32_t *)(buf + n_scratch);
+    int64_t *toks = (int64_t *)(buf + n_scratch);
     (void)toks;
     float *h = buf, *qkv = h + H, *attn = qkv + qkv_dim, *act = attn + q_dim, *scores = act + inter;
     float *xs = scores + (size_t)nh * seq_len;

@@ -274,7 +274,7 @@ static void gate_up_rows_for(const float *gu, const float *X, float *act, int in
  * head_dim: the last 16-float chunk of a head is masked. Same sums as attend_head
  * (llama_step.h) up to fp32 rounding order. */
 static void attend_row(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
-                       int32_t *tok, int g0, int g1, int group, const int32_t *block_table, int seq_len) {
+                       int64_t *tok, int g0, int g1, int group, const int32_t *block_table, int seq_len) {
     const int d = m->head_dim, kvh = m->num_kv_heads, bs = m->block_size, chunks = (d + 15) / 16;
     (void)tok;
     const int heads = (g1 - g0) * group, h0 = g0 * group, row_floats = kvh * d;
@@ -351,7 +351,7 @@ static void attend_row(const weft_model *m, const float *cache, const float *q, 
 #else
 /* Without AVX2 or AVX-512: attend_head (llama_step.h) per query head. */
 static void attend_row(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
-                       int32_t *tok, int g0, int g1, int group, const int32_t *block_table, int seq_len) {
+                       int64_t *tok, int g0, int g1, int group, const int32_t *block_table, int seq_len) {
     (void)tok;
     for (int hd = g0 * group; hd < g1 * group; hd++)
         attend_head(m, cache, q + (size_t)hd * m->head_dim, out + (size_t)hd * m->head_dim, scores, hd / group,
@@ -376,14 +376,15 @@ int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const
     for (int r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     /* scratch: h [R, H] | qkv [R, qkv_dim] | attn [R, q_dim] | act [R, inter]
      *          | scores [threads, num_heads, max_len] | x [threads, R, H]
-     *          | token slots [threads, max_len] (int32, attend_row's) */
+     *          | token slots [threads, max_len] (int64, attend_row's) */
     size_t n_scratch = (size_t)R * (H + qkv_dim + q_dim + inter) + (size_t)num_threads * nh * max_len
                        + (size_t)num_threads * R * H;
-    float *buf = (float *)malloc(n_scratch * sizeof(float) + (size_t)num_threads * max_len * sizeof(int32_t));
+    n_scratch += n_scratch & 1; /* the int64 slots after the floats start 8-byte aligned */
+    float *buf = (float *)malloc(n_scratch * sizeof(float) + (size_t)num_threads * max_len * sizeof(int64_t));
     if (!buf) return -1;
     float *h = buf, *qkv = h + (size_t)R * H, *attn = qkv + (size_t)R * qkv_dim, *act = attn + (size_t)R * q_dim;
     float *scores = act + (size_t)R * inter, *xs = scores + (size_t)num_threads * nh * max_len;
-    int32_t *toks = (int32_t *)(buf + n_scratch);
+    int64_t *toks = (int64_t *)(buf + n_scratch);
     for (int r = 0; r < R; r++) memcpy(h + (size_t)r * H, m->embed + (size_t)token_ids[r] * H, (size_t)H * sizeof(float));
     const size_t v_offset = (size_t)m->num_blocks * m->block_size * kv_dim;
 
@@ -392,7 +393,7 @@ int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const
         /* Each thread normalises all R rows of h into its own x (cheaper than a barrier). */
         const int tid = omp_get_thread_num();
         float *x = xs + (size_t)tid * R * H, *sc = scores + (size_t)tid * nh * max_len;
-        int32_t *tok = toks + (size_t)tid * max_len;
+        int64_t *tok = toks + (size_t)tid * max_len;
         for (int l = 0; l < m->num_layers; l++) {
             float *cache = m->kv_cache[l];
             for (int r = 0; r < R; r++) rms_norm(h + (size_t)r * H, m->input_norm[l], x + (size_t)r * H, H, m->eps);

@@ -216,22 +216,24 @@ static void attend_head(const weft_model *m, const float *cache, const float *q,
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* One row's attention for the query heads of KV heads [g0, g1) in AVX2 (decode_batch.c's
- * attend_row, decode.c's per KV head; an AVX-512 build has its own in decode_batch.c): each token's cache slot looked up once (tok: [seq_len] scratch;
- * a lookup per token per chunk, with its divide by block_size, cost more than the
+ * attend_row, decode.c's per KV head; an AVX-512 build has its own in decode_batch.c):
+ * each token's cache slot looked up once (tok: [seq_len] int64 scratch; a lookup per
+ * token per chunk, with its divide by block_size, cost more than the
  * arithmetic), keys in blocks of 8 tokens (8 score accumulators + q + a key: 10 of the 16
  * registers), exp8, then the values token by token with the head's output in registers
  * (up to 8 chunks of 8 at a time: one sequential read of each token's value row). The
  * head's last chunk is masked when head_dim is not a multiple of 8. Same sums up to fp32
  * rounding order. */
 static void attend_kv_heads(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
-                       int32_t *tok, int g0, int g1, int group, const int32_t *block_table, int seq_len) {
+                            int64_t *tok, int g0, int g1, int group, const int32_t *block_table,
+                            int seq_len) {
     const int d = m->head_dim, kvh = m->num_kv_heads, bs = m->block_size, full = d / 8, chunks = (d + 7) / 8;
     const int heads = (g1 - g0) * group, h0 = g0 * group, row_floats = kvh * d;
     const size_t v_offset = (size_t)m->num_blocks * bs * row_floats;
     const __m256i tail = mask8(d - full * 8);
     const __m256 scale = _mm256_set1_ps(m->scale);
     for (int t = 0, blk = 0; t < seq_len; blk++)
-        for (int j = 0; j < bs && t < seq_len; j++) tok[t++] = block_table[blk] * bs + j;
+        for (int j = 0; j < bs && t < seq_len; j++) tok[t++] = (int64_t)block_table[blk] * bs + j;
 #define KV_ROW(t) (cache + (size_t)tok[t] * row_floats) /* token t, all heads */
     for (int t0 = 0; t0 < seq_len; t0 += 8) {
         const int nt = imin(8, seq_len - t0);
