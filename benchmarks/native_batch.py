@@ -63,12 +63,7 @@ def engines_for(runner, rows: int, context: int) -> dict:
     slots = torch.tensor([int(table[r, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
                           for r, n in enumerate(lens)])
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    none = torch.zeros(0, dtype=torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=slots, num_decodes=rows, decode_block_tables=table, decode_seq_lens=seq_lens,
-        num_prefills=0, prefill_query_start_loc=torch.zeros(1, dtype=torch.int32), prefill_context_lens=none,
-        prefill_seq_lens=none, prefill_block_tables=torch.zeros((0, per_row), dtype=torch.int32),
-        decode_seq_lens_host=tuple(lens))
+    meta = AttentionMetadata.decode_only(slots, table, lens)
     native, model = runner.native, runner.model
     if rows == 1:
         native_fn = lambda: native.step(int(ids[0]), int(positions[0]), int(slots[0]), table[0], lens[0])  # noqa: E731

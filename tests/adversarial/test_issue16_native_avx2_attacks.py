@@ -50,15 +50,6 @@ def _model(overrides: dict | None = None, seed: int = 1, gains: dict | None = No
     return LlamaModel(config, weights, backend_class("torch"), native_decode=True)
 
 
-def _meta(slots: torch.Tensor, table: torch.Tensor, lens: list[int]) -> AttentionMetadata:
-    none = torch.zeros(0, dtype=torch.int32)
-    return AttentionMetadata(
-        slot_mapping=slots, num_decodes=len(lens), decode_block_tables=table,
-        decode_seq_lens=torch.tensor(lens, dtype=torch.int32), num_prefills=0,
-        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32), prefill_context_lens=none,
-        prefill_seq_lens=none, prefill_block_tables=torch.zeros((0, table.shape[1]), dtype=torch.int32),
-        decode_seq_lens_host=tuple(lens))
-
 
 class Case:
     """R rows over one scattered block pool: each row owns its blocks (in random order
@@ -92,7 +83,7 @@ class Case:
         caches = [c.clone() for c in self.caches]
         with torch.no_grad():
             logits = self.model.compute_logits(self.model.forward(
-                self.tokens, self.positions, caches, _meta(self.slots, self.table, self.lens)))
+                self.tokens, self.positions, caches, AttentionMetadata.decode_only(self.slots, self.table, self.lens)))
         return logits, caches
 
     def native_rows(self, threads: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:

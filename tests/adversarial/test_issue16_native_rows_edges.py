@@ -56,15 +56,6 @@ CASES = {
 }
 
 
-def _meta(slots: torch.Tensor, table: torch.Tensor, lens: list[int]) -> AttentionMetadata:
-    none = torch.zeros(0, dtype=torch.int32)
-    return AttentionMetadata(
-        slot_mapping=slots, num_decodes=len(lens), decode_block_tables=table,
-        decode_seq_lens=torch.tensor(lens, dtype=torch.int32), num_prefills=0,
-        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32), prefill_context_lens=none,
-        prefill_seq_lens=none, prefill_block_tables=torch.zeros((0, table.shape[1]), dtype=torch.int32),
-        decode_seq_lens_host=tuple(lens))
-
 
 def _compare(model: LlamaModel, bs: int, lens: list[int], share: bool, threads: int | None = None,
              cache_tol: float = 1e-5) -> None:
@@ -84,7 +75,8 @@ def _compare(model: LlamaModel, bs: int, lens: list[int], share: bool, threads: 
     slots = torch.tensor([int(table[r, (n - 1) // bs]) * bs + (n - 1) % bs for r, n in enumerate(lens)])
     positions = torch.tensor([n - 1 for n in lens])
     tokens = torch.randint(0, model.lm_head.out_features, (rows,), generator=gen)
-    expected = model.compute_logits(model.forward(tokens, positions, caches_torch, _meta(slots, table, lens)))
+    meta = AttentionMetadata.decode_only(slots, table, lens)
+    expected = model.compute_logits(model.forward(tokens, positions, caches_torch, meta))
     before = torch.get_num_threads()
     try:
         if threads:

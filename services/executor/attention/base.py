@@ -78,6 +78,21 @@ class AttentionMetadata:
     def num_decode_tokens(self) -> int:
         return self.num_decodes
 
+    @classmethod
+    def decode_only(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: list[int]) -> "AttentionMetadata":
+        """A step of decodes only (no prefill chunk): what tests and benchmarks that call a
+        model's forward pass directly build; the runner builds its own from the batch."""
+        none = torch.zeros(0, dtype=torch.int32, device=block_tables.device)
+        return cls(
+            slot_mapping=slot_mapping, num_decodes=len(seq_lens), decode_block_tables=block_tables,
+            decode_seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=block_tables.device), num_prefills=0,
+            prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=block_tables.device),
+            prefill_context_lens=none, prefill_seq_lens=none,
+            prefill_block_tables=torch.zeros((0, block_tables.shape[1]), dtype=torch.int32,
+                                             device=block_tables.device),
+            decode_seq_lens_host=tuple(seq_lens))
+
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 over the last dim: ``(q, scale)`` with ``x ~= q * scale[..., None]``

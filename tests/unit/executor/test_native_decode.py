@@ -34,16 +34,6 @@ def _model(path, native_decode: bool) -> LlamaModel:
                       native_decode=native_decode)
 
 
-def _decode_meta(slot: int, table: torch.Tensor, seq_len: int) -> AttentionMetadata:
-    none = torch.zeros(0, dtype=torch.int32)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor([slot]), num_decodes=1, decode_block_tables=table[None],
-        decode_seq_lens=torch.tensor([seq_len], dtype=torch.int32), num_prefills=0,
-        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32), prefill_context_lens=none,
-        prefill_seq_lens=none, prefill_block_tables=torch.zeros((0, table.shape[0]), dtype=torch.int32),
-        decode_seq_lens_host=(seq_len,))
-
-
 @pytest.mark.parametrize("seq_len,position_offset", [(1, 0), (6, 0), (23, 0), (9, 5)])
 def test_native_step_matches_the_torch_forward_pass(checkpoint, seq_len, position_offset):
     """Logits and the written K/V slot agree with the torch path, for contexts spanning
@@ -60,7 +50,7 @@ def test_native_step_matches_the_torch_forward_pass(checkpoint, seq_len, positio
     token, position = 17, idx + position_offset
 
     hidden = model.forward(torch.tensor([token]), torch.tensor([position]), caches_torch,
-                           _decode_meta(slot, table, seq_len))
+                           AttentionMetadata.decode_only(torch.tensor([slot]), table[None], [seq_len]))
     expected = model.compute_logits(hidden)
     decoder = model.native_decoder(caches_native)
     assert decoder is not None

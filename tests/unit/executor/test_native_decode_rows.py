@@ -63,15 +63,6 @@ def _tables(num_rows: int, gen: torch.Generator) -> tuple[torch.Tensor, list[int
     return table, lens
 
 
-def _meta(slots: torch.Tensor, table: torch.Tensor, lens: list[int]) -> AttentionMetadata:
-    none = torch.zeros(0, dtype=torch.int32)
-    return AttentionMetadata(
-        slot_mapping=slots, num_decodes=len(lens), decode_block_tables=table,
-        decode_seq_lens=torch.tensor(lens, dtype=torch.int32), num_prefills=0,
-        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32), prefill_context_lens=none,
-        prefill_seq_lens=none, prefill_block_tables=torch.zeros((0, table.shape[1]), dtype=torch.int32),
-        decode_seq_lens_host=tuple(lens))
-
 
 @pytest.mark.parametrize("num_rows", [2, 3, 4, 7, 17])
 def test_native_rows_match_the_torch_forward_pass(model, num_rows):
@@ -88,7 +79,8 @@ def test_native_rows_match_the_torch_forward_pass(model, num_rows):
     positions = torch.tensor([i + (6 if r == 2 else 0) for r, i in enumerate(idx)])
     tokens = torch.randint(0, model.lm_head.out_features, (num_rows,), generator=gen)
 
-    expected = model.compute_logits(model.forward(tokens, positions, caches_torch, _meta(slots, table, lens)))
+    meta = AttentionMetadata.decode_only(slots, table, lens)
+    expected = model.compute_logits(model.forward(tokens, positions, caches_torch, meta))
     decoder = model.native_decoder(caches_native)
     assert decoder is not None
     logits = decoder.step_rows(tokens, positions, slots, table, torch.tensor(lens, dtype=torch.int32), tuple(lens))
