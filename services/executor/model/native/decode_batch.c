@@ -104,11 +104,15 @@ static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw
 #undef TILE_CASE
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* AVX2 has 16 vector registers, not 32: the 4 x 4 tile runs as two 2 x 4 halves (8
- * accumulators, 2 weight chunks and 1 activation chunk live: 11 registers; 6 loads per 8
- * FMAs, so the FMA units, not the loads, set the pace). One plain dot per pair (the
- * fallback below) loads twice per FMA and reduces every pair on its own: on a 2-core Zen 2
- * a 16-row SmolLM2 step took ~2x as long that way. */
+/* AVX2 has 16 vector registers, not 32: the tile is 6 weight rows x 4 activation rows, run
+ * as two 3 x 4 halves (12 accumulators). gcc keeps the activation chunk in a register and
+ * folds the weight loads into the FMAs (16 loads per 12 FMAs): ~115 GFLOPS with the weights
+ * in cache, ~100 streamed, of a ~207 peak on a 2-core Zen 2. Measured and not kept: 2 x 6
+ * halves (TILE_R 6) with the weight chunks pinned in registers reach 141 / 114-118 and a
+ * 16- or 64-row step 1.15-1.20x faster, but 2-4 rows 0.86-0.95x and 8 rows 0.96x (a pass
+ * of <= 4 rows runs 8 or fewer FMA chains): worth having once the tile's shape is chosen
+ * per pass. One plain dot per pair (the fallback below) loads twice per FMA and reduces
+ * every pair on its own: a 16-row SmolLM2 step took ~1.7x as long that way. */
 #define HALF_W 3
 #define HALF_STEP(LOAD, at)                                                                     \
     do {                                                                                        \
