@@ -13,11 +13,11 @@ import shutil
 import pytest
 import torch
 
+from services.executor.attention.base import AttentionMetadata
 from services.executor.attention.selector import backend_class
 from services.executor.model.config import ModelConfig
 from services.executor.model.llama import LlamaModel
 from services.executor.model.native import library
-from tests.adversarial.test_issue16_native_rows_edges import _meta
 from weft.testing.tiny_model import model_config_dict, random_weights
 
 pytestmark = pytest.mark.skipif(
@@ -48,7 +48,8 @@ def test_a_nan_in_one_rows_cache_gives_that_row_nan_logits_as_torch_does(model, 
     slots = torch.tensor([int(table[r, (n - 1) // BS]) * BS + (n - 1) % BS for r, n in enumerate(lens)])
     positions = torch.tensor([n - 1 for n in lens])
     tokens = torch.randint(0, model.lm_head.out_features, (len(lens),), generator=gen)
-    expected = model.compute_logits(model.forward(tokens, positions, caches, _meta(slots, table, lens)))
+    meta = AttentionMetadata.decode_only(slots, table, lens)
+    expected = model.compute_logits(model.forward(tokens, positions, caches, meta))
     got = model.native_decoder(native_caches).step_rows(
         tokens, positions, slots, table, torch.tensor(lens, dtype=torch.int32), tuple(lens))
     assert torch.isnan(expected[row]).all()
