@@ -110,9 +110,12 @@ static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw
  * in cache, ~100 streamed, of a ~207 peak on a 2-core Zen 2. Measured and not kept: 2 x 6
  * halves (TILE_R 6) with the weight chunks pinned in registers reach 141 / 114-118 and a
  * 16- or 64-row step 1.15-1.20x faster, but 2-4 rows 0.86-0.95x and 8 rows 0.96x (a pass
- * of <= 4 rows runs 8 or fewer FMA chains): worth having once the tile's shape is chosen
- * per pass. One plain dot per pair (the fallback below) loads twice per FMA and reduces
- * every pair on its own: a 16-row SmolLM2 step took ~1.7x as long that way. */
+ * of <= 4 rows runs 8 or fewer FMA chains). The shape chosen per pass (TILE_R 6: a 5-6
+ * row pass as three pinned 2 x 6 halves, a shorter one as two 3 x n halves, 8 rows as 4 + 4)
+ * gave 1.15x at 5-6 rows, 1.04-1.09x at 16, 1.20x at 64, but 0.97-0.99x at 2-4 and
+ * 0.94-0.98x at 8 rows (bench, alternating A/B): not kept either, as an agent mesh's batches
+ * sit mostly at 2-10 rows. One plain dot per pair (the fallback below) loads twice per FMA
+ * and reduces every pair on its own: a 16-row SmolLM2 step took ~1.7x as long that way. */
 #define HALF_W 3
 #define HALF_STEP(LOAD, at)                                                                     \
     do {                                                                                        \
