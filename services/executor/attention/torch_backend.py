@@ -73,6 +73,11 @@ class TorchAttentionBackend(AttentionBackend):
             # [B, 1, 1, L]: True where the key position is past the sequence's end
             pad = (torch.arange(max_len, device=q.device) >= meta.decode_seq_lens.to(torch.long)[:, None])[:, None, None, :]
             scores = scores.masked_fill(pad, float("-inf"))
+            # Past its end a row reads slots it does not own: stale ones in its last block
+            # and block 0 (the table's padding), which other requests may hold. Their
+            # probability is 0, but 0 * NaN is NaN: one request's non-finite values must not
+            # reach another's output, so those values are zeroed (v is the gather's copy).
+            v.masked_fill_(pad.transpose(-1, -2), 0.0)  # [B, 1, L, 1] over [B, kvh, L, d]
         probs = scores.softmax(-1)  # [B, kvh, group, L]
         if meta.block_scores is not None:
             _add_block_mass(meta.block_scores[:b], probs.sum((1, 2)), block_size)
