@@ -130,7 +130,7 @@ static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw
 #define LOAD_FULL(p) _mm256_loadu_ps(p)
 #define LOAD_MASKED(p) _mm256_maskload_ps(p, m)
 
-/* out[a * TILE_R + b] = W[a, :] . X[b, :] for a < nw <= 2, b < nr; the rows of the later
+/* out[a * TILE_R + b] = W[a, :] . X[b, :] for a < nw <= HALF_W, b < nr; the rows of the later
  * tile pf in the bit mask pf_rows are prefetched, one cache line per 16 columns. Always
  * inlined with constant nw / nr (the accumulators stay in registers; see tile_dots above). */
 static inline __attribute__((always_inline)) void half_dots(const float *w, int k, const float *x, int ldx,

@@ -1,6 +1,8 @@
 /* What Weft's two native decode steps share (decode.c: one sequence; decode_batch.c: R
  * sequences): the model struct ctypes fills (native/decoder.py mirrors it), the one-row
- * dot product, RMSNorm, RoPE and one query head's paged attention. All static: each .c
+ * dot product, RMSNorm, RoPE, one query head's paged attention (attend_head), the vector
+ * exp (exp16 on AVX-512, exp8 on AVX2) and, on AVX2 builds, the attention both steps call
+ * (attend_kv_heads; an AVX-512 build's multi-row step has its own). All static: each .c
  * file gets its own copy, inlined where gcc sees fit.
  *
  * Layouts (all row-major fp32, the tensors torch already holds):
