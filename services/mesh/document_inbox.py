@@ -13,7 +13,10 @@ dropped, ``superseded``); a worker hands the slots to the handler in the order t
 subjects arrived and, after each, pauses ``PAUSE_RATIO`` times as long as the handler took,
 so documents get at most a quarter of the event loop and the socket is read in the rest. Bounds: a
 document over ``max_bytes`` is refused unread (``too_large``); at most ``max_subjects``
-slots wait, a new subject beyond them is dropped (``overflow``). Nothing is lost for
+slots wait, a new subject beyond them is dropped (``overflow``). With a mesh secret,
+``screen`` checks each document's signature before it takes a slot (settings_signing.py:
+an HMAC over the raw bytes, no parsing); one that fails is dropped (``refused``), so junk
+on a publisher's own subject never supersedes its pending document. Nothing is lost for
 good: routers republish their newest document every few seconds
 (services/router/live_settings.py), so a dropped one comes again, and a flood on one
 subject never takes another subject's slot.
@@ -36,7 +39,7 @@ MAX_PENDING_SUBJECTS = 64  # routers publish each on its own subject: far more t
 PAUSE_RATIO = 3.0  # after a document, pause 3x its handling: 25 % of the loop (measured: 1x lost the
 # connection in 2 of 9 floods of 90 MB on a loaded 2-core machine)
 DROP_LOG_INTERVAL_S = 10.0  # one line per reason and period, however many are dropped
-DROP_REASONS = ("superseded", "too_large", "overflow", "slow_consumer")
+DROP_REASONS = ("superseded", "too_large", "refused", "overflow", "slow_consumer")
 # nats-py's own queue in front of ``offer`` (which is O(1)): bytes above NATS's 1 MiB
 # max_payload, else a message of that size could never be queued; nats-py drops beyond
 # these and reports SlowConsumerError, counted here as ``slow_consumer`` (nats_bus.py)
@@ -46,19 +49,23 @@ DOCUMENTS_DROPPED = metrics.counter("weft_documents_dropped_total",
                                     ["kind", "reason"])
 
 DocumentHandler = Callable[[bytes], Awaitable[bool | None]]  # True: accepted (signed, well formed)
+DocumentScreen = Callable[[str, bytes], bool]  # (subject, data) -> may take a slot (counts its own refusals)
 
 
 class DocumentInbox:
     """The documents of one kind waiting for ``handler``; ``offer`` never blocks."""
 
     def __init__(self, kind: str, handler: DocumentHandler, max_bytes: int = MAX_DOCUMENT_BYTES,
-                 max_subjects: int = MAX_PENDING_SUBJECTS, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_subjects: int = MAX_PENDING_SUBJECTS, clock: Callable[[], float] = time.monotonic,
+                 screen: DocumentScreen | None = None) -> None:
+        """``screen``: checked before a document takes a slot (None: every document may)."""
         if max_bytes <= 0 or max_subjects <= 0:
             raise ValueError("max_bytes and max_subjects must be > 0")
         self.kind = kind
         self.max_bytes = max_bytes
         self.max_subjects = max_subjects
         self._handler = handler
+        self._screen = screen
         self._clock = clock
         self._pending: dict[str, bytes] = {}  # subject -> its newest document; order: first arrival
         self._accepted: dict[str, None] = {}  # subjects whose last handled document was accepted (LRU, bounded)
@@ -76,6 +83,8 @@ class DocumentInbox:
             return False
         if len(data) > self.max_bytes:
             return self.drop("too_large", subject=subject, size_bytes=len(data), max_bytes=self.max_bytes)
+        if self._screen is not None and not self._screen(subject, data):
+            return self.drop("refused", subject=subject)  # the slot keeps what it holds
         if subject in self._pending:
             self.drop("superseded", subject=subject)  # the older one goes; this one takes the slot
         elif len(self._pending) >= self.max_subjects:

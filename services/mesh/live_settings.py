@@ -36,6 +36,7 @@ The services re-check a section with their own parsers; the checks here
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -238,13 +239,11 @@ def decode_bus_payload(data: bytes, seal: DocumentSeal, kind: str = BUS_KIND) ->
     """A document heard on ``weft.<kind>``, opened with ``seal``: UnverifiedDocument when
     its signature fails under a mesh secret, SettingsError when malformed. Keys travel
     only between routers (``ROUTER_BUS_KIND``), never on weft.settings."""
+    body = seal.open(kind, data)  # checked before it is parsed (settings_signing.py)
     try:
-        value = json.loads(data)
+        value = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        if seal.verifies:  # no signed envelope either: refused like one, counted, logged rate-limited
-            seal.refuse(kind, "unsigned")
         raise SettingsError("(document)", f"not JSON: {exc}") from None
-    value = seal.open(kind, value)
     if isinstance(value, dict) and "keys" in value and kind != ROUTER_BUS_KIND:
         raise SettingsError("keys", "never travels on the bus")
     return LiveDocument.parse(value)
@@ -289,7 +288,7 @@ class SettingsFollower:
         SETTINGS_VERSION.labels(service).set(0)
 
     async def subscribe(self, bus) -> None:
-        await bus.subscribe_documents(BUS_KIND, self.receive)
+        await bus.subscribe_documents(BUS_KIND, self.receive, screen=functools.partial(self.seal.admits, BUS_KIND))
 
     async def receive(self, data: bytes) -> bool:
         """Apply a document from the bus. True when it was genuine (signed and well formed,

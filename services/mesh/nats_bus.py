@@ -34,7 +34,8 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import SlowConsumerError
 
 from services.mesh import metrics, nats_auth
-from services.mesh.document_inbox import MAX_DOCUMENT_BYTES, NATS_PENDING_LIMITS, DocumentHandler, DocumentInbox
+from services.mesh.document_inbox import (MAX_DOCUMENT_BYTES, NATS_PENDING_LIMITS, DocumentHandler, DocumentInbox,
+                                          DocumentScreen)
 from services.mesh.event_sequence import Delivery, SequenceTracker  # noqa: F401  (re-exported)
 from services.mesh.subjects import addressed_from, subject
 
@@ -320,12 +321,14 @@ class EventBus:
             return self._drop(kind)
         return await self._send(kind, data)
 
-    async def subscribe_documents(self, kind: str, handler: DocumentHandler) -> None:
+    async def subscribe_documents(self, kind: str, handler: DocumentHandler,
+                                  screen: DocumentScreen | None = None) -> None:
         """Hand the newest document of each ``weft.<kind>.*`` subject to ``handler(data)``,
         one at a time; survives reconnects. Older ones still waiting are dropped, and so
         are any over ``max_document_bytes`` (document_inbox.py: a flood of big documents
-        must not get this connection cut off as a slow consumer)."""
-        inbox = DocumentInbox(kind, handler, max_bytes=self.max_document_bytes)
+        must not get this connection cut off as a slow consumer) or that ``screen(subject,
+        data)`` refuses (a signature check: settings_signing.py ``DocumentSeal.admits``)."""
+        inbox = DocumentInbox(kind, handler, max_bytes=self.max_document_bytes, screen=screen)
         self._doc_subs.append(inbox)
         if self.connected:
             await self._subscribe_documents_on(self._nc, inbox)

@@ -48,9 +48,11 @@ router), ``WEFT_SETTINGS_REPUBLISH_S`` (default 2).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
+import re
 import secrets
 import signal
 import socket
@@ -112,6 +114,12 @@ def default_writer() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
+def bus_source(writer: str) -> str:
+    """A router's bus name from its writer id: ``router-`` and the id, with every character
+    a NATS subject token cannot hold replaced (subjects.py), at most 128 characters."""
+    return ("router-" + re.sub(r"[^A-Za-z0-9_-]", "-", writer))[:128]
+
+
 def read_settings_file(path: str) -> LiveDocument:
     """The document in ``path`` (no keys: those live in the keys file); SettingsError naming the field."""
     if not path:
@@ -138,6 +146,9 @@ class RouterLiveSettings:
         self.keys_file = keys_file
         self.options = options
         self.writer = writer or default_writer()
+        # this router's name on the bus: its own subjects (weft.settings.<source>), so the
+        # inboxes keep one slot per router and the signature binds a document to them
+        self.source = bus_source(self.writer)
         self._clock = clock
         # signs what this router publishes, opens what it hears (settings_signing.py)
         self.seal = DocumentSeal((security if security is not None else mesh_auth.current()).secret, "router")
@@ -268,7 +279,8 @@ class RouterLiveSettings:
         """``doc`` (default: the current one) as published on ``weft.<kind>`` (BUS_KIND: no
         keys; ROUTER_BUS_KIND: keys included), signed when this router has a mesh secret."""
         doc = doc if doc is not None else self.document
-        return self.seal.seal(kind, doc.router_document() if kind == ROUTER_BUS_KIND else doc.bus_document())
+        return self.seal.seal(kind, doc.router_document() if kind == ROUTER_BUS_KIND else doc.bus_document(),
+                              self.source)
 
     async def publish(self) -> None:
         if self.bus is not None:
@@ -297,10 +309,11 @@ class RouterLiveSettings:
             return
         from services.mesh.nats_bus import EventBus
 
-        self.bus = EventBus(self.options.nats_url, "router")
+        self.bus = EventBus(self.options.nats_url, self.source)
         await self.bus.start()
         await self.bus.require_login()
-        await self.bus.subscribe_documents(ROUTER_BUS_KIND, self._on_router_document)
+        await self.bus.subscribe_documents(ROUTER_BUS_KIND, self._on_router_document,
+                                           screen=functools.partial(self.seal.admits, ROUTER_BUS_KIND))
         self._republish = asyncio.create_task(self._republish_forever(), name="settings-republish")
 
     async def stop(self) -> None:

@@ -1,14 +1,17 @@
 """Regression tests for attacker A2's defects in services/mesh/document_inbox.py (issue 17),
 each failing on main at f13d0ee: a junk flood on fresh subjects kept a known router's new
 document out, a handler's CancelledError stopped the inbox for good, an offer after close
-started a worker nothing cancels. Still open (docs/live_config.md): junk on a router's own
-subject supersedes its document (documents name no sender before their signature is read)."""
+started a worker nothing cancels, and (stop 26's "own-subject defect", fixed by the v2
+signature over the raw bytes, settings_signing.py) junk or a replayed genuine document on a
+router's own subject superseded its pending document before its signature was read."""
 from __future__ import annotations
 
 import asyncio
 import functools
 
 from services.mesh.document_inbox import MAX_PENDING_SUBJECTS, DocumentInbox
+from services.mesh.live_settings import BUS_KIND, LiveDocument
+from services.mesh.settings_signing import DocumentSeal
 from tests import waiting
 
 DEADLINE_S = 10.0
@@ -104,3 +107,50 @@ def test_an_offer_after_close_starts_no_worker():
         return task
 
     assert asyncio.run(scenario()) is None, "a worker task was started after close()"
+
+
+def test_junk_on_a_routers_own_subject_does_not_supersede_its_pending_document():
+    """The inbox keeps one slot per subject, and used to keep whatever came last, unread: a
+    publisher allowed on weft.settings.> sent junk (or a mis-signed document) on
+    weft.settings.<router>'s subject right after the router's change, and the change was
+    superseded before its signature was read -- on every republish, for as long as the junk
+    followed it. With a secret the inbox now screens each document (an HMAC over its bytes)
+    before it takes the slot."""
+    seal = DocumentSeal("inbox-secret", "router")
+    other_mesh = DocumentSeal("another-secret", "router")
+    doc = LiveDocument.parse({"scheduler": {"policy": "fcfs"}}).stamped(3, 1.0, "w", "admin_api").bus_document()
+    genuine = seal.seal(BUS_KIND, doc, "router-1")
+    replayed_elsewhere = seal.seal(BUS_KIND, {**doc, "version": 9}, "router-2")  # genuine, another router's
+    subject = f"weft.{BUS_KIND}.router-1"
+
+    async def scenario():
+        handled: list[bytes] = []
+        receiver = DocumentSeal("inbox-secret", "scheduler")
+        inbox = DocumentInbox(BUS_KIND, lambda data: _append(handled, data), clock=lambda: 0.0,
+                              screen=lambda subj, data: receiver.admits(BUS_KIND, subj, data))
+        try:
+            assert inbox.offer(subject, genuine)
+            for junk in (b"junk", genuine[:-1], genuine + b"x", other_mesh.seal(BUS_KIND, doc, "router-1"),
+                         replayed_elsewhere, genuine.replace(b"router-1", b"router-3", 1)):
+                assert not inbox.offer(subject, junk)  # refused before it touches the slot
+            await until(lambda: handled, "the pending document handled")
+            return handled, receiver.num_refused
+        finally:
+            await inbox.close()
+
+    handled, num_refused = asyncio.run(scenario())
+    assert handled == [genuine] and num_refused == 6
+
+
+async def _append(handled: list, data: bytes) -> bool:
+    handled.append(data)
+    return True
+
+
+def test_without_a_secret_the_screen_lets_everything_through():
+    """Development mode (no WEFT_MESH_SECRET) tells nothing apart: the screen admits all,
+    as the handler does (settings_signing.py)."""
+    seal = DocumentSeal("", "scheduler")
+    assert seal.admits(BUS_KIND, "weft.settings.router-1", b"junk")
+    assert seal.num_refused == 0
+

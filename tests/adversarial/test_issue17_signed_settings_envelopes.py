@@ -3,8 +3,9 @@
 publish as a router sends, a router keeps its keys and settings, a service keeps the
 section it runs, and every refusal is counted and logged at most once per period, so a
 flood costs neither memory nor log lines. Replay of a captured document into a router that
-has nothing newer (a restart) was the one hole left: envelopes now carry a signed sent_at,
-and a capture older than MAX_AGE_S is refused as stale."""
+has nothing newer (a restart) was the one hole left: documents now carry a signed sent_at,
+and a capture older than MAX_AGE_S is refused as stale. The format is v2 (a signed header
+line over the raw bytes, settings_signing.py); the v1 JSON envelope is refused."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,7 @@ from structlog.testing import capture_logs
 from services.mesh import metrics
 from services.mesh.live_settings import BUS_KIND, ROUTER_BUS_KIND, SettingsFollower
 from services.mesh.mesh_auth import MeshSecurity
-from services.mesh.settings_signing import MAX_AGE_S, UnverifiedDocument
+from services.mesh.settings_signing import MAX_AGE_S, UnverifiedDocument, split_signed
 from services.router.auth import KeyStore
 from services.router.errors import AuthenticationError
 from services.router.live_settings import LiveOptions, RouterLiveSettings
@@ -62,37 +63,46 @@ def refused(service: str, reason: str) -> float:
                                              {"service": service, "reason": reason}) or 0.0
 
 
-def signed(live: RouterLiveSettings, kind: str) -> dict:
-    return json.loads(live.sealed(kind))
+def signed(live: RouterLiveSettings, kind: str, doc=None) -> tuple[str, bytes, str, dict]:
+    """(source, sent_at, signature, document) of what ``live`` publishes on ``kind``."""
+    source, sent_at, signature, body = split_signed(live.sealed(kind, doc))
+    return source, sent_at, signature, json.loads(body)
+
+
+def framed(source: str, sent_at: bytes, signature: str, body: bytes) -> bytes:
+    return b"weft-signed/2 %s %s %s\n%s" % (source.encode(), sent_at, signature.encode(), body)
 
 
 def hostile_variants(live: RouterLiveSettings, kind: str) -> dict[str, bytes]:
-    """Payloads a client without the secret can make from one genuine envelope."""
-    env = signed(live, kind)
-    doc, sig = env["document"], env["signature"]
+    """Payloads a client without the secret can make from one genuine signed document."""
+    source, sent_at, sig, doc = signed(live, kind)
+    genuine = live.sealed(kind)
     newer = {**doc, "updated_at": doc["updated_at"] + 3600, "scheduler": {"policy": "fcfs"}}
     if kind == ROUTER_BUS_KIND:
         newer["keys"] = {"sk-evil-admin-0001": {"tenant": "evil", "role": "admin"}}
     dumps = lambda v: json.dumps(v).encode()  # noqa: E731
     return {
-        "tampered": dumps({"document": newer, "signature": sig}),
-        "truncated": live.sealed(kind)[:-7],
+        "tampered": framed(source, sent_at, sig, dumps(newer)),
+        "truncated": genuine[:-7],
+        "extended": genuine + b" ",
         "not json": b"\xff\xfe not json at all",
         "empty": b"",
-        "huge": dumps({"document": {**newer, "pad": "x" * (2 << 20)}, "signature": sig}),
-        "deeply nested": b'{"document": ' + b"[" * 100_000 + b"]" * 100_000 + b', "signature": "00"}',
-        "nan": b'{"document": {"version": NaN, "updated_at": Infinity}, "signature": "' + sig.encode() + b'"}',
-        "duplicate signature key": (b'{"document": ' + json.dumps(newer).encode() + b', "signature": "'
-                                    + sig.encode() + b'", "signature": "' + sig.encode() + b'"}'),
-        "upper-case hex": dumps({"document": newer, "signature": sig.upper()}),
-        "signature with whitespace": dumps({"document": doc | {"version": doc["version"] + 1},
-                                            "signature": f" {sig}\n"}),
-        "signature a number": dumps({"document": newer, "signature": int(sig[:15], 16)}),
-        "signature null": dumps({"document": newer, "signature": None}),
-        "extra field": dumps({"document": newer, "signature": sig, "trusted": True}),
+        "header only": genuine.split(b"\n", 1)[0] + b"\n",
+        "no newline": genuine.replace(b"\n", b" ", 1),
+        "crlf": genuine.replace(b"\n", b"\r\n", 1),
+        "huge": framed(source, sent_at, sig, dumps({**newer, "pad": "x" * (2 << 20)})),
+        "deeply nested": framed(source, sent_at, sig, b"[" * 100_000 + b"]" * 100_000),
+        "nan": framed(source, sent_at, sig, b'{"version": NaN, "updated_at": Infinity}'),
+        "upper-case hex": framed(source, sent_at, sig.upper(), dumps(newer)),
+        "signature with whitespace": genuine.replace(sig.encode(), b" " + sig.encode(), 1),
+        "short signature": framed(source, sent_at, sig[:-1], dumps(newer)),
+        "sent_at moved": framed(source, b"%.3f" % (float(sent_at) + 1), sig, genuine.split(b"\n", 1)[1]),
+        "sent_at exponent": framed(source, sent_at.replace(b".", b"e", 1), sig, genuine.split(b"\n", 1)[1]),
+        "another source": framed("router-evil", sent_at, sig, genuine.split(b"\n", 1)[1]),
+        "v1 envelope": dumps({"document": newer, "sent_at": float(sent_at), "signature": sig}),
         "bare document": dumps(newer),
         "bare list": dumps([newer, sig]),
-        "non-ascii signature": dumps({"document": newer, "signature": "é" * 64}),
+        "non-ascii signature": framed(source, sent_at, "é" * 32, dumps(newer)),
     }
 
 
@@ -156,12 +166,11 @@ def test_a_flood_of_non_json_under_a_secret_is_counted_and_logged_once_per_perio
 def test_the_refusal_log_keeps_one_slot_per_reason_under_a_flood_of_distinct_forgeries(tmp_path):
     ours = router(tmp_path, "router-ours")
     genuine = router(tmp_path, "router-peer")
-    base = signed(genuine, ROUTER_BUS_KIND)
+    source, sent_at, _, doc = signed(genuine, ROUTER_BUS_KIND)
     for i in range(2000):
-        forged = {"document": {**base["document"], "version": i + 10}, "sent_at": base["sent_at"],
-                  "signature": f"{i:064x}"}
+        forged = {**doc, "version": i + 10}
+        asyncio.run(ours._on_router_document(framed(source, sent_at, f"{i:064x}", json.dumps(forged).encode())))
         asyncio.run(ours._on_router_document(json.dumps(forged).encode()))
-        asyncio.run(ours._on_router_document(json.dumps(forged["document"]).encode()))
     assert set(ours.seal._log_refusal._last) == {"bad_signature", "unsigned"}
 
 
@@ -207,7 +216,7 @@ def test_a_replayed_old_change_does_not_revive_a_revoked_key_in_a_restarted_rout
     before.patch({"keys": {"sk-leaked-key-001": None}})  # revoked
 
     restarted = router(tmp_path, "router-restarted", claim=False)  # its keys file lacks the leaked key
-    sent_at = json.loads(captured)["sent_at"]
+    sent_at = float(split_signed(captured)[1])
     restarted.seal.wall_clock = lambda: sent_at + MAX_AGE_S + 1  # replayed while it listens, a while later
     with pytest.raises(UnverifiedDocument, match="stale"):
         restarted.adopt(captured)
@@ -250,15 +259,16 @@ def test_a_malformed_document_republished_by_a_peer_is_logged_once_per_period(tm
     upgrade, republished every few seconds), or junk without a secret: one line per period
     per receiver, with the error; on the old code every republish logged a warning."""
     newer = router(tmp_path, "router-newer")
-    env = signed(newer, ROUTER_BUS_KIND)
-    env["document"]["scheduler"] = {"a_setting_from_the_future": 1}
-    env["signature"] = newer.seal.signature(ROUTER_BUS_KIND, env["document"], env["sent_at"])
-    bus_env = {"document": {k: v for k, v in env["document"].items() if k != "keys"}, "sent_at": env["sent_at"]}
-    bus_env["signature"] = newer.seal.signature(BUS_KIND, bus_env["document"], bus_env["sent_at"])
+    source, sent_at, _, doc = signed(newer, ROUTER_BUS_KIND)
+    doc["scheduler"] = {"a_setting_from_the_future": 1}
+    body = json.dumps(doc).encode()
+    env = framed(source, sent_at, newer.seal.signature(ROUTER_BUS_KIND, source, sent_at, body), body)
+    bus_body = json.dumps({k: v for k, v in doc.items() if k != "keys"}).encode()
+    bus_env = framed(source, sent_at, newer.seal.signature(BUS_KIND, source, sent_at, bus_body), bus_body)
     ours, service, bare = router(tmp_path, "router-ours"), follower([]), follower([], secret="")
     for _ in range(30):
-        asyncio.run(ours._on_router_document(json.dumps(env).encode()))
-        asyncio.run(service.receive(json.dumps(bus_env).encode()))
+        asyncio.run(ours._on_router_document(env))
+        asyncio.run(service.receive(bus_env))
         asyncio.run(bare.receive(b"junk"))
     lines = [e for e in _logs if e["event"] in ("live_settings_peer_refused", "live_settings_malformed")]
     assert len(lines) == 3 and all("error" in e for e in lines)

@@ -15,6 +15,7 @@ from services.mesh.live_settings import BUS_KIND, ROUTER_BUS_KIND, SettingsFollo
 from services.mesh.mesh_auth import MeshSecurity
 from services.mesh.nats_bus import EventBus
 from services.mesh.nats_server import NatsServer
+from services.mesh.settings_signing import split_signed
 from services.router.auth import KeyStore
 from services.router.errors import AuthenticationError
 from services.router.live_settings import LiveOptions, RouterLiveSettings
@@ -48,12 +49,16 @@ def knows(live: RouterLiveSettings, key: str) -> bool:
 until = functools.partial(waiting.until, deadline_s=DEADLINE_S)  # this file's own bound
 
 
-def garbage(i: int, genuine: dict) -> bytes:
-    forged = {**genuine["document"], "updated_at": genuine["document"]["updated_at"] + 9999,
-              "keys": {"sk-evil-admin-0001": {"tenant": "evil", "role": "admin"}}}
-    return [b"\xff not json %d" % i,
-            json.dumps({"document": forged, "signature": genuine["signature"]}).encode(),
-            json.dumps(forged).encode()][i % 3]  # small: big floods are tests/unit/mesh/test_document_flood.py
+def garbage(i: int, genuine: bytes) -> bytes:
+    """Junk, a forgery under the genuine header (router 1's, heard on the flooder's subject),
+    the same on the flooder's own source, a bare document: small (big floods are
+    tests/unit/mesh/test_document_flood.py)."""
+    source, sent_at, signature, body = split_signed(genuine)
+    doc = json.loads(body)
+    forged = json.dumps({**doc, "updated_at": doc["updated_at"] + 9999,
+                         "keys": {"sk-evil-admin-0001": {"tenant": "evil", "role": "admin"}}}).encode()
+    own = b"weft-signed/2 router-x %s %s\n" % (sent_at, signature.encode())
+    return [b"\xff not json %d" % i, genuine.split(b"\n", 1)[0] + b"\n" + forged, own + forged, forged][i % 4]
 
 
 def test_a_flood_without_the_secret_changes_nothing_and_a_real_patch_still_arrives(tmp_path):
@@ -69,7 +74,7 @@ def test_a_flood_without_the_secret_changes_nothing_and_a_real_patch_still_arriv
             for live in (first, second):
                 await live.start()
             await until(lambda: not first.listening and not second.listening, "both routers to claim")
-            genuine = json.loads(first.sealed(ROUTER_BUS_KIND))
+            genuine = first.sealed(ROUTER_BUS_KIND)
             assert await hostile.wait_connected(DEADLINE_S)
 
             async def flood() -> None:
@@ -89,7 +94,7 @@ def test_a_flood_without_the_secret_changes_nothing_and_a_real_patch_still_arriv
             assert second.seal.num_refused >= 1 and scheduler.seal.num_refused >= 1
             assert knows(second, "sk-globex-000001") and not knows(second, "sk-evil-admin-0001")
             assert not knows(first, "sk-evil-admin-0001")
-            assert set(second.seal._log_refusal._last) <= {"unsigned", "bad_signature"}
+            assert set(second.seal._log_refusal._last) <= {"unsigned", "bad_signature", "wrong_subject"}
         finally:
             for live in (first, second):
                 await live.stop()
@@ -100,7 +105,7 @@ def test_a_flood_without_the_secret_changes_nothing_and_a_real_patch_still_arriv
         asyncio.run(scenario(server.url))
     refusals = [e for e in logs if e["event"] in ("live_settings_peer_refused", "live_settings_malformed",
                                                    "document_handler_failed")]
-    assert len(refusals) <= 3 * 2 * 2  # per receiver and reason, a period or two: not one per message
+    assert len(refusals) <= 3 * 3 * 2  # per receiver and reason, a period or two: not one per message
 
 
 def test_a_patch_that_raced_a_start_survives_and_one_lost_with_its_router_waits_in_its_files(tmp_path):

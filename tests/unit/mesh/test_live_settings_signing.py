@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 from services.mesh import metrics
 from services.mesh.live_settings import BUS_KIND, ROUTER_BUS_KIND, LiveDocument, SettingsFollower
 from services.mesh.mesh_auth import MeshSecurity
-from services.mesh.settings_signing import DocumentSeal, UnverifiedDocument, canonical_bytes
+from services.mesh.settings_signing import DocumentSeal, UnverifiedDocument, signed_bytes, split_signed
 from services.router.auth import KeyStore
 from services.router.errors import AuthenticationError
 from services.router.live_settings import LiveOptions, RouterLiveSettings
@@ -83,11 +83,12 @@ def test_routers_with_one_secret_converge_keys_included(tmp_path):
     b.adopt(a.sealed(ROUTER_BUS_KIND))
     assert b.document == a.document
     assert b.keys.authenticate("sk-globex-000001") == "globex"
-    # b republishes a's document, signed alike (each seal stamps its own sent_at)
-    mine, theirs = json.loads(b.sealed(BUS_KIND)), json.loads(a.sealed(BUS_KIND))
-    assert mine["document"] == theirs["document"]
-    assert mine["signature"] == b.seal.signature(BUS_KIND, mine["document"], mine["sent_at"])
-    assert theirs["signature"] == b.seal.signature(BUS_KIND, theirs["document"], theirs["sent_at"])
+    # b republishes a's document, signed alike (each seal stamps its own source and sent_at)
+    (b_source, b_sent, mine, b_body), (a_source, a_sent, theirs, a_body) = (
+        split_signed(b.sealed(BUS_KIND)), split_signed(a.sealed(BUS_KIND)))
+    assert b_body == a_body and (b_source, a_source) == ("router-router-b", "router-router-a")
+    assert mine == b.seal.signature(BUS_KIND, b_source, b_sent, b_body)
+    assert theirs == b.seal.signature(BUS_KIND, a_source, a_sent, a_body)
 
 
 def test_an_unsigned_document_is_refused_when_a_secret_is_set(tmp_path, _logs):
@@ -120,11 +121,13 @@ def test_a_service_refuses_a_mis_signed_settings_document_and_keeps_the_one_it_r
 
 def test_a_tampered_document_fails_its_signature(tmp_path):
     ours = router(tmp_path, "router-ours", "s3cret", OURS)
-    envelope = json.loads(ours.sealed(BUS_KIND))
-    envelope["document"]["scheduler"] = {"policy": "fcfs"}
-    envelope["document"]["updated_at"] += 3600  # and newer, so it would win
+    data = ours.sealed(BUS_KIND)
+    head, body = data.split(b"\n", 1)
+    document = json.loads(body)
+    document["scheduler"] = {"policy": "fcfs"}
+    document["updated_at"] += 3600  # and newer, so it would win
     applied: list[dict] = []
-    asyncio.run(follower("s3cret", applied).receive(json.dumps(envelope).encode()))
+    asyncio.run(follower("s3cret", applied).receive(head + b"\n" + json.dumps(document).encode()))
     assert applied == []
 
 
@@ -138,12 +141,18 @@ def test_a_document_signed_for_the_services_is_no_router_document(tmp_path):
     assert "scheduler" not in b.document.sections
 
 
-def test_the_signature_is_over_the_document_not_its_wire_layout(tmp_path):
+def test_the_signature_is_over_the_bytes_as_sent(tmp_path):
+    """Checked before parsing (the inbox screens with it): the same document laid out
+    otherwise is another byte string, refused; the bytes as sent are applied."""
     ours = router(tmp_path, "router-ours", "s3cret", OURS)
     ours.patch({"scheduler": {"policy": "fcfs", "tenant_quotas": "acme=64"}})
-    relaid = json.dumps(json.loads(ours.sealed(BUS_KIND)), indent=3).encode()  # whitespace, key order
+    head, body = ours.sealed(BUS_KIND).split(b"\n", 1)
+    relaid = head + b"\n" + json.dumps(json.loads(body), indent=3).encode()  # whitespace only
     applied: list[dict] = []
-    asyncio.run(follower("s3cret", applied).receive(relaid))
+    service = follower("s3cret", applied)
+    asyncio.run(service.receive(relaid))
+    assert applied == [] and service.seal.num_refused == 1
+    asyncio.run(service.receive(ours.sealed(BUS_KIND)))
     assert applied == [{"policy": "fcfs", "tenant_quotas": "acme=64"}]
 
 
@@ -171,7 +180,7 @@ def test_without_a_secret_documents_are_plain_as_before_and_unverified_is_warned
     assert [e["service"] for e in _logs if e["event"] == "live_settings_unverified"] == ["router"]
 
 
-def test_without_a_secret_a_signed_envelope_is_read_unverified(tmp_path):
+def test_without_a_secret_a_signed_document_is_read_unverified(tmp_path):
     signed = router(tmp_path, "router-a", "s3cret", OURS)
     signed.patch({"scheduler": {"policy": "fcfs"}})
     applied: list[dict] = []
@@ -191,8 +200,9 @@ def test_refusals_are_logged_once_per_period_per_reason(tmp_path, _logs):
 def test_the_secret_never_travels_and_the_key_is_derived():
     seal = DocumentSeal("s3cret-value", "router")
     doc = LiveDocument.parse({"version": 3, "scheduler": {"policy": "fcfs"}}).bus_document()
-    data = seal.seal(BUS_KIND, doc)
+    data = seal.seal(BUS_KIND, doc, "router-1")
     assert b"s3cret-value" not in data
-    sent_at = json.loads(data)["sent_at"]
-    with_secret = hmac.new(b"s3cret-value", canonical_bytes(BUS_KIND, doc, sent_at), hashlib.sha256).hexdigest()
-    assert json.loads(data)["signature"] != with_secret
+    source, sent_at, signature, body = split_signed(data)
+    with_secret = hmac.new(b"s3cret-value", signed_bytes(BUS_KIND, source, sent_at, body), hashlib.sha256)
+    assert signature != with_secret.hexdigest()
+    assert seal.signature(BUS_KIND, source, sent_at, body) == signature
