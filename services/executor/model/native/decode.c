@@ -3,11 +3,15 @@
  *
  * NOTE: a batch-1 decode step reads every weight once and does ~2 flops per weight, so it
  * is bound by memory bandwidth, not compute. The GEMV below gives each OpenMP thread one
- * contiguous range of rows, read row after row (one sequential stream per thread, with a
- * software prefetch 1 KiB ahead), four FMA accumulators per row. (Four rows at a time,
- * interleaved, measured ~10 % slower: four short streams defeat the prefetchers.) The whole step runs inside ONE parallel region: the 5 hand-offs
- * per layer are barriers (spinning briefly under GOMP_SPINCOUNT) instead of the ~4
- * parallel regions per layer torch opens, and no Python runs between the ops.
+ * contiguous range of rows. On AVX-512 builds a thread reads it row after row (one
+ * sequential stream, with a software prefetch 1 KiB ahead), four FMA accumulators per row;
+ * four adjacent rows at a time, interleaved, measured ~10 % slower there (four short
+ * streams defeat the prefetchers). On AVX2 builds a thread reads its range as four long
+ * streams, one per quarter (dot4): a 2-core Zen 2 without AVX-512 kept more DRAM reads in
+ * flight that way, a SmolLM2 step 1.33x faster (docs/architecture.md, "Fifth pass").
+ * The whole step runs inside ONE parallel region: the 5 hand-offs per layer are barriers
+ * (spinning briefly under GOMP_SPINCOUNT) instead of the ~4 parallel regions per layer
+ * torch opens, and no Python runs between the ops.
  *
  * Layouts and the helpers shared with the multi-row step (decode_batch.c): llama_step.h.
  *
@@ -16,6 +20,81 @@
  */
 #include "llama_step.h"
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* out[j] = w[j] . x for the 4 rows w[0..3] (anywhere in memory), in one pass over x. */
+static inline void dot4(const float *const w[4], const float *x, int k, float out[4]) {
+    __m256 a[4], c[4];
+    for (int j = 0; j < 4; j++) a[j] = c[j] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= k; i += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        for (int j = 0; j < 4; j++) {
+            a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(w[j] + i), x0, a[j]);
+            c[j] = _mm256_fmadd_ps(_mm256_loadu_ps(w[j] + i + 8), x1, c[j]);
+        }
+    }
+    if (i + 8 <= k) {
+        const __m256 x0 = _mm256_loadu_ps(x + i);
+        for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(w[j] + i), x0, a[j]);
+        i += 8;
+    }
+    if (i < k) {
+        const __m256i m = mask8(k - i);
+        const __m256 x0 = _mm256_maskload_ps(x + i, m);
+        for (int j = 0; j < 4; j++) c[j] = _mm256_fmadd_ps(_mm256_maskload_ps(w[j] + i, m), x0, c[j]);
+    }
+    for (int j = 0; j < 4; j++) out[j] = hsum8(_mm256_add_ps(a[j], c[j]));
+}
+
+/* Inside a parallel region: y[o] (+)= W[o, :] . x + b[o] for o in [0, n). Each thread
+ * owns one contiguous range of rows and reads it as four streams, one per quarter, a row
+ * of each at a time (dot4): four distant streams keep more DRAM reads in flight than one
+ * (a 2-core Zen 2 read ~16-24 GB/s with one stream per core, ~25-28 with four; standalone
+ * C loop over 212 MB of weights). accumulate != 0 adds into y (a residual). Ends with a
+ * barrier. */
+static void gemv_for(const float *W, const float *b, const float *x, float *y, int n, int k, int accumulate) {
+    int lo, hi;
+    thread_rows(n, &lo, &hi);
+    const int q = (hi - lo) / 4;
+    for (int i = lo; i < lo + q; i++) {
+        const float *rows[4] = {W + (size_t)i * k, W + (size_t)(i + q) * k, W + (size_t)(i + 2 * q) * k,
+                                W + (size_t)(i + 3 * q) * k};
+        float v[4];
+        dot4(rows, x, k, v);
+        for (int j = 0; j < 4; j++) {
+            const int o = i + j * q;
+            v[j] += b ? b[o] : 0.f;
+            y[o] = accumulate ? y[o] + v[j] : v[j];
+        }
+    }
+    for (int o = lo + 4 * q; o < hi; o++) {
+        float v = dot(W + (size_t)o * k, x, k) + (b ? b[o] : 0.f);
+        y[o] = accumulate ? y[o] + v : v;
+    }
+    #pragma omp barrier
+}
+
+/* Inside a parallel region: act[i] = silu(gate[i]) * up[i] for i < inter. gu [2 * inter, H]:
+ * each thread's range of gate rows and its up rows, as four streams (two of each). */
+static void gate_up_for(const float *gu, const float *x, float *act, int inter, int H) {
+    int lo, hi;
+    thread_rows(inter, &lo, &hi);
+    const int q = (hi - lo) / 2;
+    for (int i = lo; i < lo + q; i++) {
+        const float *rows[4] = {gu + (size_t)i * H, gu + (size_t)(i + q) * H, gu + (size_t)(inter + i) * H,
+                                gu + (size_t)(inter + i + q) * H};
+        float v[4];
+        dot4(rows, x, H, v);
+        act[i] = v[0] / (1.f + expf(-v[0])) * v[2];
+        act[i + q] = v[1] / (1.f + expf(-v[1])) * v[3];
+    }
+    for (int i = lo + 2 * q; i < hi; i++) {
+        const float g = dot(gu + (size_t)i * H, x, H), u = dot(gu + (size_t)(inter + i) * H, x, H);
+        act[i] = g / (1.f + expf(-g)) * u;
+    }
+    #pragma omp barrier
+}
+#else
 /* Inside a parallel region: y[o] (+)= W[o, :] . x + b[o] for o in [0, n), each thread
  * owning one contiguous range of rows (one sequential stream). accumulate != 0 adds into
  * y (a residual). Ends with the loop's barrier. */
@@ -26,6 +105,17 @@ static void gemv_for(const float *W, const float *b, const float *x, float *y, i
         y[o] = accumulate ? y[o] + v : v;
     }
 }
+
+/* Inside a parallel region: act[i] = silu(gate[i]) * up[i]: the gate row and its up row in
+ * one pass. gu [2 * inter, H]. Ends with the loop's barrier. */
+static void gate_up_for(const float *gu, const float *x, float *act, int inter, int H) {
+    #pragma omp for schedule(static)
+    for (int i = 0; i < inter; i++) {
+        float g = dot(gu + (size_t)i * H, x, H), u = dot(gu + (size_t)(inter + i) * H, x, H);
+        act[i] = g / (1.f + expf(-g)) * u;
+    }
+}
+#endif
 
 /* y = W @ x (+ b): W [n, k], x [k], y [n]. Opens its own parallel region. */
 void weft_gemv(const float *W, const float *b, const float *x, float *y, int n, int k, int num_threads) {
@@ -87,13 +177,7 @@ int weft_decode_step(const weft_model *m, int64_t token_id, int64_t position, in
             }
             gemv_for(m->o[l], m->o_bias[l], attn, h, H, q_dim, 1); /* h += o(attn) */
             rms_norm(h, m->post_norm[l], x, H, m->eps);
-            /* act[i] = silu(gate[i]) * up[i]: the gate row and its up row in one pass */
-            const float *gu = m->gate_up[l];
-            #pragma omp for schedule(static)
-            for (int i = 0; i < inter; i++) {
-                float g = dot(gu + (size_t)i * H, x, H), u = dot(gu + (size_t)(inter + i) * H, x, H);
-                act[i] = g / (1.f + expf(-g)) * u;
-            }
+            gate_up_for(m->gate_up[l], x, act, inter, H);
             gemv_for(m->down[l], NULL, act, h, H, inter, 1); /* h += down(act) */
         }
         rms_norm(h, m->final_norm, x, H, m->eps);

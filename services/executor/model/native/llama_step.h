@@ -29,6 +29,13 @@
 
 static inline int imin(int a, int b) { return a < b ? a : b; }
 
+/* Inside a parallel region: this thread's share [lo, hi) of n rows, as equal as integers allow. */
+static inline void thread_rows(int n, int *lo, int *hi) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    *lo = (int)((int64_t)n * t / nt);
+    *hi = (int)((int64_t)n * (t + 1) / nt);
+}
+
 /* ---- one weight row against one vector ---------------------------------------------- */
 
 #if defined(__AVX512F__)
