@@ -53,9 +53,9 @@ static inline void reduce16(const __m512 *v, float *out) {
 #define TILE_STEP(LOAD)                                                                         \
     do {                                                                                        \
         __m512 wv[TILE_W];                                                                      \
-        for (int a = 0; a < nw; a++) wv[a] = LOAD(w + (size_t)a * k + i);                       \
+        for (int a = 0; a < nw; a++) wv[a] = LOAD(w + (size_t)a * ldw + i);                     \
         for (int a = 0; a < TILE_W; a++)                                                        \
-            if (pf_rows & (1u << a)) _mm_prefetch((const char *)(pf + (size_t)a * k + i), PF_HINT); \
+            if (pf_rows & (1u << a)) _mm_prefetch((const char *)(pf + (size_t)a * ldw + i), PF_HINT); \
         for (int b = 0; b < nr; b++) {                                                          \
             __m512 xv = LOAD(x + (size_t)b * ldx + i);                                          \
             __asm__("" : "+v"(xv)); /* one load into a register, not one folded into each FMA */ \
@@ -65,12 +65,12 @@ static inline void reduce16(const __m512 *v, float *out) {
 #define LOAD_FULL(p) _mm512_loadu_ps(p)
 #define LOAD_MASKED(p) _mm512_maskz_loadu_ps(m, p)
 
-/* out[a * TILE_R + b] = W[a, :] . X[b, :] for a < nw, b < nr. w: [nw, k] rows of the
- * weight; x: [nr, ldx] activation rows; pf: a later tile's first row, of which the rows
+/* out[a * TILE_R + b] = W[a, :] . X[b, :] for a < nw, b < nr. w: nw weight rows of k
+ * floats, ldw apart (k: adjacent rows); x: [nr, ldx] activation rows; pf: a later tile's first row, of which the rows
  * in the bit mask pf_rows are prefetched (prefetch_rows).
  * Always inlined with constant nw / nr, so the accumulators live in registers (acc is
  * never address-taken: copied out for the reduction, or gcc spills it every iteration). */
-static inline __attribute__((always_inline)) void tile_dots(const float *w, int k, const float *x, int ldx,
+static inline __attribute__((always_inline)) void tile_dots(const float *w, size_t ldw, int k, const float *x, int ldx,
                                                             const int nw, const int nr, const float *pf,
                                                             unsigned pf_rows, float *out) {
     __m512 acc[TILE_W][TILE_R];
@@ -93,10 +93,10 @@ static inline __attribute__((always_inline)) void tile_dots(const float *w, int 
     }
 }
 
-static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *pf,
+static void tile_dispatch(const float *w, size_t ldw, int k, const float *x, int ldx, int nw, int nr, const float *pf,
                           unsigned pf_rows, float *out) {
 #define TILE_CASE(W_, R_) \
-    if (nw == W_ && nr == R_) { tile_dots(w, k, x, ldx, W_, R_, pf, pf_rows, out); return; }
+    if (nw == W_ && nr == R_) { tile_dots(w, ldw, k, x, ldx, W_, R_, pf, pf_rows, out); return; }
     TILE_CASE(4, 4) TILE_CASE(4, 3) TILE_CASE(4, 2) TILE_CASE(4, 1)
     TILE_CASE(3, 4) TILE_CASE(3, 3) TILE_CASE(3, 2) TILE_CASE(3, 1)
     TILE_CASE(2, 4) TILE_CASE(2, 3) TILE_CASE(2, 2) TILE_CASE(2, 1)
@@ -120,7 +120,7 @@ static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw
 #define HALF_STEP(LOAD, at)                                                                     \
     do {                                                                                        \
         __m256 wv[HALF_W];                                                                      \
-        for (int a = 0; a < nw; a++) wv[a] = LOAD(w + (size_t)a * k + (at));                    \
+        for (int a = 0; a < nw; a++) wv[a] = LOAD(w + (size_t)a * ldw + (at));                  \
         for (int b = 0; b < nr; b++) {                                                          \
             __m256 xv = LOAD(x + (size_t)b * ldx + (at));                                       \
             __asm__("" : "+x"(xv)); /* one load into a register, not one folded into each FMA */ \
@@ -133,7 +133,7 @@ static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw
 /* out[a * TILE_R + b] = W[a, :] . X[b, :] for a < nw <= HALF_W, b < nr; the rows of the later
  * tile pf in the bit mask pf_rows are prefetched, one cache line per 16 columns. Always
  * inlined with constant nw / nr (the accumulators stay in registers; see tile_dots above). */
-static inline __attribute__((always_inline)) void half_dots(const float *w, int k, const float *x, int ldx,
+static inline __attribute__((always_inline)) void half_dots(const float *w, size_t ldw, int k, const float *x, int ldx,
                                                             const int nw, const int nr, const float *pf,
                                                             unsigned pf_rows, float *out) {
     __m256 acc[HALF_W][TILE_R];
@@ -142,7 +142,7 @@ static inline __attribute__((always_inline)) void half_dots(const float *w, int 
     int i = 0;
     for (; i + 16 <= k; i += 16) {
         for (int a = 0; a < HALF_W; a++)
-            if (pf_rows & (1u << a)) _mm_prefetch((const char *)(pf + (size_t)a * k + i), PF_HINT);
+            if (pf_rows & (1u << a)) _mm_prefetch((const char *)(pf + (size_t)a * ldw + i), PF_HINT);
         HALF_STEP(LOAD_FULL, i);
         HALF_STEP(LOAD_FULL, i + 8);
     }
@@ -163,34 +163,124 @@ static inline __attribute__((always_inline)) void half_dots(const float *w, int 
     }
 }
 
-static void half_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *pf,
-                          unsigned pf_rows, float *out) {
+static void half_dispatch(const float *w, size_t ldw, int k, const float *x, int ldx, int nw, int nr,
+                          const float *pf, unsigned pf_rows, float *out) {
 #define HALF_CASE(W_, R_) \
-    if (nw == W_ && nr == R_) { half_dots(w, k, x, ldx, W_, R_, pf, pf_rows, out); return; }
+    if (nw == W_ && nr == R_) { half_dots(w, ldw, k, x, ldx, W_, R_, pf, pf_rows, out); return; }
     HALF_CASE(3, 4) HALF_CASE(3, 3) HALF_CASE(3, 2) HALF_CASE(3, 1)
     HALF_CASE(2, 4) HALF_CASE(2, 3) HALF_CASE(2, 2) HALF_CASE(2, 1)
     HALF_CASE(1, 4) HALF_CASE(1, 3) HALF_CASE(1, 2) HALF_CASE(1, 1)
 #undef HALF_CASE
 }
 
-static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *pf,
+static void tile_dispatch(const float *w, size_t ldw, int k, const float *x, int ldx, int nw, int nr, const float *pf,
                           unsigned pf_rows, float *out) {
     for (int a0 = 0; a0 < nw; a0 += HALF_W)
-        half_dispatch(w + (size_t)a0 * k, k, x, ldx, nw - a0 < HALF_W ? nw - a0 : HALF_W, nr, pf + (size_t)a0 * k,
-                      (pf_rows >> a0) & ((1u << HALF_W) - 1u), out + a0 * TILE_R);
+        half_dispatch(w + (size_t)a0 * ldw, ldw, k, x, ldx, nw - a0 < HALF_W ? nw - a0 : HALF_W, nr,
+                      pf + (size_t)a0 * ldw, (pf_rows >> a0) & ((1u << HALF_W) - 1u), out + a0 * TILE_R);
 }
 #else
 /* Without AVX2 or AVX-512: one dot per (weight row, activation row); same results, slower. */
-static void tile_dispatch(const float *w, int k, const float *x, int ldx, int nw, int nr, const float *pf,
+static void tile_dispatch(const float *w, size_t ldw, int k, const float *x, int ldx, int nw, int nr, const float *pf,
                           unsigned pf_rows, float *out) {
     (void)pf;
     (void)pf_rows;
     for (int a = 0; a < nw; a++)
-        for (int b = 0; b < nr; b++) out[a * TILE_R + b] = dot(w + (size_t)a * k, x + (size_t)b * ldx, k);
+        for (int b = 0; b < nr; b++) out[a * TILE_R + b] = dot(w + (size_t)a * ldw, x + (size_t)b * ldx, k);
 }
 #endif
 
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* AVX2 builds read each thread's weight rows as TILE_W streams: the thread's range of n
+ * rows is cut into TILE_W equal parts and a tile takes one row of each (row i of every
+ * part, ldw = part * k apart), the few rows left over (< TILE_W) making one last tile of
+ * adjacent rows. Six distant streams keep more DRAM reads in flight than one stream of
+ * adjacent tiles: the same 2-4 row GEMM on a 2-core Zen 2 ran ~1.4x faster that way
+ * (benchmarks/results/native_batch_avx2.md). The next row of each stream is prefetched,
+ * spread over the passes as prefetch_rows does. */
+
+/* Which of the tile's TILE_W rows pass `pass` (of `passes`) prefetches. */
+static inline unsigned spread_rows(int pass, int passes) {
+    unsigned mask = 0;
+    for (int a = 0; a < TILE_W; a++)
+        if (passes > TILE_W ? a == pass : a * passes / TILE_W == pass) mask |= 1u << a;
+    return mask;
+}
+
+/* One tile of TILE_W streams (i < part: rows o0 + a * part) or the leftover tile (adjacent
+ * rows from o0), as (its first row, row stride in floats, output stride, rows). */
+typedef struct { int o0, ostride, nw; size_t ldw; } stream_tile;
+
+static inline stream_tile stream_tile_at(int i, int lo, int hi, int part, int k) {
+    stream_tile t;
+    if (i < part) {
+        t.o0 = lo + i, t.ostride = part, t.nw = TILE_W, t.ldw = (size_t)part * k;
+    } else {
+        t.o0 = lo + TILE_W * part, t.ostride = 1, t.nw = hi - t.o0, t.ldw = (size_t)k;
+    }
+    return t;
+}
+
+/* Inside a parallel region: Y[r, o] (+)= W[o, :] . X[r, :] + b[o] for r < R, o < n.
+ * W [n, k]; X [R, ldx]; Y [R, ldy]. accumulate != 0 adds into Y (a residual). Each thread
+ * owns a contiguous range of rows, read as TILE_W streams. Ends with a barrier. */
+static void gemm_rows_for(const float *W, const float *b, const float *X, int ldx, float *Y, int ldy, int n, int k,
+                          int R, int accumulate) {
+    int lo, hi;
+    thread_rows(n, &lo, &hi);
+    const int part = (hi - lo) / TILE_W, passes = (R + TILE_R - 1) / TILE_R;
+    for (int i = 0; i <= part; i++) {
+        const stream_tile t = stream_tile_at(i, lo, hi, part, k);
+        if (t.nw <= 0) break;
+        const float *w = W + (size_t)t.o0 * k;
+        for (int r0 = 0; r0 < R; r0 += TILE_R) {
+            const int nr = imin(TILE_R, R - r0);
+            float out[TILE_W * TILE_R];
+            const unsigned pf_rows = i + 1 < part ? spread_rows(r0 / TILE_R, passes) : 0;
+            tile_dispatch(w, t.ldw, k, X + (size_t)r0 * ldx, ldx, t.nw, nr, w + k, pf_rows, out);
+            for (int a = 0; a < t.nw; a++)
+                for (int r = 0; r < nr; r++) {
+                    const int o = t.o0 + a * t.ostride;
+                    float v = out[a * TILE_R + r] + (b ? b[o] : 0.f);
+                    float *y = Y + (size_t)(r0 + r) * ldy + o;
+                    *y = accumulate ? *y + v : v;
+                }
+        }
+    }
+    #pragma omp barrier
+}
+
+/* Inside a parallel region: act[r, i] = silu(gate[r, i]) * up[r, i] for i < inter, a tile
+ * of gate rows and the same tile of up rows in one pass over the R rows (TILE_W streams
+ * each). gu [2 * inter, H]. Ends with a barrier. */
+static void gate_up_rows_for(const float *gu, const float *X, float *act, int inter, int H, int R) {
+    int lo, hi;
+    thread_rows(inter, &lo, &hi);
+    const int part = (hi - lo) / TILE_W, passes = (R + TILE_R - 1) / TILE_R;
+    for (int i = 0; i <= part; i++) {
+        const stream_tile t = stream_tile_at(i, lo, hi, part, H);
+        if (t.nw <= 0) break;
+        const float *wg = gu + (size_t)t.o0 * H, *wu = gu + (size_t)(inter + t.o0) * H;
+        for (int r0 = 0; r0 < R; r0 += TILE_R) {
+            const int nr = imin(TILE_R, R - r0);
+            const unsigned pf_rows = i + 1 < part ? spread_rows(r0 / TILE_R, passes) : 0;
+            float g[TILE_W * TILE_R] = {0}, u[TILE_W * TILE_R] = {0};
+            tile_dispatch(wg, t.ldw, H, X + (size_t)r0 * H, H, t.nw, nr, wg + H, pf_rows, g);
+            tile_dispatch(wu, t.ldw, H, X + (size_t)r0 * H, H, t.nw, nr, wu + H, pf_rows, u);
+            for (int j = 0; j < TILE_W * TILE_R; j += 8) { /* 8 silu(g) * u at a time */
+                const __m256 gv = _mm256_loadu_ps(g + j);
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+                _mm256_storeu_ps(g + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(e, _mm256_set1_ps(1.f))),
+                                                      _mm256_loadu_ps(u + j)));
+            }
+            for (int a = 0; a < t.nw; a++)
+                for (int r = 0; r < nr; r++) act[(size_t)(r0 + r) * inter + t.o0 + a * t.ostride] = g[a * TILE_R + r];
+        }
+    }
+    #pragma omp barrier
+}
+#else
 /* Which rows of the tile PF_DIST ahead pass `pass` (of `passes` over the activation rows)
  * prefetches: spread over the passes, so the weight stream runs all through the tile's
  * arithmetic instead of in a burst during its first pass. */
@@ -217,7 +307,7 @@ static void gemm_rows_for(const float *W, const float *b, const float *X, int ld
             const int nr = imin(TILE_R, R - r0);
             float out[TILE_W * TILE_R];
             const unsigned pf_rows = prefetch_rows(r0 / TILE_R, passes, t, tiles, n);
-            tile_dispatch(w, k, X + (size_t)r0 * ldx, ldx, nw, nr, w + (size_t)PF_DIST * TILE_W * k, pf_rows, out);
+            tile_dispatch(w, k, k, X + (size_t)r0 * ldx, ldx, nw, nr, w + (size_t)PF_DIST * TILE_W * k, pf_rows, out);
             for (int a = 0; a < nw; a++)
                 for (int r = 0; r < nr; r++) {
                     float v = out[a * TILE_R + r] + (b ? b[o0 + a] : 0.f);
@@ -241,8 +331,8 @@ static void gate_up_rows_for(const float *gu, const float *X, float *act, int in
             const unsigned pf_rows = prefetch_rows(r0 / TILE_R, passes, t, tiles, inter);
             const size_t ahead = (size_t)PF_DIST * TILE_W * H;
             float g[TILE_W * TILE_R] = {0}, u[TILE_W * TILE_R] = {0};
-            tile_dispatch(wg, H, X + (size_t)r0 * H, H, nw, nr, wg + ahead, pf_rows, g);
-            tile_dispatch(wu, H, X + (size_t)r0 * H, H, nw, nr, wu + ahead, pf_rows, u);
+            tile_dispatch(wg, H, H, X + (size_t)r0 * H, H, nw, nr, wg + ahead, pf_rows, g);
+            tile_dispatch(wu, H, H, X + (size_t)r0 * H, H, nw, nr, wu + ahead, pf_rows, u);
 #if defined(__AVX512F__)
             { /* the tile's 16 silu(g) * u at once (TILE_W * TILE_R == 16) */
                 const __m512 gv = _mm512_loadu_ps(g);
@@ -265,6 +355,8 @@ static void gate_up_rows_for(const float *gu, const float *X, float *act, int in
         }
     }
 }
+
+#endif
 
 #if defined(__AVX512F__)
 /* One row's attention for the query heads of KV heads [g0, g1) (GQA: `group` query heads
