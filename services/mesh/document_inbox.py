@@ -16,7 +16,12 @@ document over ``max_bytes`` is refused unread (``too_large``); at most ``max_sub
 slots wait, a new subject beyond them is dropped (``overflow``). With a mesh secret,
 ``screen`` checks each document's signature before it takes a slot (settings_signing.py:
 an HMAC over the raw bytes, no parsing); one that fails is dropped (``refused``), so junk
-on a publisher's own subject never supersedes its pending document. Nothing is lost for
+on a publisher's own subject never supersedes its pending document. ``order`` gives a
+document's send time (the signed ``sent_at``): one sent before the document waiting on its
+subject is dropped (``older``), so a replayed capture of a router's earlier republish,
+genuine and fresh enough to pass the screen, cannot push out the change waiting behind it
+either (found by attack). Only the waiting document is compared, not a history, so a
+sender whose clock steps back is never locked out. Nothing is lost for
 good: routers republish their newest document every few seconds
 (services/router/live_settings.py), so a dropped one comes again, and a flood on one
 subject never takes another subject's slot.
@@ -39,7 +44,7 @@ MAX_PENDING_SUBJECTS = 64  # routers publish each on its own subject: far more t
 PAUSE_RATIO = 3.0  # after a document, pause 3x its handling: 25 % of the loop (measured: 1x lost the
 # connection in 2 of 9 floods of 90 MB on a loaded 2-core machine)
 DROP_LOG_INTERVAL_S = 10.0  # one line per reason and period, however many are dropped
-DROP_REASONS = ("superseded", "too_large", "refused", "overflow", "slow_consumer")
+DROP_REASONS = ("superseded", "too_large", "refused", "older", "overflow", "slow_consumer")
 # nats-py's own queue in front of ``offer`` (which is O(1)): bytes above NATS's 1 MiB
 # max_payload, else a message of that size could never be queued; nats-py drops beyond
 # these and reports SlowConsumerError, counted here as ``slow_consumer`` (nats_bus.py)
@@ -50,6 +55,7 @@ DOCUMENTS_DROPPED = metrics.counter("weft_documents_dropped_total",
 
 DocumentHandler = Callable[[bytes], Awaitable[bool | None]]  # True: accepted (signed, well formed)
 DocumentScreen = Callable[[str, bytes], bool]  # (subject, data) -> may take a slot (counts its own refusals)
+DocumentOrder = Callable[[bytes], float]  # a screened document's send time (equal for all: last one wins)
 
 
 class DocumentInbox:
@@ -57,8 +63,10 @@ class DocumentInbox:
 
     def __init__(self, kind: str, handler: DocumentHandler, max_bytes: int = MAX_DOCUMENT_BYTES,
                  max_subjects: int = MAX_PENDING_SUBJECTS, clock: Callable[[], float] = time.monotonic,
-                 screen: DocumentScreen | None = None) -> None:
-        """``screen``: checked before a document takes a slot (None: every document may)."""
+                 screen: DocumentScreen | None = None, order: DocumentOrder | None = None) -> None:
+        """``screen``: checked before a document takes a slot (None: every document may);
+        ``order``: a document older than the one waiting on its subject is dropped (None:
+        the last one heard always wins)."""
         if max_bytes <= 0 or max_subjects <= 0:
             raise ValueError("max_bytes and max_subjects must be > 0")
         self.kind = kind
@@ -66,6 +74,8 @@ class DocumentInbox:
         self.max_subjects = max_subjects
         self._handler = handler
         self._screen = screen
+        self._order = order
+        self._sent: dict[str, float] = {}  # subject -> its waiting document's ``order``
         self._clock = clock
         self._pending: dict[str, bytes] = {}  # subject -> its newest document; order: first arrival
         self._accepted: dict[str, None] = {}  # subjects whose last handled document was accepted (LRU, bounded)
@@ -85,7 +95,10 @@ class DocumentInbox:
             return self.drop("too_large", subject=subject, size_bytes=len(data), max_bytes=self.max_bytes)
         if self._screen is not None and not self._screen(subject, data):
             return self.drop("refused", subject=subject)  # the slot keeps what it holds
+        sent = self._order(data) if self._order is not None else 0.0
         if subject in self._pending:
+            if sent < self._sent.get(subject, 0.0):
+                return self.drop("older", subject=subject)  # a replay: the newer one keeps the slot
             self.drop("superseded", subject=subject)  # the older one goes; this one takes the slot
         elif len(self._pending) >= self.max_subjects:
             # a subject that carried an accepted document takes the slot of the oldest one that did not
@@ -94,8 +107,10 @@ class DocumentInbox:
             if victim is None:
                 return self.drop("overflow", subject=subject, max_subjects=self.max_subjects)
             del self._pending[victim]
+            self._sent.pop(victim, None)
             self.drop("overflow", subject=victim, max_subjects=self.max_subjects)
         self._pending[subject] = data
+        self._sent[subject] = sent
         self._ready.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"weft-documents-{self.kind}")
@@ -113,6 +128,7 @@ class DocumentInbox:
         self._closed = True
         task, self._task = self._task, None
         self._pending.clear()
+        self._sent.clear()
         if task is not None:
             task.cancel()
             try:
@@ -127,6 +143,7 @@ class DocumentInbox:
             while self._pending:
                 subject = next(iter(self._pending))
                 data = self._pending.pop(subject)
+                self._sent.pop(subject, None)
                 started = self._clock()
                 accepted = False
                 try:

@@ -288,7 +288,8 @@ class SettingsFollower:
         SETTINGS_VERSION.labels(service).set(0)
 
     async def subscribe(self, bus) -> None:
-        await bus.subscribe_documents(BUS_KIND, self.receive, screen=functools.partial(self.seal.admits, BUS_KIND))
+        await bus.subscribe_documents(BUS_KIND, self.receive, screen=functools.partial(self.seal.admits, BUS_KIND),
+                                      order=self.seal.sent_at)
 
     async def receive(self, data: bytes) -> bool:
         """Apply a document from the bus. True when it was genuine (signed and well formed,

@@ -35,7 +35,7 @@ from nats.errors import SlowConsumerError
 
 from services.mesh import metrics, nats_auth
 from services.mesh.document_inbox import (MAX_DOCUMENT_BYTES, NATS_PENDING_LIMITS, DocumentHandler, DocumentInbox,
-                                          DocumentScreen)
+                                          DocumentOrder, DocumentScreen)
 from services.mesh.event_sequence import Delivery, SequenceTracker  # noqa: F401  (re-exported)
 from services.mesh.subjects import addressed_from, subject
 
@@ -321,14 +321,15 @@ class EventBus:
             return self._drop(kind)
         return await self._send(kind, data)
 
-    async def subscribe_documents(self, kind: str, handler: DocumentHandler,
-                                  screen: DocumentScreen | None = None) -> None:
+    async def subscribe_documents(self, kind: str, handler: DocumentHandler, screen: DocumentScreen | None = None,
+                                  order: DocumentOrder | None = None) -> None:
         """Hand the newest document of each ``weft.<kind>.*`` subject to ``handler(data)``,
         one at a time; survives reconnects. Older ones still waiting are dropped, and so
         are any over ``max_document_bytes`` (document_inbox.py: a flood of big documents
         must not get this connection cut off as a slow consumer) or that ``screen(subject,
-        data)`` refuses (a signature check: settings_signing.py ``DocumentSeal.admits``)."""
-        inbox = DocumentInbox(kind, handler, max_bytes=self.max_document_bytes, screen=screen)
+        data)`` refuses (a signature check: settings_signing.py ``DocumentSeal.admits``) or
+        that ``order(data)`` puts before the one waiting on its subject (``DocumentSeal.sent_at``)."""
+        inbox = DocumentInbox(kind, handler, max_bytes=self.max_document_bytes, screen=screen, order=order)
         self._doc_subs.append(inbox)
         if self.connected:
             await self._subscribe_documents_on(self._nc, inbox)

@@ -185,6 +185,13 @@ class DocumentSeal:
         self._count_refusal(kind, reason)
         return False
 
+    def sent_at(self, data: bytes) -> float:
+        """When ``data`` says it was sent (its header's ``sent_at``), for the inbox's order
+        (document_inbox.py): 0.0 without a secret or a header, so the last one heard wins.
+        Trusted only after ``admits`` (which checks that it is signed and fresh)."""
+        parts = split_signed(data) if self._key is not None else None
+        return float(parts[1]) if parts is not None else 0.0
+
     def open(self, kind: str, data: bytes) -> bytes:
         """The document's JSON bytes in ``data`` heard on ``weft.<kind>``, not yet parsed.
         With a secret, raises UnverifiedDocument unless ``data`` is signed with it (constant-

@@ -2,7 +2,7 @@
 
     settings file ─┐                         ┌─▶ KeyStore.replace (this router's keys)
     keys file ─────┼─▶ RouterLiveSettings ───┤
-    admin PATCH ───┘   (validate, version++)  └─▶ weft.settings.router on NATS (no keys),
+    admin PATCH ───┘   (validate, version++)  └─▶ weft.settings.<source> on NATS (no keys),
                                                   again every ``republish_s`` for late joiners
 
 SIGHUP re-reads both files. A PATCH is written back to the files it changes (atomically:
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import math
 import os
@@ -115,9 +116,15 @@ def default_writer() -> str:
 
 
 def bus_source(writer: str) -> str:
-    """A router's bus name from its writer id: ``router-`` and the id, with every character
-    a NATS subject token cannot hold replaced (subjects.py), at most 128 characters."""
-    return ("router-" + re.sub(r"[^A-Za-z0-9_-]", "-", writer))[:128]
+    """A router's bus name from its writer id: ``router-`` and the id, at most 128
+    characters a NATS subject token can hold (subjects.py). An id that had to be changed to
+    fit (a dot, a non-ASCII letter, too long) ends in 12 hex digits of its SHA-256, so two
+    ids never share a name ("east.1" and "east-1" would both read "router-east-1")."""
+    name = "router-" + writer
+    if re.fullmatch(r"[A-Za-z0-9_-]{1,128}", name):
+        return name
+    digest = hashlib.sha256(writer.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '-', name)[:115]}-{digest}"
 
 
 def read_settings_file(path: str) -> LiveDocument:
@@ -313,7 +320,8 @@ class RouterLiveSettings:
         await self.bus.start()
         await self.bus.require_login()
         await self.bus.subscribe_documents(ROUTER_BUS_KIND, self._on_router_document,
-                                           screen=functools.partial(self.seal.admits, ROUTER_BUS_KIND))
+                                           screen=functools.partial(self.seal.admits, ROUTER_BUS_KIND),
+                                           order=self.seal.sent_at)
         self._republish = asyncio.create_task(self._republish_forever(), name="settings-republish")
 
     async def stop(self) -> None:
