@@ -94,7 +94,7 @@ class _UnreachableBus:
     async def require_login(self) -> None:
         pass  # returns when NATS is unreachable (an outage the bus rides out)
 
-    async def subscribe_documents(self, kind, handler, screen=None) -> None:
+    async def subscribe_documents(self, kind, handler, screen=None, order=None) -> None:
         self.handlers.append((kind, handler))
 
     async def wait_connected(self, timeout_s: float) -> bool:
