@@ -192,13 +192,16 @@ static void tile_dispatch(const float *w, size_t ldw, int k, const float *x, int
 
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-/* AVX2 builds read each thread's weight rows as TILE_W streams: the thread's range of n
- * rows is cut into TILE_W equal parts and a tile takes one row of each (row i of every
- * part, ldw = part * k apart), the few rows left over (< TILE_W) making one last tile of
- * adjacent rows. Six distant streams keep more DRAM reads in flight than one stream of
- * adjacent tiles: the same 2-4 row GEMM on a 2-core Zen 2 ran ~1.4x faster that way
- * (benchmarks/results/native_batch_avx2.md). The next row of each stream is prefetched,
- * spread over the passes as prefetch_rows does. */
+/* AVX2 builds read each thread's weight rows as TILE_W streams when R <= STREAM_MAX_ROWS:
+ * the thread's range of n rows is cut into TILE_W equal parts and a tile takes one row of
+ * each (row i of every part, ldw = part * k apart), the few rows left over (< TILE_W)
+ * making one last tile of adjacent rows. Six distant streams keep more DRAM reads in
+ * flight than one stream of adjacent tiles, which is what a step of a few rows waits on:
+ * an alternating A/B put 2-8 row steps 1.02-1.18x faster (bench 1.11-1.18x, SmolLM2
+ * 1.02-1.06x). Past 8 rows a step is bound by the FMAs, and the streams measured 0.95x at
+ * 16 rows on bench, so larger batches keep adjacent tiles. The next tile's rows are
+ * prefetched, spread over the passes as prefetch_rows does. */
+#define STREAM_MAX_ROWS 8
 
 /* Which of the tile's TILE_W rows pass `pass` (of `passes`) prefetches. */
 static inline unsigned spread_rows(int pass, int passes) {
@@ -208,13 +211,16 @@ static inline unsigned spread_rows(int pass, int passes) {
     return mask;
 }
 
-/* One tile of TILE_W streams (i < part: rows o0 + a * part) or the leftover tile (adjacent
- * rows from o0), as (its first row, row stride in floats, output stride, rows). */
+/* Tile i of a thread's range [lo, hi): part >= 0, TILE_W streams (i < part: rows
+ * lo + i + a * part) or the leftover tile of adjacent rows; part < 0, adjacent tiles. As
+ * (its first row, output stride, rows, row stride in floats). */
 typedef struct { int o0, ostride, nw; size_t ldw; } stream_tile;
 
 static inline stream_tile stream_tile_at(int i, int lo, int hi, int part, int k) {
     stream_tile t;
-    if (i < part) {
+    if (part < 0) {
+        t.o0 = lo + i * TILE_W, t.ostride = 1, t.nw = imin(TILE_W, hi - t.o0), t.ldw = (size_t)k;
+    } else if (i < part) {
         t.o0 = lo + i, t.ostride = part, t.nw = TILE_W, t.ldw = (size_t)part * k;
     } else {
         t.o0 = lo + TILE_W * part, t.ostride = 1, t.nw = hi - t.o0, t.ldw = (size_t)k;
@@ -224,21 +230,23 @@ static inline stream_tile stream_tile_at(int i, int lo, int hi, int part, int k)
 
 /* Inside a parallel region: Y[r, o] (+)= W[o, :] . X[r, :] + b[o] for r < R, o < n.
  * W [n, k]; X [R, ldx]; Y [R, ldy]. accumulate != 0 adds into Y (a residual). Each thread
- * owns a contiguous range of rows, read as TILE_W streams. Ends with a barrier. */
+ * owns a contiguous range of rows (TILE_W streams for a few rows). Ends with a barrier. */
 static void gemm_rows_for(const float *W, const float *b, const float *X, int ldx, float *Y, int ldy, int n, int k,
                           int R, int accumulate) {
     int lo, hi;
     thread_rows(n, &lo, &hi);
-    const int part = (hi - lo) / TILE_W, passes = (R + TILE_R - 1) / TILE_R;
-    for (int i = 0; i <= part; i++) {
+    const int part = R <= STREAM_MAX_ROWS ? (hi - lo) / TILE_W : -1, passes = (R + TILE_R - 1) / TILE_R;
+    const int ntiles = part >= 0 ? part + 1 : (hi - lo + TILE_W - 1) / TILE_W, last = part >= 0 ? part : ntiles - 1;
+    const size_t next = part >= 0 ? (size_t)k : (size_t)TILE_W * k; /* the next tile's first row */
+    for (int i = 0; i < ntiles; i++) {
         const stream_tile t = stream_tile_at(i, lo, hi, part, k);
         if (t.nw <= 0) break;
         const float *w = W + (size_t)t.o0 * k;
         for (int r0 = 0; r0 < R; r0 += TILE_R) {
             const int nr = imin(TILE_R, R - r0);
             float out[TILE_W * TILE_R];
-            const unsigned pf_rows = i + 1 < part ? spread_rows(r0 / TILE_R, passes) : 0;
-            tile_dispatch(w, t.ldw, k, X + (size_t)r0 * ldx, ldx, t.nw, nr, w + k, pf_rows, out);
+            const unsigned pf_rows = i + 1 < last ? spread_rows(r0 / TILE_R, passes) : 0;
+            tile_dispatch(w, t.ldw, k, X + (size_t)r0 * ldx, ldx, t.nw, nr, w + next, pf_rows, out);
             for (int a = 0; a < t.nw; a++)
                 for (int r = 0; r < nr; r++) {
                     const int o = t.o0 + a * t.ostride;
@@ -253,21 +261,23 @@ static void gemm_rows_for(const float *W, const float *b, const float *X, int ld
 
 /* Inside a parallel region: act[r, i] = silu(gate[r, i]) * up[r, i] for i < inter, a tile
  * of gate rows and the same tile of up rows in one pass over the R rows (TILE_W streams
- * each). gu [2 * inter, H]. Ends with a barrier. */
+ * each for a few rows). gu [2 * inter, H]. Ends with a barrier. */
 static void gate_up_rows_for(const float *gu, const float *X, float *act, int inter, int H, int R) {
     int lo, hi;
     thread_rows(inter, &lo, &hi);
-    const int part = (hi - lo) / TILE_W, passes = (R + TILE_R - 1) / TILE_R;
-    for (int i = 0; i <= part; i++) {
+    const int part = R <= STREAM_MAX_ROWS ? (hi - lo) / TILE_W : -1, passes = (R + TILE_R - 1) / TILE_R;
+    const int ntiles = part >= 0 ? part + 1 : (hi - lo + TILE_W - 1) / TILE_W, last = part >= 0 ? part : ntiles - 1;
+    const size_t next = part >= 0 ? (size_t)H : (size_t)TILE_W * H; /* the next tile's first row */
+    for (int i = 0; i < ntiles; i++) {
         const stream_tile t = stream_tile_at(i, lo, hi, part, H);
         if (t.nw <= 0) break;
         const float *wg = gu + (size_t)t.o0 * H, *wu = gu + (size_t)(inter + t.o0) * H;
         for (int r0 = 0; r0 < R; r0 += TILE_R) {
             const int nr = imin(TILE_R, R - r0);
-            const unsigned pf_rows = i + 1 < part ? spread_rows(r0 / TILE_R, passes) : 0;
+            const unsigned pf_rows = i + 1 < last ? spread_rows(r0 / TILE_R, passes) : 0;
             float g[TILE_W * TILE_R] = {0}, u[TILE_W * TILE_R] = {0};
-            tile_dispatch(wg, t.ldw, H, X + (size_t)r0 * H, H, t.nw, nr, wg + H, pf_rows, g);
-            tile_dispatch(wu, t.ldw, H, X + (size_t)r0 * H, H, t.nw, nr, wu + H, pf_rows, u);
+            tile_dispatch(wg, t.ldw, H, X + (size_t)r0 * H, H, t.nw, nr, wg + next, pf_rows, g);
+            tile_dispatch(wu, t.ldw, H, X + (size_t)r0 * H, H, t.nw, nr, wu + next, pf_rows, u);
             for (int j = 0; j < TILE_W * TILE_R; j += 8) { /* 8 silu(g) * u at a time */
                 const __m256 gv = _mm256_loadu_ps(g + j);
                 const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
