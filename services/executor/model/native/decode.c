@@ -117,8 +117,9 @@ static void gate_up_for(const float *gu, const float *x, float *act, int inter, 
 }
 #endif
 
-/* y = W @ x (+ b): W [n, k], x [k], y [n]. Opens its own parallel region. */
+/* y = W @ x (+ b): W [n, k], x [k], y [n]. Opens its own parallel region (num_threads < 1: one). */
 void weft_gemv(const float *W, const float *b, const float *x, float *y, int n, int k, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
     #pragma omp parallel num_threads(num_threads)
     gemv_for(W, b, x, y, n, k, 0);
 }

@@ -1,0 +1,640 @@
+"""Issue 16, attacks on the AVX2 stream partitioning of the native decode (7aa2370, 3b7ea7b,
+b3788b9):
+
+* decode.c (batch-1 step): ``gemv_for`` cuts each OpenMP thread's row range [lo, hi) into
+  4 quarters and computes one row of each quarter at a time (``dot4``), the < 4 leftover
+  rows with ``dot``; ``gate_up_for`` takes 2 gate rows and their 2 up rows the same way.
+* decode_batch.c (multi-row step): for R <= 8 rows (STREAM_MAX_ROWS) a thread's range is
+  cut into 6 parts (TILE_W) and a tile takes row i of each part (stride part * k), the
+  < 6 leftover rows one adjacent tile; for R > 8 adjacent tiles.
+
+Three layers of attack:
+
+1. ``weft_gemv`` (decode.c's exported GEMV, its own parallel region) through ctypes, and
+   the static kernels themselves (``gemv_for`` with accumulate, ``gate_up_for``,
+   ``gemm_rows_for``, ``gate_up_rows_for``) through a small shim compiled here from the
+   real sources with the library's own flags. Small-integer data make every dot product
+   exact in fp32 whatever the summation order, so these compare for EQUALITY: a row
+   skipped, written twice, added twice into the residual, given the wrong bias or read
+   from the wrong stream shows up exactly. NaN guards around the weights and past each
+   activation row (ldx gaps), sentinels around and between the outputs (ldy gaps), and
+   weights / activations ending right before a PROT_NONE page (in a subprocess, so an
+   over-read is a failed test, not a dead run).
+2. White-box guards (AVX2 builds without AVX-512 only): a row [1e8, 1, -1e8] sums to 1 in
+   ``dot4`` / ``hsum8`` order and to 0 in ``dot``'s scalar-tail (and ``reduce8``'s) order,
+   so each output reveals which kernel computed it. The pattern must be exactly the
+   documented partition for every thread count 1..9 and every n: proof that the sweeps
+   above really run the quarter / six-part splits, the leftovers and the empty ranges
+   (more threads than rows), and that the thread count asked for is the one used.
+3. Both decode steps against the torch forward pass (helpers of
+   test_issue16_native_avx2_attacks.py): thread counts 1..9, hidden / intermediate /
+   vocab / qkv sizes around multiples of 4 * threads and 6 * threads, k % 16 in 1..15
+   and k < 8, R = 1..12 (8 and 9: the stream / adjacent boundary), q/k/v/o biases
+   (llama attention_bias) and qwen2's qkv bias, two layers (the residual accumulated
+   twice per layer), NaN in one lm_head row at partition boundaries, bitwise determinism
+   across repeated calls, and an OpenMP team smaller than the one asked for
+   (omp_set_dynamic)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from services.executor.model.config import ModelConfig
+from services.executor.model.llama import LlamaModel
+from services.executor.attention.selector import backend_class
+from services.executor.model.native import library
+from tests.adversarial.test_issue16_native_avx2_attacks import Case, _check, _close
+from weft.testing.tiny_model import model_config_dict, random_weights
+
+CC = os.environ.get("WEFT_NATIVE_CC", "gcc")
+pytestmark = pytest.mark.skipif(shutil.which(CC) is None or not library.native_enabled(),
+                                reason="needs gcc and WEFT_NATIVE_DECODE not 0")
+
+NAN, INF = float("nan"), float("inf")
+SENT = -4242.0  # an output slot nobody may write
+GUARD = 64  # NaN floats before / after a weight matrix
+
+
+@functools.cache
+def _avx2_streams_build() -> bool:
+    """Whether -march=native compiles the AVX2 (no AVX-512) paths these commits changed."""
+    try:
+        out = subprocess.run([CC, "-march=native", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "__AVX2__" in out and "__FMA__" in out and "__AVX512F__" not in out
+
+
+avx2_only = pytest.mark.skipif("not _avx2_streams_build()", reason="the AVX2 (no AVX-512) stream kernels only")
+
+P, I32 = ctypes.c_void_p, ctypes.c_int
+
+
+@pytest.fixture(scope="module")
+def lib():
+    handle = library.load()
+    assert handle is not None, "the native library did not build"
+    return handle
+
+
+SHIM_ONE = """
+#include "{src}/decode.c"
+void shim_gemv(const float *W, const float *b, const float *x, float *y, int n, int k, int acc, int t) {{
+    #pragma omp parallel num_threads(t)
+    gemv_for(W, b, x, y, n, k, acc);
+}}
+void shim_gate_up(const float *gu, const float *x, float *act, int inter, int H, int t) {{
+    #pragma omp parallel num_threads(t)
+    gate_up_for(gu, x, act, inter, H);
+}}
+"""
+SHIM_ROWS = """
+#include "{src}/decode_batch.c"
+void shim_gemm_rows(const float *W, const float *b, const float *X, int ldx, float *Y, int ldy, int n, int k,
+                    int R, int acc, int t) {{
+    #pragma omp parallel num_threads(t)
+    gemm_rows_for(W, b, X, ldx, Y, ldy, n, k, R, acc);
+}}
+void shim_gate_up_rows(const float *gu, const float *X, float *act, int inter, int H, int R, int t) {{
+    #pragma omp parallel num_threads(t)
+    gate_up_rows_for(gu, X, act, inter, H, R);
+}}
+"""
+
+
+def _build_shim(directory) -> str:
+    """The static kernels of decode.c / decode_batch.c behind exported wrappers, compiled
+    from the real sources with the library's flags (two translation units, in parallel)."""
+    src = library.SOURCES[0].parent
+    flags = [f for f in library.FLAGS if f != "-shared"]
+    objs, procs = [], []
+    for name, text in (("shim_one", SHIM_ONE), ("shim_rows", SHIM_ROWS)):
+        c = directory / f"{name}.c"
+        c.write_text(text.format(src=src))
+        objs.append(str(directory / f"{name}.o"))
+        procs.append(subprocess.Popen([CC, *flags, "-c", str(c), "-o", objs[-1]], stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    so = str(directory / "shim.so")
+    subprocess.run([CC, *library.FLAGS, *objs, "-o", so, "-lm"], check=True, capture_output=True, timeout=120)
+    return so
+
+
+def _declare_shim(handle: ctypes.CDLL) -> ctypes.CDLL:
+    handle.shim_gemv.argtypes = [P, P, P, P, I32, I32, I32, I32]
+    handle.shim_gate_up.argtypes = [P, P, P, I32, I32, I32]
+    handle.shim_gemm_rows.argtypes = [P, P, P, I32, P, I32, I32, I32, I32, I32, I32]
+    handle.shim_gate_up_rows.argtypes = [P, P, P, I32, I32, I32, I32]
+    for f in (handle.shim_gemv, handle.shim_gate_up, handle.shim_gemm_rows, handle.shim_gate_up_rows):
+        f.restype = None
+    return handle
+
+
+@pytest.fixture(scope="module")
+def shim_path(lib, tmp_path_factory):  # lib first: torch's libgomp mapped before the shim's
+    return _build_shim(tmp_path_factory.mktemp("native_shim"))
+
+
+@pytest.fixture(scope="module")
+def shim(shim_path):
+    return _declare_shim(ctypes.CDLL(shim_path))
+
+
+def _ints(gen, *shape, lo=-3, hi=4) -> torch.Tensor:
+    return torch.randint(lo, hi, shape, generator=gen).float()
+
+
+def _guarded_weight(gen, n: int, k: int) -> torch.Tensor:
+    """[n, k] small integers, a view into a buffer with NaN rows' worth before and after."""
+    buf = torch.full((n * k + 2 * GUARD,), NAN)
+    buf[GUARD:GUARD + n * k] = _ints(gen, n * k)
+    return buf[GUARD:GUARD + n * k].view(n, k)
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _thread_ranges(n: int, threads: int):
+    return [(n * t // threads, n * (t + 1) // threads) for t in range(threads)]
+
+
+def _exact_gemv_case(call, gen, n: int, k: int, threads: int, accumulate: bool, bias: bool) -> None:
+    W = _guarded_weight(gen, n, k)
+    b = torch.cat([_ints(gen, n, lo=-9, hi=10), torch.full((8,), NAN)])
+    x = torch.cat([_ints(gen, k), torch.full((16,), NAN)])  # NaN past k: never read
+    y0 = _ints(gen, n, lo=-50, hi=51)
+    y = torch.cat([y0, torch.full((16,), SENT)])
+    call(W, b if bias else None, x, y, n, k, threads, accumulate)
+    want = W.double() @ x[:k].double() + (b[:n].double() if bias else 0) + (y0.double() if accumulate else 0)
+    got = y[:n].double()
+    where = f"threads={threads} n={n} k={k} acc={accumulate} bias={bias}"
+    assert torch.equal(got, want), f"{where}: rows {(got != want).nonzero().flatten().tolist()} differ"
+    assert (y[n:] == SENT).all(), f"{where}: written past y[n - 1]"
+
+
+def _sizes_around(threads: int, per: int, multiples=(1, 2, 3)) -> list[int]:
+    """n around multiples of per * threads (per = 4: quarters, 6: parts), and the small ones."""
+    ns = {1, 2, 3, 4, 5, 7, 8, 9, 23, 24, 25}
+    for m in multiples:
+        ns |= {m * per * threads - 1, m * per * threads, m * per * threads + 1}
+    return sorted(ns)
+
+
+# ---- 1. weft_gemv and the static kernels, exact ----------------------------------------
+
+K_TAILS = [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 33]  # k % 8 and k % 16: every tail of dot4
+
+
+@pytest.mark.parametrize("threads", range(1, 10))
+def test_weft_gemv_every_row_exact_around_quarter_boundaries(lib, threads):
+    gen = torch.Generator().manual_seed(threads)
+
+    def call(W, b, x, y, n, k, t, acc):
+        assert not acc
+        lib.weft_gemv(_ptr(W), _ptr(b), _ptr(x), _ptr(y), n, k, t)
+
+    for n in _sizes_around(threads, 4):
+        for k in K_TAILS:
+            _exact_gemv_case(call, gen, n, k, threads, False, (n + k) % 2 == 0)
+
+
+@pytest.mark.parametrize("threads", [0, -1, -7])
+def test_weft_gemv_clamps_a_thread_count_below_one(lib, threads):
+    """Found by this attack: ``weft_gemv`` handed its thread count to OpenMP as it came (a
+    negative one becomes a huge unsigned team size), where the decode steps clamp it to 1."""
+    gen = torch.Generator().manual_seed(7)
+
+    def call(W, b, x, y, n, k, t, acc):
+        lib.weft_gemv(_ptr(W), _ptr(b), _ptr(x), _ptr(y), n, k, threads)
+
+    _exact_gemv_case(call, gen, 13, 17, 1, False, True)
+
+
+@pytest.mark.parametrize("threads", [10, 13, 16, 33])
+def test_weft_gemv_more_threads_than_rows(lib, threads):
+    # every n < threads: some threads own no rows at all (lo == hi, q == 0)
+    gen = torch.Generator().manual_seed(100 + threads)
+
+    def call(W, b, x, y, n, k, t, acc):
+        lib.weft_gemv(_ptr(W), _ptr(b), _ptr(x), _ptr(y), n, k, t)
+
+    for n in (1, 2, 3, 4, 5, 7, 9):
+        for k in (1, 7, 17):
+            _exact_gemv_case(call, gen, n, k, threads, False, True)
+
+
+def test_weft_gemv_zero_rows_and_zero_columns(lib):
+    y = torch.full((8,), SENT)
+    x, W, b = torch.ones(4), torch.ones(16), torch.arange(8.0)
+    lib.weft_gemv(_ptr(W), None, _ptr(x), _ptr(y), 0, 4, 3)  # n = 0: nothing written
+    assert (y == SENT).all()
+    lib.weft_gemv(_ptr(W), _ptr(b), _ptr(x), _ptr(y), 5, 0, 3)  # k = 0: y = b
+    assert y[:5].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and (y[5:] == SENT).all()
+
+
+@pytest.mark.parametrize("threads", range(1, 10))
+def test_batch1_gemv_for_accumulates_every_row_exactly_once(shim, threads):
+    # what the o / down projections do: y += W x (+ b), into a residual with values in it
+    gen = torch.Generator().manual_seed(200 + threads)
+
+    def call(W, b, x, y, n, k, t, acc):
+        shim.shim_gemv(_ptr(W), _ptr(b), _ptr(x), _ptr(y), n, k, int(acc), t)
+
+    for n in _sizes_around(threads, 4):
+        for k in (1, 7, 9, 16, 17, 33):
+            _exact_gemv_case(call, gen, n, k, threads, True, (n + k) % 2 == 0)
+        _exact_gemv_case(call, gen, n, 3, threads, False, True)
+
+
+def _silu_times(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(g) * u
+
+
+@pytest.mark.parametrize("threads", range(1, 10))
+def test_batch1_gate_up_for_pairs_each_gate_row_with_its_own_up_row(shim, threads):
+    # integer g and u (exact dots): only SiLU's rounding remains; a gate row paired with
+    # the wrong up row, or a row of a half skipped, is far outside 1e-5
+    gen = torch.Generator().manual_seed(300 + threads)
+    for inter in sorted({1, 2, 3, 5, 7, 2 * threads - 1, 2 * threads, 2 * threads + 1, 4 * threads + 1, 37}):
+        for H in (1, 3, 7, 9, 17, 33):
+            gu = torch.cat([_ints(gen, inter, H, lo=-2, hi=3), _ints(gen, inter, H, lo=-2, hi=3)])
+            x = torch.cat([_ints(gen, H, lo=-2, hi=3), torch.full((16,), NAN)])
+            act = torch.full((inter + 8,), SENT)
+            shim.shim_gate_up(_ptr(gu), _ptr(x), _ptr(act), inter, H, threads)
+            want = _silu_times(gu[:inter].double() @ x[:H].double(), gu[inter:].double() @ x[:H].double())
+            torch.testing.assert_close(act[:inter].double(), want, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"threads={threads} inter={inter} H={H}: {m}")
+            assert (act[inter:] == SENT).all()
+
+
+def _exact_rows_case(shim, gen, n: int, k: int, R: int, threads: int, accumulate: bool, bias: bool) -> None:
+    W = _guarded_weight(gen, n, k)
+    b = torch.cat([_ints(gen, n, lo=-9, hi=10), torch.full((8,), NAN)])
+    ldx, ldy = k + 3, n + 2
+    X = torch.full((R, ldx), NAN)  # the ldx gap between rows is NaN: never read
+    X[:, :k] = _ints(gen, R, k)
+    Y = torch.full((R * ldy + 8,), SENT)
+    Yv = Y[:R * ldy].view(R, ldy)
+    Y0 = _ints(gen, R, n, lo=-50, hi=51)
+    Yv[:, :n] = Y0
+    shim.shim_gemm_rows(_ptr(W), _ptr(b) if bias else None, _ptr(X), ldx, _ptr(Y), ldy, n, k, R, int(accumulate),
+                        threads)
+    want = X[:, :k].double() @ W.double().T + (b[:n].double() if bias else 0) + (Y0.double() if accumulate else 0)
+    got = Yv[:, :n].double()
+    where = f"threads={threads} n={n} k={k} R={R} acc={accumulate} bias={bias}"
+    assert torch.equal(got, want), f"{where}: (row, out) {(got != want).nonzero().tolist()[:8]} differ"
+    assert (Yv[:, n:] == SENT).all() and (Y[R * ldy:] == SENT).all(), f"{where}: written outside Y[:, :n]"
+
+
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 7, 8, 9, 12])
+@pytest.mark.parametrize("threads", [1, 2, 3, 5, 9])
+def test_gemm_rows_for_every_output_exact_around_six_part_boundaries(shim, threads, R):
+    gen = torch.Generator().manual_seed(400 + 16 * threads + R)
+    for n in _sizes_around(threads, 6, (1, 2)):
+        for k in (7, 17):
+            _exact_rows_case(shim, gen, n, k, R, threads, accumulate=True, bias=(n + R) % 2 == 0)
+        _exact_rows_case(shim, gen, n, (1, 8, 9)[n % 3], R, threads, accumulate=False, bias=True)
+
+
+@pytest.mark.parametrize("threads", [4, 6, 7, 8])
+def test_gemm_rows_for_stream_boundary_8_and_9_rows(shim, threads):
+    gen = torch.Generator().manual_seed(500 + threads)
+    for R in (8, 9):
+        for n in (6 * threads - 1, 6 * threads, 6 * threads + 5, 12 * threads + 7, 61):
+            _exact_rows_case(shim, gen, n, 33, R, threads, accumulate=True, bias=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5, 9])
+def test_gate_up_rows_for_pairs_each_gate_row_with_its_own_up_row(shim, threads):
+    gen = torch.Generator().manual_seed(600 + threads)
+    for R in (1, 3, 4, 5, 8, 9, 12):
+        for inter in sorted({1, 5, 6, 7, 6 * threads - 1, 6 * threads + 1, 12 * threads + 5}):
+            H = (1, 9, 17)[(R + inter) % 3]
+            gu = torch.cat([_ints(gen, inter, H, lo=-2, hi=3), _ints(gen, inter, H, lo=-2, hi=3)])
+            X = _ints(gen, R, H, lo=-2, hi=3)
+            act = torch.full((R * inter + 8,), SENT)
+            shim.shim_gate_up_rows(_ptr(gu), _ptr(X), _ptr(act), inter, H, R, threads)
+            want = _silu_times(X.double() @ gu[:inter].double().T, X.double() @ gu[inter:].double().T)
+            torch.testing.assert_close(act[:R * inter].view(R, inter).double(), want, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"threads={threads} R={R} inter={inter} H={H}: {m}")
+            assert (act[R * inter:] == SENT).all()
+
+
+@pytest.mark.parametrize("value", [NAN, INF])
+def test_a_non_finite_weight_row_poisons_only_its_own_output(lib, shim, value):
+    gen = torch.Generator().manual_seed(7)
+    for threads, n, k in ((2, 25, 3), (3, 7, 17), (5, 37, 3), (9, 24, 17), (9, 13, 9)):
+        W = _ints(gen, n, k)
+        x = _ints(gen, k, lo=1, hi=4)  # no zero: inf * x stays inf
+        X = _ints(gen, 9, k, lo=1, hi=4)
+        for j in range(n):
+            Wp = W.clone()
+            Wp[j, (5 * j) % k] = value
+            want = Wp.double() @ x.double()
+            y = torch.full((n,), SENT)
+            lib.weft_gemv(_ptr(Wp), None, _ptr(x), _ptr(y), n, k, threads)
+            other = torch.arange(n) != j
+            assert torch.equal(y[other].double(), want[other]), \
+                f"gemv threads={threads} n={n} k={k}: poison in row {j} leaked: {y.tolist()}"
+            assert not torch.isfinite(y[j]), f"gemv threads={threads} n={n} k={k}: row {j} lost its {value}"
+            for R in (4, 9):
+                Y = torch.full((R, n), SENT)
+                shim.shim_gemm_rows(_ptr(Wp), None, _ptr(X), k, _ptr(Y), n, n, k, R, 0, threads)
+                ref = X[:R].double() @ Wp.double().T
+                assert torch.equal(Y[:, other].double(), ref[:, other]), \
+                    f"rows threads={threads} n={n} k={k} R={R}: poison in row {j} leaked"
+                assert not torch.isfinite(Y[:, j]).any(), f"rows R={R}: row {j} lost its {value}"
+
+
+@pytest.mark.parametrize("threads", range(1, 10))
+def test_repeated_calls_are_bitwise_identical(lib, shim, threads):
+    gen = torch.Generator().manual_seed(900 + threads)
+    W, x = torch.randn(101, 77, generator=gen), torch.randn(77, generator=gen)
+    X = torch.randn(9, 77, generator=gen)
+    ys, Ys = [], []
+    for _ in range(4):
+        y = torch.empty(101)
+        lib.weft_gemv(_ptr(W), None, _ptr(x), _ptr(y), 101, 77, threads)
+        ys.append(y)
+        for R in (8, 9):
+            Y = torch.empty(R, 101)
+            shim.shim_gemm_rows(_ptr(W), None, _ptr(X), 77, _ptr(Y), 101, 101, 77, R, 0, threads)
+            Ys.append(Y)
+    assert all(torch.equal(y, ys[0]) for y in ys)
+    assert all(torch.equal(Y, Ys[Y.shape[0] - 8]) for Y in Ys)
+    # and equal to torch's x @ W.T within fp32 rounding, whatever the thread count
+    scale = (W.abs() @ x.abs()).double()
+    assert ((ys[0].double() - (W.double() @ x.double())).abs() <= 1e-5 * scale).all()
+    Yscale = (X.abs() @ W.abs().T).double()
+    assert ((Ys[1].double() - X.double() @ W.double().T).abs() <= 1e-5 * Yscale).all()
+    torch.testing.assert_close(ys[0], x @ W.T, rtol=1e-4, atol=1e-4)
+
+
+GUARD_PAGE_SCRIPT = textwrap.dedent("""
+    import ctypes, mmap, sys
+    import torch
+    from services.executor.model.native import library
+    from tests.adversarial.test_issue16_native_streams_attacks import _declare_shim
+    lib = library.load()
+    shim = _declare_shim(ctypes.CDLL(sys.argv[1]))
+    libc = ctypes.CDLL(None)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    PAGE, keep = mmap.PAGESIZE, []
+
+    def at_page_end(values):
+        # a float tensor whose last element ends right before a PROT_NONE page
+        values = values.reshape(-1)
+        nbytes, pages = values.numel() * 4, (values.numel() * 4 + PAGE - 1) // PAGE + 1
+        mm = mmap.mmap(-1, pages * PAGE)
+        keep.append(mm)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        assert libc.mprotect(base + (pages - 1) * PAGE, PAGE, 0) == 0
+        t = torch.frombuffer(mm, dtype=torch.float32, count=values.numel(), offset=(pages - 1) * PAGE - nbytes)
+        t.copy_(values)
+        return t
+
+    g = torch.Generator().manual_seed(0)
+    ints = lambda *s: torch.randint(-3, 4, s, generator=g).float()
+    wrong = []
+    for T in (1, 3, 9):
+        for n in (1, 5, 7, 25):
+            for k in (1, 7, 9, 17):
+                W, x, b = at_page_end(ints(n, k)), at_page_end(ints(k)), at_page_end(ints(n))
+                gu, y = at_page_end(ints(2 * n, k)), at_page_end(torch.zeros(n))
+                lib.weft_gemv(W.data_ptr(), b.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, T)
+                shim.shim_gemv(W.data_ptr(), b.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, 1, T)
+                shim.shim_gate_up(gu.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, T)
+                if not torch.isfinite(y).all():
+                    wrong.append(("batch-1", T, n, k))
+                for R in (1, 4, 8, 9, 12):
+                    X, Y = at_page_end(ints(R, k)), at_page_end(torch.zeros(R * n))
+                    shim.shim_gemm_rows(W.data_ptr(), b.data_ptr(), X.data_ptr(), k, Y.data_ptr(), n, n, k, R, 0, T)
+                    want = X.view(R, k).double() @ W.view(n, k).double().T + b.double()
+                    if not torch.equal(Y.view(R, n).double(), want):
+                        wrong.append(("rows", T, n, k, R))
+                    Y = at_page_end(torch.zeros(R * n))
+                    shim.shim_gate_up_rows(gu.data_ptr(), X.data_ptr(), Y.data_ptr(), n, k, R, T)
+    print("WRONG", wrong)
+""")
+
+
+def test_no_kernel_reads_past_the_last_weight_or_activation(shim_path):
+    # weights, bias and activations each end right before an unmapped page: a load past
+    # them (a prefetch may go there, a load may not) kills the child, not this run
+    root = str(library.SOURCES[0].parents[4])
+    proc = subprocess.run([sys.executable, "-c", GUARD_PAGE_SCRIPT, shim_path], capture_output=True, text=True,
+                          timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, f"child died ({proc.returncode}): {proc.stderr[-2000:]}"
+    assert "WRONG []" in proc.stdout, proc.stdout[-2000:]
+
+
+# ---- 2. white-box: the partition is the documented one ---------------------------------
+
+# [1e8, 1, -1e8] . [1, 1, 1]: dot4's masked lanes summed by hsum8 give 1 (the exact
+# answer); dot's scalar tail (1e8 + 1 rounds to 1e8) and reduce8's pairwise order give 0
+CANCEL = [1e8, 1.0, -1e8]
+
+
+def _kernel_pattern_gemv(n: int, threads: int) -> list[float]:
+    out = []
+    for lo, hi in _thread_ranges(n, threads):
+        q = (hi - lo) // 4
+        out += [1.0] * (4 * q) + [0.0] * (hi - lo - 4 * q)  # quarters by dot4, leftovers by dot
+    return out
+
+
+def _kernel_pattern_rows(n: int, threads: int, R: int) -> list[list[float]]:
+    """Which (row, output) a full 3 x 4 half reduces with reduce8 (0.0) rather than hsum8
+    (1.0), from the documented tiles: R <= 8, six parts of each thread's range (tile i =
+    row i of each part) and one adjacent leftover tile; R > 8, adjacent tiles of 6."""
+    Y = [[None] * n for _ in range(R)]
+    for lo, hi in _thread_ranges(n, threads):
+        if R <= 8:
+            part = (hi - lo) // 6
+            tiles = [[lo + i + a * part for a in range(6)] for i in range(part)]
+            if hi > lo + 6 * part:
+                tiles.append(list(range(lo + 6 * part, hi)))
+        else:
+            tiles = [list(range(o, min(o + 6, hi))) for o in range(lo, hi, 6)]
+        for rows in tiles:
+            for r0 in range(0, R, 4):
+                nr = min(4, R - r0)
+                for a, o in enumerate(rows):
+                    half = min(3, len(rows) - a // 3 * 3)
+                    for r in range(r0, r0 + nr):
+                        Y[r][o] = 0.0 if half == 3 and nr == 4 and a % 3 < 2 else 1.0
+    return Y
+
+
+@avx2_only
+@pytest.mark.parametrize("threads", range(1, 10))
+def test_white_box_gemv_rows_go_to_quarters_and_leftovers_as_documented(lib, threads):
+    for n in range(1, 4 * threads + 30):
+        W, x, y = torch.tensor(CANCEL).repeat(n, 1).contiguous(), torch.ones(3), torch.full((n,), SENT)
+        lib.weft_gemv(_ptr(W), None, _ptr(x), _ptr(y), n, 3, threads)
+        assert y.tolist() == _kernel_pattern_gemv(n, threads), f"n={n}"
+
+
+@avx2_only
+@pytest.mark.parametrize("threads", [1, 2, 3, 5, 9])
+def test_white_box_row_tiles_are_six_parts_up_to_8_rows_then_adjacent(shim, threads):
+    for R in range(1, 13):
+        for n in sorted({1, 5, 6, 7, 12, 13, 6 * threads - 1, 6 * threads, 6 * threads + 5, 12 * threads + 7, 61}):
+            W, X, Y = torch.tensor(CANCEL).repeat(n, 1).contiguous(), torch.ones(R, 3), torch.full((R, n), SENT)
+            shim.shim_gemm_rows(_ptr(W), None, _ptr(X), 3, _ptr(Y), n, n, 3, R, 0, threads)
+            assert Y.tolist() == _kernel_pattern_rows(n, threads, R), f"R={R} n={n}"
+
+
+# ---- OpenMP giving fewer threads than asked ---------------------------------------------
+
+@functools.cache
+def _gomp():
+    """The libgomp this process runs (torch's: the native library shares it)."""
+    with open("/proc/self/maps") as f:
+        paths = sorted(set(re.findall(r"(/\S*libgomp[^\s/]*\.so[^\s/]*)", f.read())))
+    if not paths:
+        return None
+    handle = ctypes.CDLL(paths[0])
+    handle.omp_get_dynamic.restype = ctypes.c_int
+    return handle
+
+
+class _dynamic_team:
+    """omp_set_dynamic(1) on this thread: a parallel region may get fewer threads than its
+    num_threads clause asks (thread_rows must split over the team it got)."""
+
+    def __enter__(self):
+        gomp = _gomp()
+        if gomp is None:
+            pytest.skip("no libgomp mapped")
+        self.before = gomp.omp_get_dynamic()
+        gomp.omp_set_dynamic(1)
+
+    def __exit__(self, *exc):
+        _gomp().omp_set_dynamic(self.before)
+
+
+def test_a_smaller_team_than_asked_still_covers_every_row(lib, shim):
+    gen = torch.Generator().manual_seed(77)
+    with _dynamic_team():
+        for threads in (3, 9, 33):
+            for n in (7, 25, 73):
+                _exact_gemv_case(lambda W, b, x, y, n_, k, t, acc: lib.weft_gemv(
+                    _ptr(W), _ptr(b), _ptr(x), _ptr(y), n_, k, t), gen, n, 17, threads, False, True)
+                for R in (3, 9):
+                    _exact_rows_case(shim, gen, n, 17, R, threads, accumulate=True, bias=True)
+
+
+# ---- 3. the decode steps against torch --------------------------------------------------
+
+def _model(arch: str, overrides: dict, seed: int = 1, edits: dict | None = None) -> LlamaModel:
+    config = ModelConfig.from_dict({**model_config_dict("tiny", arch), "num_hidden_layers": 2, **overrides})
+    weights = random_weights(config, seed=seed)
+    for name, (index, value) in (edits or {}).items():
+        weights[name] = weights[name].clone()
+        weights[name][index] = value
+    return LlamaModel(config, weights, backend_class("torch"), native_decode=True)
+
+
+# tiny: 4 query heads, 2 KV heads, so q_dim = 4 d, qkv_dim = 8 d. n of each GEMV:
+# qkv 8d (k = H), o H (k = 4d), gate_up 2 x inter (k = H), down H (k = inter), lm_head vocab (k = H)
+SHAPES = {
+    "n_23_24_25": {"hidden_size": 24, "head_dim": 6, "intermediate_size": 25, "vocab_size": 23},
+    "k_below_8": {"hidden_size": 4, "head_dim": 2, "intermediate_size": 5, "vocab_size": 7},
+    "k_tail_1_and_9": {"hidden_size": 17, "head_dim": 4, "intermediate_size": 41, "vocab_size": 49},
+    "k_tail_5_and_9": {"hidden_size": 37, "head_dim": 10, "intermediate_size": 73, "vocab_size": 145},
+    "multiples_of_36_and_54": {"hidden_size": 72, "head_dim": 18, "intermediate_size": 108, "vocab_size": 217},
+}
+ARCHS = {"llama_qkvo_bias": ("llama", {"attention_bias": True}), "qwen2_qkv_bias_tied": ("qwen2", {}),
+         "mistral": ("mistral", {})}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_batch1_step_matches_torch_for_threads_1_to_9(arch, shape):
+    name, extra = ARCHS[arch]
+    model = _model(name, {**SHAPES[shape], **extra})
+    for threads in range(1, 10):
+        _check(Case(model, 3, [1, 11, 26], seed=threads), threads=threads, batch1=True)
+
+
+@pytest.mark.parametrize("shape", ["n_23_24_25", "k_tail_5_and_9", "multiples_of_36_and_54"])
+@pytest.mark.parametrize("threads", [1, 2, 3, 5, 9])
+def test_rows_step_matches_torch_for_1_to_12_rows(shape, threads):
+    model = _model("llama", {**SHAPES[shape], "attention_bias": True}, seed=threads)
+    for R in range(1, 13):
+        _check(Case(model, 4, [1 + (7 * r + R) % 29 for r in range(R)], seed=R), threads=threads, batch1=False)
+
+
+def test_qwen2_rows_step_at_the_stream_boundary():
+    model = _model("qwen2", SHAPES["multiples_of_36_and_54"])
+    for threads in (2, 4, 7):
+        for R in (7, 8, 9, 10):
+            _check(Case(model, 4, [2 + 3 * r for r in range(R)], seed=R), threads=threads, batch1=False)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 9])
+def test_both_steps_are_bitwise_repeatable(threads):
+    model = _model("llama", {**SHAPES["k_tail_5_and_9"], "attention_bias": True})
+    for R in (1, 8, 9):
+        case = Case(model, 4, [3 + 5 * r for r in range(R)], seed=R)
+        first_rows, first_caches = case.native_rows(threads)
+        first_steps, _ = case.native_steps(threads)
+        for _ in range(2):
+            rows, caches = case.native_rows(threads)
+            steps, _ = case.native_steps(threads)
+            assert torch.equal(rows, first_rows) and torch.equal(steps, first_steps), f"R={R}"
+            assert all(torch.equal(a, b) for a, b in zip(caches, first_caches))
+
+
+@pytest.mark.parametrize("threads", [2, 3, 9])
+def test_nan_lm_head_row_at_partition_boundaries_stays_in_its_logit(threads):
+    vocab = 217
+    # boundaries of the thread ranges, of their quarters and of their six parts
+    cols = set()
+    for lo, hi in _thread_ranges(vocab, threads):
+        q, part = (hi - lo) // 4, (hi - lo) // 6
+        cols |= {lo, hi - 1, lo + 4 * q - 1, lo + 4 * q, lo + 6 * part - 1, lo + 6 * part, lo + part}
+    for col in sorted(c for c in cols if 3 <= c < vocab)[:6]:
+        model = _model("llama", {**SHAPES["multiples_of_36_and_54"]},
+                       edits={"lm_head.weight": ((col, 7), NAN)})
+        for R in (1, 6, 9):
+            case = Case(model, 4, [2 + 3 * r for r in range(R)], seed=col)
+            want, _ = case.torch_forward()
+            for name, (got, _) in {"rows": case.native_rows(threads), "batch-1": case.native_steps(threads)}.items():
+                for r in range(R):
+                    assert torch.isnan(got[r, col]), f"{name} R={R} row {r}: logit {col} lost its NaN"
+                    keep = torch.arange(vocab) != col
+                    torch.testing.assert_close(got[r, keep], want[r, keep], rtol=1e-4, atol=1e-4,
+                                               msg=lambda m: f"{name} R={R} row {r} col {col}: {m}")
+
+
+def test_decode_steps_with_a_smaller_team_than_asked():
+    # the torch reference is computed with dynamic teams off: torch's own oneDNN linear
+    # (torch.ops.mkldnn._linear_pointwise) returns garbage under omp_set_dynamic(1) at some
+    # thread counts (seen here at 3: values ~1e19), which is torch's problem, not Weft's
+    model = _model("llama", {**SHAPES["k_tail_1_and_9"], "attention_bias": True})
+    for threads in (3, 9):
+        for R in (1, 5, 9):
+            case = Case(model, 3, [1 + 4 * r for r in range(R)], seed=R)
+            want, want_caches = case.torch_forward()
+            with _dynamic_team():
+                paths = {"rows": case.native_rows(threads)}
+                if R == 1:
+                    paths["batch-1"] = case.native_steps(threads)
+            for name, (got, caches) in paths.items():
+                _close(got, want, f"{name} threads={threads} R={R}")
+                for c, ref in zip(caches, want_caches):
+                    torch.testing.assert_close(c, ref, rtol=1e-5, atol=1e-5)
