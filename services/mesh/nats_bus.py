@@ -326,9 +326,8 @@ class EventBus:
         """Hand the newest document of each ``weft.<kind>.*`` subject to ``handler(data)``,
         one at a time; survives reconnects. Older ones still waiting are dropped, and so
         are any over ``max_document_bytes`` (document_inbox.py: a flood of big documents
-        must not get this connection cut off as a slow consumer) or that ``screen(subject,
-        data)`` refuses (a signature check: settings_signing.py ``DocumentSeal.admits``) or
-        that ``order(data)`` puts before the one waiting on its subject (``DocumentSeal.sent_at``)."""
+        must not get this connection cut off as a slow consumer), ``screen(subject, data)``
+        refuses (``DocumentSeal.admits``) or ``order(data)`` puts before the one waiting."""
         inbox = DocumentInbox(kind, handler, max_bytes=self.max_document_bytes, screen=screen, order=order)
         self._doc_subs.append(inbox)
         if self.connected:
