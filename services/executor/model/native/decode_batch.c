@@ -236,8 +236,8 @@ static void gemm_rows_for(const float *W, const float *b, const float *X, int ld
     int lo, hi;
     thread_rows(n, &lo, &hi);
     const int part = R <= STREAM_MAX_ROWS ? (hi - lo) / TILE_W : -1, passes = (R + TILE_R - 1) / TILE_R;
-    const int ntiles = part >= 0 ? part + 1 : (hi - lo + TILE_W - 1) / TILE_W, last = part >= 0 ? part : ntiles - 1;
-    const size_t next = part >= 0 ? (size_t)k : (size_t)TILE_W * k; /* the next tile's first row */
+    const int ntiles = part >= 0 ? part + 1 : (hi - lo + TILE_W - 1) / TILE_W, pf_end = part >= 0 ? part : ntiles;
+    const size_t next = part >= 0 ? (size_t)k : (size_t)TILE_W * k; /* the next tile (< pf_end): its first row */
     for (int i = 0; i < ntiles; i++) {
         const stream_tile t = stream_tile_at(i, lo, hi, part, k);
         if (t.nw <= 0) break;
@@ -245,7 +245,7 @@ static void gemm_rows_for(const float *W, const float *b, const float *X, int ld
         for (int r0 = 0; r0 < R; r0 += TILE_R) {
             const int nr = imin(TILE_R, R - r0);
             float out[TILE_W * TILE_R];
-            const unsigned pf_rows = i + 1 < last ? spread_rows(r0 / TILE_R, passes) : 0;
+            const unsigned pf_rows = i + 1 < pf_end ? spread_rows(r0 / TILE_R, passes) : 0;
             tile_dispatch(w, t.ldw, k, X + (size_t)r0 * ldx, ldx, t.nw, nr, w + next, pf_rows, out);
             for (int a = 0; a < t.nw; a++)
                 for (int r = 0; r < nr; r++) {
@@ -266,15 +266,15 @@ static void gate_up_rows_for(const float *gu, const float *X, float *act, int in
     int lo, hi;
     thread_rows(inter, &lo, &hi);
     const int part = R <= STREAM_MAX_ROWS ? (hi - lo) / TILE_W : -1, passes = (R + TILE_R - 1) / TILE_R;
-    const int ntiles = part >= 0 ? part + 1 : (hi - lo + TILE_W - 1) / TILE_W, last = part >= 0 ? part : ntiles - 1;
-    const size_t next = part >= 0 ? (size_t)H : (size_t)TILE_W * H; /* the next tile's first row */
+    const int ntiles = part >= 0 ? part + 1 : (hi - lo + TILE_W - 1) / TILE_W, pf_end = part >= 0 ? part : ntiles;
+    const size_t next = part >= 0 ? (size_t)H : (size_t)TILE_W * H; /* the next tile (< pf_end): its first row */
     for (int i = 0; i < ntiles; i++) {
         const stream_tile t = stream_tile_at(i, lo, hi, part, H);
         if (t.nw <= 0) break;
         const float *wg = gu + (size_t)t.o0 * H, *wu = gu + (size_t)(inter + t.o0) * H;
         for (int r0 = 0; r0 < R; r0 += TILE_R) {
             const int nr = imin(TILE_R, R - r0);
-            const unsigned pf_rows = i + 1 < last ? spread_rows(r0 / TILE_R, passes) : 0;
+            const unsigned pf_rows = i + 1 < pf_end ? spread_rows(r0 / TILE_R, passes) : 0;
             float g[TILE_W * TILE_R] = {0}, u[TILE_W * TILE_R] = {0};
             tile_dispatch(wg, t.ldw, H, X + (size_t)r0 * H, H, t.nw, nr, wg + next, pf_rows, g);
             tile_dispatch(wu, t.ldw, H, X + (size_t)r0 * H, H, t.nw, nr, wu + next, pf_rows, u);
