@@ -20,8 +20,8 @@ from services.mesh.live_settings import BUS_KIND, ROUTER_BUS_KIND, SettingsFollo
 from services.mesh.mesh_auth import MeshSecurity
 from services.mesh.settings_signing import MAX_AGE_S, UnverifiedDocument, split_signed
 from services.router.auth import KeyStore
-from services.router.errors import AuthenticationError
 from services.router.live_settings import LiveOptions, RouterLiveSettings
+from tests.live_settings_keys import knows
 
 CLOCK = itertools.count(3_000_000)  # unix seconds, one later at each reading
 KEYS = {"sk-ops-admin-0001": {"tenant": "ops", "role": "admin"}, "sk-acme-tenant-01": "acme"}
@@ -48,14 +48,6 @@ def router(tmp_path, name: str, secret: str = SECRET, keys: dict | None = None, 
 
 def follower(applied: list, secret: str = SECRET) -> SettingsFollower:
     return SettingsFollower("scheduler", "scheduler", applied.append, security=MeshSecurity(secret=secret))
-
-
-def knows(live: RouterLiveSettings, key: str) -> bool:
-    try:
-        live.keys.authenticate(key)
-    except AuthenticationError:
-        return False
-    return True
 
 
 def refused(service: str, reason: str) -> float:

@@ -17,9 +17,9 @@ from services.mesh.nats_bus import EventBus
 from services.mesh.nats_server import NatsServer
 from services.mesh.settings_signing import split_signed
 from services.router.auth import KeyStore
-from services.router.errors import AuthenticationError
 from services.router.live_settings import LiveOptions, RouterLiveSettings
 from tests import waiting
+from tests.live_settings_keys import knows
 
 DEADLINE_S = 20.0
 REPUBLISH_S = 0.2
@@ -36,14 +36,6 @@ def router(tmp_path, name: str, url: str, secret: str = SECRET) -> RouterLiveSet
     return RouterLiveSettings(KeyStore.from_file(keys_file), str(keys_file),
                               LiveOptions(nats_url=url, republish_s=REPUBLISH_S), writer=name,
                               security=MeshSecurity(secret=secret))
-
-
-def knows(live: RouterLiveSettings, key: str) -> bool:
-    try:
-        live.keys.authenticate(key)
-    except AuthenticationError:
-        return False
-    return True
 
 
 until = functools.partial(waiting.until, deadline_s=DEADLINE_S)  # this file's own bound

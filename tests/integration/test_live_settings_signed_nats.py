@@ -19,9 +19,9 @@ from services.mesh.mesh_auth import MeshSecurity
 from services.mesh.nats_bus import EventBus
 from services.mesh.nats_server import NatsServer
 from services.router.auth import KeyStore
-from services.router.errors import AuthenticationError
 from services.router.live_settings import LiveOptions, RouterLiveSettings
 from tests import waiting
+from tests.live_settings_keys import knows
 
 DEADLINE_S = 15.0
 REPUBLISH_S = 0.1
@@ -37,14 +37,6 @@ def router(tmp_path, name: str, keys: dict, secret: str, url: str) -> RouterLive
     return RouterLiveSettings(KeyStore.from_file(keys_file), str(keys_file),
                               LiveOptions(nats_url=url, republish_s=REPUBLISH_S), writer=name,
                               security=MeshSecurity(secret=secret))
-
-
-def knows(live: RouterLiveSettings, key: str) -> bool:
-    try:
-        live.keys.authenticate(key)
-    except AuthenticationError:
-        return False
-    return True
 
 
 until = functools.partial(waiting.until, deadline_s=DEADLINE_S)  # this file's own bound

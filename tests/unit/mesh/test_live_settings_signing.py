@@ -20,8 +20,8 @@ from services.mesh.live_settings import BUS_KIND, ROUTER_BUS_KIND, LiveDocument,
 from services.mesh.mesh_auth import MeshSecurity
 from services.mesh.settings_signing import DocumentSeal, UnverifiedDocument, signed_bytes, split_signed
 from services.router.auth import KeyStore
-from services.router.errors import AuthenticationError
 from services.router.live_settings import LiveOptions, RouterLiveSettings
+from tests.live_settings_keys import knows
 
 CLOCK = itertools.count(2_000_000)  # unix seconds, one later at each reading
 OURS = {"sk-ours-admin-01": {"tenant": "ops", "role": "admin"}, "sk-ours-tenant-1": "acme"}
@@ -43,14 +43,6 @@ def router(tmp_path, name: str, secret: str, keys: dict) -> RouterLiveSettings:
                               clock=lambda: float(next(CLOCK)), security=MeshSecurity(secret=secret))
     live.claim()
     return live
-
-
-def knows(live: RouterLiveSettings, key: str) -> bool:
-    try:
-        live.keys.authenticate(key)
-    except AuthenticationError:
-        return False
-    return True
 
 
 def refused(reason: str, service: str = "router") -> float:
