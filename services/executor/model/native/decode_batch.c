@@ -107,15 +107,12 @@ static void tile_dispatch(const float *w, size_t ldw, int k, const float *x, int
 /* AVX2 has 16 vector registers, not 32: the tile is 6 weight rows x 4 activation rows, run
  * as two 3 x 4 halves (12 accumulators). gcc keeps the activation chunk in a register and
  * folds the weight loads into the FMAs (16 loads per 12 FMAs): ~115 GFLOPS with the weights
- * in cache, ~100 streamed, of a ~207 peak on a 2-core Zen 2. Measured and not kept: 2 x 6
- * halves (TILE_R 6) with the weight chunks pinned in registers reach 141 / 114-118 and a
- * 16- or 64-row step 1.15-1.20x faster, but 2-4 rows 0.86-0.95x and 8 rows 0.96x (a pass
- * of <= 4 rows runs 8 or fewer FMA chains). The shape chosen per pass (TILE_R 6: a 5-6
- * row pass as three pinned 2 x 6 halves, a shorter one as two 3 x n halves, 8 rows as 4 + 4)
- * gave 1.15x at 5-6 rows, 1.04-1.09x at 16, 1.20x at 64, but 0.97-0.99x at 2-4 and
- * 0.94-0.98x at 8 rows (bench, alternating A/B): not kept either, as an agent mesh's batches
- * sit mostly at 2-10 rows. One plain dot per pair (the fallback below) loads twice per FMA
- * and reduces every pair on its own: a 16-row SmolLM2 step took ~1.7x as long that way. */
+ * in cache, ~100 streamed, of a ~207 peak on a 2-core Zen 2. Steps of up to STREAM_MAX_ROWS
+ * rows use it (they wait on DRAM: six streams); larger ones use the wide tiles below (2
+ * weight rows pinned in registers x 6 activation rows: 141 / 114-118 GFLOPS), which lose
+ * at 3-5 rows (a pass of <= 4 rows runs 8 or fewer FMA chains, and one stream of adjacent
+ * rows). One plain dot per pair (the fallback below) loads twice per FMA and reduces every
+ * pair on its own: a 16-row SmolLM2 step took ~1.7x as long that way. */
 #define HALF_W 3
 #define HALF_STEP(LOAD, at)                                                                     \
     do {                                                                                        \
@@ -173,6 +170,60 @@ static void half_dispatch(const float *w, size_t ldw, int k, const float *x, int
 #undef HALF_CASE
 }
 
+/* Steps of more than STREAM_MAX_ROWS rows are bound by the FMAs, not by DRAM: there a
+ * tile is WIDE_W = 2 adjacent weight rows against up to WIDE_R = 6 activation rows, the two
+ * weight chunks pinned in registers (the asm barrier stops gcc folding them into the FMAs
+ * as it does above) and each activation chunk loaded once: 8 loads per 12 FMAs, 15 of the 16
+ * registers. A step's rows are cut into ceil(R / 6) passes of near-equal size (16 rows:
+ * 5 + 5 + 6), so every pass keeps >= 8 independent FMA chains. */
+#define WIDE_W 2
+#define WIDE_R 6
+#define WIDE_STEP(LOAD, at)                                                                     \
+    do {                                                                                        \
+        __m256 w0 = LOAD(w + (at)), w1 = nw > 1 ? LOAD(w + ldw + (at)) : w0;                    \
+        __asm__("" : "+x"(w0), "+x"(w1)); /* both weight chunks stay in registers */           \
+        for (int b = 0; b < nr; b++) {                                                          \
+            __m256 xv = LOAD(x + (size_t)b * ldx + (at));                                       \
+            __asm__("" : "+x"(xv));                                                             \
+            acc[0][b] = _mm256_fmadd_ps(w0, xv, acc[0][b]);                                     \
+            if (nw > 1) acc[1][b] = _mm256_fmadd_ps(w1, xv, acc[1][b]);                         \
+        }                                                                                       \
+    } while (0)
+
+/* out[a * WIDE_R + b] = W[a, :] . X[b, :] for a < nw <= WIDE_W, b < nr <= WIDE_R; the rows
+ * of the later tile pf in the bit mask pf_rows are prefetched, one cache line per 16
+ * columns. Always inlined with constant nw / nr (see half_dots). */
+static inline __attribute__((always_inline)) void wide_dots(const float *w, size_t ldw, int k, const float *x, int ldx,
+                                                            const int nw, const int nr, const float *pf,
+                                                            unsigned pf_rows, float *out) {
+    __m256 acc[WIDE_W][WIDE_R];
+    for (int a = 0; a < WIDE_W; a++)
+        for (int b = 0; b < WIDE_R; b++) acc[a][b] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= k; i += 16) {
+        for (int a = 0; a < WIDE_W; a++)
+            if (pf_rows & (1u << a)) _mm_prefetch((const char *)(pf + (size_t)a * ldw + i), PF_HINT);
+        WIDE_STEP(LOAD_FULL, i);
+        WIDE_STEP(LOAD_FULL, i + 8);
+    }
+    for (; i + 8 <= k; i += 8) WIDE_STEP(LOAD_FULL, i);
+    if (i < k) {
+        const __m256i m = mask8(k - i);
+        WIDE_STEP(LOAD_MASKED, i);
+    }
+    for (int a = 0; a < nw; a++)
+        for (int b = 0; b < nr; b++) out[a * WIDE_R + b] = hsum8(acc[a][b]);
+}
+
+static void wide_dispatch(const float *w, size_t ldw, int k, const float *x, int ldx, int nw, int nr,
+                          const float *pf, unsigned pf_rows, float *out) {
+#define WIDE_CASE(W_, R_) \
+    if (nw == W_ && nr == R_) { wide_dots(w, ldw, k, x, ldx, W_, R_, pf, pf_rows, out); return; }
+    WIDE_CASE(2, 6) WIDE_CASE(2, 5) WIDE_CASE(2, 4) WIDE_CASE(2, 3) WIDE_CASE(2, 2) WIDE_CASE(2, 1)
+    WIDE_CASE(1, 6) WIDE_CASE(1, 5) WIDE_CASE(1, 4) WIDE_CASE(1, 3) WIDE_CASE(1, 2) WIDE_CASE(1, 1)
+#undef WIDE_CASE
+}
+
 static void tile_dispatch(const float *w, size_t ldw, int k, const float *x, int ldx, int nw, int nr, const float *pf,
                           unsigned pf_rows, float *out) {
     for (int a0 = 0; a0 < nw; a0 += HALF_W)
@@ -198,10 +249,10 @@ static void tile_dispatch(const float *w, size_t ldw, int k, const float *x, int
  * making one last tile of adjacent rows. Six distant streams keep more DRAM reads in
  * flight than one stream of adjacent tiles, which is what a step of a few rows waits on:
  * an alternating A/B put 2-8 row steps 1.02-1.18x faster (bench 1.11-1.18x, SmolLM2
- * 1.02-1.06x). Past 8 rows a step is bound by the FMAs, and the streams measured 0.95x at
- * 16 rows on bench, so larger batches keep adjacent tiles. The next tile's rows are
- * prefetched, spread over the passes as prefetch_rows does. */
-#define STREAM_MAX_ROWS 8
+ * 1.02-1.06x) than adjacent tiles. The next tile's rows are prefetched, spread over the
+ * passes as prefetch_rows does. Past 6 rows a step is bound by the FMAs and the wide tiles
+ * take over (gemm_wide_for: 7-16 rows 1.14-1.38x the streams, 3-5 rows 0.71-1.06x). */
+#define STREAM_MAX_ROWS 6
 
 /* Which of the tile's TILE_W rows pass `pass` (of `passes`) prefetches. */
 static inline unsigned spread_rows(int pass, int passes) {
@@ -211,16 +262,14 @@ static inline unsigned spread_rows(int pass, int passes) {
     return mask;
 }
 
-/* Tile i of a thread's range [lo, hi): part >= 0, TILE_W streams (i < part: rows
- * lo + i + a * part) or the leftover tile of adjacent rows; part < 0, adjacent tiles. As
- * (its first row, output stride, rows, row stride in floats). */
+/* Tile i of a thread's range [lo, hi) cut into TILE_W parts of `part` rows: TILE_W streams
+ * (i < part: rows lo + i + a * part) or the leftover tile of adjacent rows. As (its first
+ * row, output stride, rows, row stride in floats). */
 typedef struct { int o0, ostride, nw; size_t ldw; } stream_tile;
 
 static inline stream_tile stream_tile_at(int i, int lo, int hi, int part, int k) {
     stream_tile t;
-    if (part < 0) {
-        t.o0 = lo + i * TILE_W, t.ostride = 1, t.nw = imin(TILE_W, hi - t.o0), t.ldw = (size_t)k;
-    } else if (i < part) {
+    if (i < part) {
         t.o0 = lo + i, t.ostride = part, t.nw = TILE_W, t.ldw = (size_t)part * k;
     } else {
         t.o0 = lo + TILE_W * part, t.ostride = 1, t.nw = hi - t.o0, t.ldw = (size_t)k;
@@ -228,24 +277,33 @@ static inline stream_tile stream_tile_at(int i, int lo, int hi, int part, int k)
     return t;
 }
 
+static void gemm_wide_for(const float *W, const float *b, const float *X, int ldx, float *Y, int ldy, int n, int k,
+                          int R, int accumulate);
+static void gate_up_wide_for(const float *gu, const float *X, float *act, int inter, int H, int R);
+
 /* Inside a parallel region: Y[r, o] (+)= W[o, :] . X[r, :] + b[o] for r < R, o < n.
  * W [n, k]; X [R, ldx]; Y [R, ldy]. accumulate != 0 adds into Y (a residual). Each thread
- * owns a contiguous range of rows (TILE_W streams for a few rows). Ends with a barrier. */
+ * owns a contiguous range of rows, read as TILE_W streams up to STREAM_MAX_ROWS rows and
+ * as wide tiles past it (gemm_wide_for). Ends with a barrier. */
+
 static void gemm_rows_for(const float *W, const float *b, const float *X, int ldx, float *Y, int ldy, int n, int k,
                           int R, int accumulate) {
+    if (R > STREAM_MAX_ROWS) {
+        gemm_wide_for(W, b, X, ldx, Y, ldy, n, k, R, accumulate);
+        return;
+    }
     int lo, hi;
     thread_rows(n, &lo, &hi);
-    const int part = R <= STREAM_MAX_ROWS ? (hi - lo) / TILE_W : -1, passes = (R + TILE_R - 1) / TILE_R;
-    const int ntiles = part >= 0 ? part + 1 : (hi - lo + TILE_W - 1) / TILE_W, pf_end = part >= 0 ? part : ntiles;
-    const size_t next = part >= 0 ? (size_t)k : (size_t)TILE_W * k; /* the next tile (< pf_end): its first row */
-    for (int i = 0; i < ntiles; i++) {
+    const int part = (hi - lo) / TILE_W, passes = (R + TILE_R - 1) / TILE_R;
+    const size_t next = (size_t)k; /* the next tile (< part): its first row */
+    for (int i = 0; i <= part; i++) {
         const stream_tile t = stream_tile_at(i, lo, hi, part, k);
         if (t.nw <= 0) break;
         const float *w = W + (size_t)t.o0 * k;
         for (int r0 = 0; r0 < R; r0 += TILE_R) {
             const int nr = imin(TILE_R, R - r0);
             float out[TILE_W * TILE_R];
-            const unsigned pf_rows = i + 1 < pf_end ? spread_rows(r0 / TILE_R, passes) : 0;
+            const unsigned pf_rows = i + 1 < part ? spread_rows(r0 / TILE_R, passes) : 0;
             tile_dispatch(w, t.ldw, k, X + (size_t)r0 * ldx, ldx, t.nw, nr, w + next, pf_rows, out);
             for (int a = 0; a < t.nw; a++)
                 for (int r = 0; r < nr; r++) {
@@ -261,20 +319,23 @@ static void gemm_rows_for(const float *W, const float *b, const float *X, int ld
 
 /* Inside a parallel region: act[r, i] = silu(gate[r, i]) * up[r, i] for i < inter, a tile
  * of gate rows and the same tile of up rows in one pass over the R rows (TILE_W streams
- * each for a few rows). gu [2 * inter, H]. Ends with a barrier. */
+ * each up to STREAM_MAX_ROWS rows, wide tiles past it). gu [2 * inter, H]. Ends with a barrier. */
 static void gate_up_rows_for(const float *gu, const float *X, float *act, int inter, int H, int R) {
+    if (R > STREAM_MAX_ROWS) {
+        gate_up_wide_for(gu, X, act, inter, H, R);
+        return;
+    }
     int lo, hi;
     thread_rows(inter, &lo, &hi);
-    const int part = R <= STREAM_MAX_ROWS ? (hi - lo) / TILE_W : -1, passes = (R + TILE_R - 1) / TILE_R;
-    const int ntiles = part >= 0 ? part + 1 : (hi - lo + TILE_W - 1) / TILE_W, pf_end = part >= 0 ? part : ntiles;
-    const size_t next = part >= 0 ? (size_t)H : (size_t)TILE_W * H; /* the next tile (< pf_end): its first row */
-    for (int i = 0; i < ntiles; i++) {
+    const int part = (hi - lo) / TILE_W, passes = (R + TILE_R - 1) / TILE_R;
+    const size_t next = (size_t)H; /* the next tile (< part): its first row */
+    for (int i = 0; i <= part; i++) {
         const stream_tile t = stream_tile_at(i, lo, hi, part, H);
         if (t.nw <= 0) break;
         const float *wg = gu + (size_t)t.o0 * H, *wu = gu + (size_t)(inter + t.o0) * H;
         for (int r0 = 0; r0 < R; r0 += TILE_R) {
             const int nr = imin(TILE_R, R - r0);
-            const unsigned pf_rows = i + 1 < pf_end ? spread_rows(r0 / TILE_R, passes) : 0;
+            const unsigned pf_rows = i + 1 < part ? spread_rows(r0 / TILE_R, passes) : 0;
             float g[TILE_W * TILE_R] = {0}, u[TILE_W * TILE_R] = {0};
             tile_dispatch(wg, t.ldw, H, X + (size_t)r0 * H, H, t.nw, nr, wg + next, pf_rows, g);
             tile_dispatch(wu, t.ldw, H, X + (size_t)r0 * H, H, t.nw, nr, wu + next, pf_rows, u);
@@ -286,6 +347,72 @@ static void gate_up_rows_for(const float *gu, const float *X, float *act, int in
             }
             for (int a = 0; a < t.nw; a++)
                 for (int r = 0; r < nr; r++) act[(size_t)(r0 + r) * inter + t.o0 + a * t.ostride] = g[a * TILE_R + r];
+        }
+    }
+    #pragma omp barrier
+}
+
+/* Row r0 of pass p of the `passes` near-equal passes over R activation rows. */
+static inline int wide_pass_start(int p, int passes, int R) { return p * R / passes; }
+
+/* Which of the next wide tile's rows (of `rows`) pass p of `passes` prefetches. */
+static inline unsigned wide_spread(int p, int passes, int rows) {
+    unsigned mask = 0;
+    for (int a = 0; a < rows; a++)
+        if (passes > WIDE_W ? a == p : a * passes / WIDE_W == p) mask |= 1u << a;
+    return mask;
+}
+
+/* gemm_rows_for past STREAM_MAX_ROWS rows: the thread's contiguous range in wide tiles of
+ * 2 adjacent rows, each against every activation row in ceil(R / 6) passes. Ends with a
+ * barrier. */
+static void gemm_wide_for(const float *W, const float *b, const float *X, int ldx, float *Y, int ldy, int n, int k,
+                          int R, int accumulate) {
+    int lo, hi;
+    thread_rows(n, &lo, &hi);
+    const int passes = (R + WIDE_R - 1) / WIDE_R;
+    for (int o0 = lo; o0 < hi; o0 += WIDE_W) {
+        const int nw = imin(WIDE_W, hi - o0), next_rows = imin(WIDE_W, hi - o0 - WIDE_W);
+        const float *w = W + (size_t)o0 * k;
+        for (int p = 0; p < passes; p++) {
+            const int r0 = wide_pass_start(p, passes, R), nr = wide_pass_start(p + 1, passes, R) - r0;
+            float out[WIDE_W * WIDE_R];
+            const unsigned pf_rows = next_rows > 0 ? wide_spread(p, passes, next_rows) : 0;
+            wide_dispatch(w, (size_t)k, k, X + (size_t)r0 * ldx, ldx, nw, nr, w + (size_t)WIDE_W * k, pf_rows, out);
+            for (int a = 0; a < nw; a++)
+                for (int r = 0; r < nr; r++) {
+                    float v = out[a * WIDE_R + r] + (b ? b[o0 + a] : 0.f);
+                    float *y = Y + (size_t)(r0 + r) * ldy + o0 + a;
+                    *y = accumulate ? *y + v : v;
+                }
+        }
+    }
+    #pragma omp barrier
+}
+
+/* gate_up_rows_for past STREAM_MAX_ROWS rows: 2 gate rows and their 2 up rows per tile. Ends
+ * with a barrier. */
+static void gate_up_wide_for(const float *gu, const float *X, float *act, int inter, int H, int R) {
+    int lo, hi;
+    thread_rows(inter, &lo, &hi);
+    const int passes = (R + WIDE_R - 1) / WIDE_R;
+    for (int i0 = lo; i0 < hi; i0 += WIDE_W) {
+        const int nw = imin(WIDE_W, hi - i0), next_rows = imin(WIDE_W, hi - i0 - WIDE_W);
+        const float *wg = gu + (size_t)i0 * H, *wu = gu + (size_t)(inter + i0) * H;
+        for (int p = 0; p < passes; p++) {
+            const int r0 = wide_pass_start(p, passes, R), nr = wide_pass_start(p + 1, passes, R) - r0;
+            const unsigned pf_rows = next_rows > 0 ? wide_spread(p, passes, next_rows) : 0;
+            float g[16] = {0}, u[16] = {0}; /* WIDE_W * WIDE_R = 12 used, 16 for two vectors */
+            wide_dispatch(wg, (size_t)H, H, X + (size_t)r0 * H, H, nw, nr, wg + (size_t)WIDE_W * H, pf_rows, g);
+            wide_dispatch(wu, (size_t)H, H, X + (size_t)r0 * H, H, nw, nr, wu + (size_t)WIDE_W * H, pf_rows, u);
+            for (int j = 0; j < 16; j += 8) { /* 8 silu(g) * u at a time */
+                const __m256 gv = _mm256_loadu_ps(g + j);
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+                _mm256_storeu_ps(g + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(e, _mm256_set1_ps(1.f))),
+                                                      _mm256_loadu_ps(u + j)));
+            }
+            for (int a = 0; a < nw; a++)
+                for (int r = 0; r < nr; r++) act[(size_t)(r0 + r) * inter + i0 + a] = g[a * WIDE_R + r];
         }
     }
     #pragma omp barrier
