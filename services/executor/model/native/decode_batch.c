@@ -219,6 +219,8 @@ static void wide_dispatch(const float *w, size_t ldw, int k, const float *x, int
                           const float *pf, unsigned pf_rows, float *out) {
 #define WIDE_CASE(W_, R_) \
     if (nw == W_ && nr == R_) { wide_dots(w, ldw, k, x, ldx, W_, R_, pf, pf_rows, out); return; }
+    /* Past STREAM_MAX_ROWS = 6 rows a pass holds 3 to 6 rows (7: 3 + 4); the 1- and 2-row
+     * cases keep the dispatch total should STREAM_MAX_ROWS ever be lowered. */
     WIDE_CASE(2, 6) WIDE_CASE(2, 5) WIDE_CASE(2, 4) WIDE_CASE(2, 3) WIDE_CASE(2, 2) WIDE_CASE(2, 1)
     WIDE_CASE(1, 6) WIDE_CASE(1, 5) WIDE_CASE(1, 4) WIDE_CASE(1, 3) WIDE_CASE(1, 2) WIDE_CASE(1, 1)
 #undef WIDE_CASE
