@@ -67,8 +67,9 @@ def framed(source: str, sent_at: bytes, signature: str, body: bytes) -> bytes:
 
 def hostile_variants(live: RouterLiveSettings, kind: str) -> dict[str, bytes]:
     """Payloads a client without the secret can make from one genuine signed document."""
-    source, sent_at, sig, doc = signed(live, kind)
-    genuine = live.sealed(kind)
+    genuine = live.sealed(kind)  # one sealing: a second one may carry a later sent_at, so another signature
+    source, sent_at, sig, body = split_signed(genuine)
+    doc = json.loads(body)
     newer = {**doc, "updated_at": doc["updated_at"] + 3600, "scheduler": {"policy": "fcfs"}}
     if kind == ROUTER_BUS_KIND:
         newer["keys"] = {"sk-evil-admin-0001": {"tenant": "evil", "role": "admin"}}
