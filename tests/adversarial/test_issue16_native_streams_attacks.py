@@ -378,7 +378,8 @@ def test_repeated_calls_are_bitwise_identical(lib, shim, threads):
     torch.testing.assert_close(ys[0], x @ W.T, rtol=1e-4, atol=1e-4)
 
 
-GUARD_PAGE_SCRIPT = textwrap.dedent("""
+# what every guard-page subprocess starts with (the wide-tile attacks share it)
+GUARD_PREAMBLE = textwrap.dedent("""
     import ctypes, mmap, sys
     import torch
     from services.executor.model.native import library
@@ -388,7 +389,9 @@ GUARD_PAGE_SCRIPT = textwrap.dedent("""
     libc = ctypes.CDLL(None)
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     PAGE, keep = mmap.PAGESIZE, []
+""")
 
+GUARD_PAGE_SCRIPT = GUARD_PREAMBLE + textwrap.dedent("""
     def at_page_end(values):
         # a float tensor whose last element ends right before a PROT_NONE page
         values = values.reshape(-1)

@@ -55,8 +55,8 @@ import torch
 from tests.adversarial.test_issue16_native_avx2_attacks import Case, _check
 from tests.adversarial.test_issue16_native_engine_s25 import _run
 from tests.adversarial.test_issue16_native_streams_attacks import (  # noqa: F401  (fixtures, skip marks)
-    GUARD, INF, NAN, SENT, _avx2_streams_build, _guarded_weight, _ints, _ptr, _silu_times, avx2_only, lib, pytestmark,
-    shim, shim_path)
+    GUARD, GUARD_PREAMBLE, INF, NAN, SENT, _avx2_streams_build, _guarded_weight, _ints, _ptr, _silu_times, avx2_only,
+    lib, pytestmark, shim, shim_path)
 from tests.adversarial.test_issue16_native_streams_steps import CANCEL, SHAPES, _dynamic_team, _model
 from weft.testing.tiny_model import make_tiny_checkpoint
 
@@ -314,17 +314,7 @@ def test_a_smaller_team_than_asked_still_covers_every_wide_row(shim):
 
 # ---- 4. no read past either end ----------------------------------------------------------
 
-GUARD_PAGE_SCRIPT = textwrap.dedent("""
-    import ctypes, mmap, sys
-    import torch
-    from services.executor.model.native import library
-    from tests.adversarial.test_issue16_native_streams_attacks import _declare_shim
-    lib = library.load()
-    shim = _declare_shim(ctypes.CDLL(sys.argv[1]))
-    libc = ctypes.CDLL(None)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    PAGE, keep = mmap.PAGESIZE, []
-
+GUARD_PAGE_SCRIPT = GUARD_PREAMBLE + textwrap.dedent("""
     def guarded(values, at_end):
         # a float tensor ending right before a PROT_NONE page (at_end) or starting right
         # after one; values.numel() == 0 gets a valid pointer too
