@@ -9,12 +9,12 @@ b3788b9):
   < 6 leftover rows one adjacent tile; for R > 6 wide tiles (``gemm_wide_for``: 2
   adjacent rows, or the range's 1 leftover, against passes of <= 6 activation rows).
 
-Three layers of attack (2 and 3: test_issue16_native_streams_steps.py, which shares this
-file's fixtures):
+Three layers of attack (2 and 3: test_issue16_native_streams_steps.py; the fixtures of
+both: native_kernel_shim.py):
 
 1. ``weft_gemv`` (decode.c's exported GEMV, its own parallel region) through ctypes, and
    the static kernels themselves (``gemv_for`` with accumulate, ``gate_up_for``,
-   ``gemm_rows_for``, ``gate_up_rows_for``) through a small shim compiled here from the
+   ``gemm_rows_for``, ``gate_up_rows_for``) through a small shim (native_kernel_shim.py) compiled from the
    real sources with the library's own flags. Small-integer data make every dot product
    exact in fp32 whatever the summation order, so these compare for EQUALITY: a row
    skipped, written twice, added twice into the residual, given the wrong bias or read
@@ -38,10 +38,7 @@ file's fixtures):
    (omp_set_dynamic)."""
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -50,120 +47,9 @@ import pytest
 import torch
 
 from services.executor.model.native import library
-
-CC = os.environ.get("WEFT_NATIVE_CC", "gcc")
-pytestmark = pytest.mark.skipif(shutil.which(CC) is None or not library.native_enabled(),
-                                reason="needs gcc and WEFT_NATIVE_DECODE not 0")
-
-NAN, INF = float("nan"), float("inf")
-SENT = -4242.0  # an output slot nobody may write
-GUARD = 64  # NaN floats before / after a weight matrix
-
-
-@functools.cache
-def _avx2_streams_build() -> bool:
-    """Whether -march=native compiles the AVX2 (no AVX-512) paths these commits changed."""
-    try:
-        out = subprocess.run([CC, "-march=native", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
-                             text=True, timeout=60, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return "__AVX2__" in out and "__FMA__" in out and "__AVX512F__" not in out
-
-
-avx2_only = pytest.mark.skipif("not _avx2_streams_build()", reason="the AVX2 (no AVX-512) stream kernels only")
-
-P, I32 = ctypes.c_void_p, ctypes.c_int
-
-
-@pytest.fixture(scope="module")
-def lib():
-    handle = library.load()
-    assert handle is not None, "the native library did not build"
-    return handle
-
-
-SHIM_ONE = """
-#include "{src}/decode.c"
-void shim_gemv(const float *W, const float *b, const float *x, float *y, int n, int k, int acc, int t) {{
-    #pragma omp parallel num_threads(t)
-    gemv_for(W, b, x, y, n, k, acc);
-}}
-void shim_gate_up(const float *gu, const float *x, float *act, int inter, int H, int t) {{
-    #pragma omp parallel num_threads(t)
-    gate_up_for(gu, x, act, inter, H);
-}}
-"""
-SHIM_ROWS = """
-#include "{src}/decode_batch.c"
-void shim_gemm_rows(const float *W, const float *b, const float *X, int ldx, float *Y, int ldy, int n, int k,
-                    int R, int acc, int t) {{
-    #pragma omp parallel num_threads(t)
-    gemm_rows_for(W, b, X, ldx, Y, ldy, n, k, R, acc);
-}}
-void shim_gate_up_rows(const float *gu, const float *X, float *act, int inter, int H, int R, int t) {{
-    #pragma omp parallel num_threads(t)
-    gate_up_rows_for(gu, X, act, inter, H, R);
-}}
-"""
-
-
-def _build_shim(directory) -> str:
-    """The static kernels of decode.c / decode_batch.c behind exported wrappers, compiled
-    from the real sources with the library's flags (two translation units, in parallel)."""
-    src = library.SOURCES[0].parent
-    flags = [f for f in library.FLAGS if f != "-shared"]
-    objs, procs = [], []
-    for name, text in (("shim_one", SHIM_ONE), ("shim_rows", SHIM_ROWS)):
-        c = directory / f"{name}.c"
-        c.write_text(text.format(src=src))
-        objs.append(str(directory / f"{name}.o"))
-        procs.append(subprocess.Popen([CC, *flags, "-c", str(c), "-o", objs[-1]], stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-2000:]
-    so = str(directory / "shim.so")
-    subprocess.run([CC, *library.FLAGS, *objs, "-o", so, "-lm"], check=True, capture_output=True, timeout=120)
-    return so
-
-
-def _declare_shim(handle: ctypes.CDLL) -> ctypes.CDLL:
-    handle.shim_gemv.argtypes = [P, P, P, P, I32, I32, I32, I32]
-    handle.shim_gate_up.argtypes = [P, P, P, I32, I32, I32]
-    handle.shim_gemm_rows.argtypes = [P, P, P, I32, P, I32, I32, I32, I32, I32, I32]
-    handle.shim_gate_up_rows.argtypes = [P, P, P, I32, I32, I32, I32]
-    for f in (handle.shim_gemv, handle.shim_gate_up, handle.shim_gemm_rows, handle.shim_gate_up_rows):
-        f.restype = None
-    return handle
-
-
-@pytest.fixture(scope="module")
-def shim_path(lib, tmp_path_factory):  # lib first: torch's libgomp mapped before the shim's
-    return _build_shim(tmp_path_factory.mktemp("native_shim"))
-
-
-@pytest.fixture(scope="module")
-def shim(shim_path):
-    return _declare_shim(ctypes.CDLL(shim_path))
-
-
-def _ints(gen, *shape, lo=-3, hi=4) -> torch.Tensor:
-    return torch.randint(lo, hi, shape, generator=gen).float()
-
-
-def _guarded_weight(gen, n: int, k: int) -> torch.Tensor:
-    """[n, k] small integers, a view into a buffer with NaN rows' worth before and after."""
-    buf = torch.full((n * k + 2 * GUARD,), NAN)
-    buf[GUARD:GUARD + n * k] = _ints(gen, n * k)
-    return buf[GUARD:GUARD + n * k].view(n, k)
-
-
-def _ptr(t: torch.Tensor | None):
-    return None if t is None else t.data_ptr()
-
-
-def _thread_ranges(n: int, threads: int):
-    return [(n * t // threads, n * (t + 1) // threads) for t in range(threads)]
+from tests.adversarial.native_kernel_shim import (  # noqa: F401  (fixtures, skip marks)
+    GUARD_PREAMBLE, INF, NAN, SENT, _exact_rows_case, _guarded_weight, _ints, _ptr, _silu_times, _thread_ranges, lib,
+    pytestmark, shim, shim_path)
 
 
 def _exact_gemv_case(call, gen, n: int, k: int, threads: int, accumulate: bool, bias: bool) -> None:
@@ -254,10 +140,6 @@ def test_batch1_gemv_for_accumulates_every_row_exactly_once(shim, threads):
         _exact_gemv_case(call, gen, n, 3, threads, False, True)
 
 
-def _silu_times(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.silu(g) * u
-
-
 @pytest.mark.parametrize("threads", range(1, 10))
 def test_batch1_gate_up_for_pairs_each_gate_row_with_its_own_up_row(shim, threads):
     # integer g and u (exact dots): only SiLU's rounding remains; a gate row paired with
@@ -273,25 +155,6 @@ def test_batch1_gate_up_for_pairs_each_gate_row_with_its_own_up_row(shim, thread
             torch.testing.assert_close(act[:inter].double(), want, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"threads={threads} inter={inter} H={H}: {m}")
             assert (act[inter:] == SENT).all()
-
-
-def _exact_rows_case(shim, gen, n: int, k: int, R: int, threads: int, accumulate: bool, bias: bool) -> None:
-    W = _guarded_weight(gen, n, k)
-    b = torch.cat([_ints(gen, n, lo=-9, hi=10), torch.full((8,), NAN)])
-    ldx, ldy = k + 3, n + 2
-    X = torch.full((R, ldx), NAN)  # the ldx gap between rows is NaN: never read
-    X[:, :k] = _ints(gen, R, k)
-    Y = torch.full((R * ldy + 8,), SENT)
-    Yv = Y[:R * ldy].view(R, ldy)
-    Y0 = _ints(gen, R, n, lo=-50, hi=51)
-    Yv[:, :n] = Y0
-    shim.shim_gemm_rows(_ptr(W), _ptr(b) if bias else None, _ptr(X), ldx, _ptr(Y), ldy, n, k, R, int(accumulate),
-                        threads)
-    want = X[:, :k].double() @ W.double().T + (b[:n].double() if bias else 0) + (Y0.double() if accumulate else 0)
-    got = Yv[:, :n].double()
-    where = f"threads={threads} n={n} k={k} R={R} acc={accumulate} bias={bias}"
-    assert torch.equal(got, want), f"{where}: (row, out) {(got != want).nonzero().tolist()[:8]} differ"
-    assert (Yv[:, n:] == SENT).all() and (Y[R * ldy:] == SENT).all(), f"{where}: written outside Y[:, :n]"
 
 
 @pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17])
@@ -377,19 +240,6 @@ def test_repeated_calls_are_bitwise_identical(lib, shim, threads):
     assert ((Ys[1].double() - X[:7].double() @ W.double().T).abs() <= 1e-5 * Yscale[:7]).all()
     torch.testing.assert_close(ys[0], x @ W.T, rtol=1e-4, atol=1e-4)
 
-
-# what every guard-page subprocess starts with (the wide-tile attacks share it)
-GUARD_PREAMBLE = textwrap.dedent("""
-    import ctypes, mmap, sys
-    import torch
-    from services.executor.model.native import library
-    from tests.adversarial.test_issue16_native_streams_attacks import _declare_shim
-    lib = library.load()
-    shim = _declare_shim(ctypes.CDLL(sys.argv[1]))
-    libc = ctypes.CDLL(None)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    PAGE, keep = mmap.PAGESIZE, []
-""")
 
 GUARD_PAGE_SCRIPT = GUARD_PREAMBLE + textwrap.dedent("""
     def at_page_end(values):

@@ -1,6 +1,6 @@
 """Issue 16, attacks on the AVX2 stream partitioning of the native decode, layers 2 and 3
-(layer 1 and the shared fixtures: test_issue16_native_streams_attacks.py, whose docstring
-says what each layer does): the partition checked white-box against the documented one,
+(layer 1: test_issue16_native_streams_attacks.py, whose docstring says what each layer
+does; the shared fixtures: native_kernel_shim.py): the partition checked white-box against the documented one,
 an OpenMP team smaller than the one asked for, and both decode steps against the torch
 forward pass."""
 from __future__ import annotations
@@ -17,9 +17,10 @@ from services.executor.model.config import ModelConfig
 from services.executor.model.llama import LlamaModel
 from services.executor.model.native import library
 from tests.adversarial.test_issue16_native_avx2_attacks import Case, _check, _close
-from tests.adversarial.test_issue16_native_streams_attacks import (  # noqa: F401  (fixtures, skip marks)
-    NAN, SENT, _avx2_streams_build, _exact_gemv_case, _exact_rows_case, _ptr, _thread_ranges, avx2_only, lib,
-    pytestmark, shim, shim_path)
+from tests.adversarial.native_kernel_shim import (  # noqa: F401  (fixtures, skip marks)
+    NAN, SENT, _avx2_streams_build, _exact_rows_case, _ptr, _thread_ranges, avx2_only, lib, pytestmark, shim,
+    shim_path)
+from tests.adversarial.test_issue16_native_streams_attacks import _exact_gemv_case
 from weft.testing.tiny_model import model_config_dict, random_weights
 
 # ---- 2. white-box: the partition is the documented one ---------------------------------
