@@ -33,7 +33,8 @@ What is attacked, and how (every case deterministic, no timing):
    odd and even n, R = 7..20 and 64: a masked tail or a 1-row tile that loaded a second
    row would kill the child.
 5. (test_issue16_native_wide_steps.py) The whole decode step (weft_decode_rows) against
-   the torch forward at R = 7..20 for a llama (q/k/v/o bias) and a qwen2 (qkv bias, tied) tiny shape and thread counts 1..3;
+   the torch forward at R = 7..20 for a llama (q/k/v/o bias) and a qwen2 (qkv bias,
+   tied) tiny shape and thread counts 1..3;
    the step's logits and K/V bitwise independent of the other rows of the batch and of
    the thread count (AVX2); a NaN lm_head row on either row of a pair or on the odd
    leftover stays in its logit; 97 and 128 rows (past the engine's 64, which step_rows
