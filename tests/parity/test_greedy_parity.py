@@ -90,3 +90,27 @@ def test_a_request_that_outgrows_the_pool_ends_with_length_instead_of_hanging(ch
     # the last sampled token needs no slot until it is fed back
     assert 0 < len(out.token_ids) <= 4 * 16 - 29 + 1
     assert llm.engine.pool.num_free_blocks == 4
+
+
+def test_greedy_matches_transformers_when_one_step_is_a_long_prefill(checkpoint):
+    """8 prompts prefilled in one step of more than MKL_MIN_ROWS tokens: the linears go
+    through MKL's sgemm on the plain weights there (model/linear.py), oneDNN elsewhere."""
+    from services.executor.model.linear import MKL_MIN_ROWS
+
+    path, hf = checkpoint
+    rng = random.Random(7)
+    prompts = [[rng.randrange(10, hf.config.vocab_size) for _ in range(90 + 7 * i)] for i in range(8)]
+    assert sum(map(len, prompts)) > MKL_MIN_ROWS
+    llm = LLM(path, max_num_batched_tokens=2048, max_prefill_chunk=512)
+    steps = []
+    forward = llm.engine.model.forward
+
+    def spy(input_ids, *args, **kwargs):
+        steps.append(input_ids.shape[0])
+        return forward(input_ids, *args, **kwargs)
+
+    llm.engine.model.forward = spy
+    assert llm.engine.model.layers[0].gate_up.plain_weight is not None  # the MKL path is open
+    outs = llm.generate(prompts, GREEDY)
+    assert max(steps) >= MKL_MIN_ROWS
+    assert [o.token_ids for o in outs] == _reference(hf, prompts)

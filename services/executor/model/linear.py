@@ -10,6 +10,13 @@ machines the model's matmuls take 8.9 ms instead of 27 ms at 16 rows, 6.4 instea
 ``plain_weight`` is the row-major weight the native batch-1 decode step streams
 (model/native/): the plain linear's own weight, or, for oneDNN, a copy kept beside the
 packed one when the model asks for it (``keep_plain``; the packed layout is oneDNN's own).
+
+Long prefills are the other way round: from ``MKL_MIN_ROWS`` rows up, MKL's sgemm (torch's
+``F.linear`` on the plain weight, every thread at that size) beats oneDNN on the 16-row
+layout, most on the MLP's wide products (gate_up / down on SmolLM2 at 2,048 rows: ~190
+against ~177 GFLOPS, the whole prefill forward 1.05-1.10x; equal at 256-1,024 rows;
+docs/architecture.md, "Seventh pass"). So a oneDNN linear that keeps its plain weight
+hands such calls to MKL; one without it stays on oneDNN.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ class Linear:
 
 
 _PACK_ROWS = 16  # the batch size oneDNN lays the weight out for
+MKL_MIN_ROWS = 512  # from here up a kept plain weight goes through MKL's sgemm instead
 
 
 class OneDnnLinear(Linear):
@@ -46,6 +54,8 @@ class OneDnnLinear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the model's case: no reshape ops on the hot path
+            if x.shape[0] >= MKL_MIN_ROWS and self.plain_weight is not None:
+                return F.linear(x, self.plain_weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         shape = x.shape
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.weight, self.bias, "none", [], "")
