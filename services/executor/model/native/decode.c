@@ -167,7 +167,7 @@ int weft_decode_step(const weft_model *m, int64_t token_id, int64_t position, in
                 rope(q, group, d, cos, sin);
                 memcpy(cache + k_slot + (size_t)g * d, k, (size_t)d * sizeof(float));
                 memcpy(cache + v_offset + k_slot + (size_t)g * d, v, (size_t)d * sizeof(float));
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
                 attend_kv_heads(m, cache, qkv, attn, scores + (size_t)g * group * seq_len, toks + (size_t)g * seq_len,
                                 g, g + 1, group, block_table, seq_len);
 #else

@@ -19,8 +19,9 @@
  * Each thread owns one contiguous range of tiles, as the batch-1 GEMV owns rows. The whole
  * step runs inside ONE parallel region (6 barriers per layer: the batch-1 step's 5 plus
  * one between writing every row's K/V and attending, so no row can read a slot another row
- * is writing, as on the torch path). Attention is one row per iteration (attend_row: its
- * cache in address order, 16 tokens' scores per vector, exp16), and SiLU is exp16 too.
+ * is writing, as on the torch path). Attention is one row per iteration (attend_row:
+ * llama_step.h's attend_kv_heads, the one decode.c calls per KV head), and SiLU is exp16
+ * on AVX-512 builds too.
  */
 #include "llama_step.h"
 
@@ -34,21 +35,6 @@
 #define PF_HINT _MM_HINT_T0
 
 #if defined(__AVX512F__)
-/* The 16 sums of v[i] (i < 16) into out[i]: a transpose-add tree (45 ops instead of 16
- * separate horizontal reductions). */
-static inline void reduce16(const __m512 *v, float *out) {
-    __m512 s[8], u[4];
-    for (int p = 0; p < 8; p++) /* per 128-bit lane: [v0a+v0c, v1a+v1c, v0b+v0d, v1b+v1d] */
-        s[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
-    for (int q = 0; q < 4; q++) { /* per 128-bit lane: [v0, v1, v2, v3] partial sums */
-        __m512d a = _mm512_castps_pd(s[2 * q]), b = _mm512_castps_pd(s[2 * q + 1]);
-        u[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-    __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD)));
-}
-
 /* acc[a][b] += W[a, i:i+16] . X[b, i:i+16] (m masks the columns past k). */
 #define TILE_STEP(LOAD)                                                                         \
     do {                                                                                        \
@@ -497,94 +483,8 @@ static void gate_up_rows_for(const float *gu, const float *X, float *act, int in
 
 #endif
 
-#if defined(__AVX512F__)
-/* One row's attention for the query heads of KV heads [g0, g1) (GQA: `group` query heads
- * per KV head, contiguous in q and out), token blocks outermost so the row's cache is read
- * in address order (one token's K for all KV heads is one run of kv_heads * head_dim):
- *
- *   scores  per block of 16 tokens: the next block's keys and this block's values are
- *           prefetched; per query head the 16 dots sum into 16 accumulators and one
- *           transpose-add tree (reduce16) makes one vector of 16 scores
- *   softmax exp16 over 16 scores at a time
- *   values  out[head] += p[head, t] * v[t] chunk by chunk (the values are in cache now)
- *
- * q, out: [num_heads, d] (the row's); scores: [(g1 - g0) * group, seq_len] scratch. Any
- * head_dim: the last 16-float chunk of a head is masked. Same sums as attend_head
- * (llama_step.h) up to fp32 rounding order. */
-static void attend_row(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
-                       int64_t *tok, int g0, int g1, int group, const int32_t *block_table, int seq_len) {
-    const int d = m->head_dim, kvh = m->num_kv_heads, bs = m->block_size, chunks = (d + 15) / 16;
-    (void)tok;
-    const int heads = (g1 - g0) * group, h0 = g0 * group, row_floats = kvh * d;
-    const size_t v_offset = (size_t)m->num_blocks * bs * row_floats;
-    const __mmask16 tail = (d % 16) ? (__mmask16)((1u << (d % 16)) - 1u) : (__mmask16)0xFFFF;
-#define KV_ROW(t) (cache + ((size_t)block_table[(t) / bs] * bs + (t) % bs) * row_floats) /* token t, all heads */
-    for (int t0 = 0; t0 < seq_len; t0 += 16) {
-        const int nt = imin(16, seq_len - t0);
-        const float *rows[16];
-        for (int j = 0; j < 16; j++) rows[j] = KV_ROW(t0 + (j < nt ? j : 0));
-        for (int j = 0; j < nt; j++) { /* this block's values to L2, the next block's keys to L1 */
-            const float *v = rows[j] + v_offset, *kn = t0 + 16 + j < seq_len ? KV_ROW(t0 + 16 + j) : NULL;
-            for (int f = g0 * d; f < g1 * d; f += 16) {
-                __builtin_prefetch(v + f, 0, 2);
-                if (kn) __builtin_prefetch(kn + f, 0, 3);
-            }
-        }
-        for (int hd = 0; hd < heads; hd++) {
-            const float *qh = q + (size_t)(h0 + hd) * d;
-            const size_t koff = (size_t)((h0 + hd) / group) * d;
-            __m512 acc[16];
-            for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-            for (int c = 0; c < chunks; c++) {
-                const __mmask16 mk = c + 1 == chunks ? tail : (__mmask16)0xFFFF;
-                const __m512 qv = _mm512_maskz_loadu_ps(mk, qh + c * 16);
-                for (int j = 0; j < 16; j++)
-                    acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, rows[j] + koff + c * 16), qv, acc[j]);
-            }
-            float s[16];
-            reduce16(acc, s);
-            _mm512_mask_storeu_ps(scores + (size_t)hd * seq_len + t0, (__mmask16)((1u << nt) - 1u),
-                                  _mm512_mul_ps(_mm512_loadu_ps(s), _mm512_set1_ps(m->scale)));
-        }
-    }
-    for (int hd = 0; hd < heads; hd++) { /* softmax in place: scores -> probabilities */
-        float *sc = scores + (size_t)hd * seq_len;
-        __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-        for (int t = 0; t < seq_len; t += 16)
-            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, (__mmask16)(seq_len - t >= 16 ? 0xFFFF : (1u << (seq_len - t)) - 1u), sc + t));
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        for (int t = 0; t < seq_len; t += 16) {
-            const __mmask16 mt = (__mmask16)(seq_len - t >= 16 ? 0xFFFF : (1u << (seq_len - t)) - 1u);
-            const __m512 e = _mm512_maskz_mov_ps(mt, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, sc + t), top)));
-            sum = _mm512_add_ps(sum, e);
-            _mm512_mask_storeu_ps(sc + t, mt, e);
-        }
-        const float inv = 1.f / _mm512_reduce_add_ps(sum);
-        for (int t = 0; t < seq_len; t++) sc[t] *= inv;
-    }
-    for (int hd = 0; hd < heads; hd++) { /* out[hd] = sum_t p[hd, t] v[t], chunk by chunk */
-        const float *sc = scores + (size_t)hd * seq_len, *vb = cache + v_offset + (size_t)((h0 + hd) / group) * d;
-#define V_CHUNK(t) _mm512_maskz_loadu_ps(mk, vb + ((size_t)block_table[(t) / bs] * bs + (t) % bs) * row_floats + c * 16)
-        for (int c = 0; c < chunks; c++) {
-            const __mmask16 mk = c + 1 == chunks ? tail : (__mmask16)0xFFFF;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0; /* 4 chains over tokens */
-            int t = 0;
-            for (; t + 4 <= seq_len; t += 4) {
-                a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), V_CHUNK(t), a0);
-                a1 = _mm512_fmadd_ps(_mm512_set1_ps(sc[t + 1]), V_CHUNK(t + 1), a1);
-                a2 = _mm512_fmadd_ps(_mm512_set1_ps(sc[t + 2]), V_CHUNK(t + 2), a2);
-                a3 = _mm512_fmadd_ps(_mm512_set1_ps(sc[t + 3]), V_CHUNK(t + 3), a3);
-            }
-            for (; t < seq_len; t++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), V_CHUNK(t), a0);
-            _mm512_mask_storeu_ps(out + (size_t)(h0 + hd) * d + c * 16, mk,
-                                  _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-        }
-#undef V_CHUNK
-    }
-#undef KV_ROW
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-/* llama_step.h's attend_kv_heads: the AVX2 attention decode.c shares. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* llama_step.h's attend_kv_heads: the attention decode.c shares. */
 #define attend_row attend_kv_heads
 #else
 /* Without AVX2 or AVX-512: attend_head (llama_step.h) per query head. */

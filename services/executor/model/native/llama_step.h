@@ -1,8 +1,8 @@
 /* What Weft's two native decode steps share (decode.c: one sequence; decode_batch.c: R
  * sequences): the model struct ctypes fills (native/decoder.py mirrors it), the one-row
  * dot product, RMSNorm, RoPE, one query head's paged attention (attend_head), the vector
- * exp (exp16 on AVX-512, exp8 on AVX2) and, on AVX2 builds, the attention both steps call
- * (attend_kv_heads; an AVX-512 build's multi-row step has its own). All static: each .c
+ * exp (exp16 on AVX-512, exp8 on AVX2) and, on AVX-512 and AVX2 builds, the attention
+ * both steps call (attend_kv_heads, one version per instruction set). All static: each .c
  * file gets its own copy, inlined where gcc sees fit.
  *
  * Layouts (all row-major fp32, the tensors torch already holds):
@@ -108,6 +108,21 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     return _mm512_scalef_ps(p, n);
+}
+
+/* The 16 sums of v[i] (i < 16) into out[i]: a transpose-add tree (45 ops instead of 16
+ * separate horizontal reductions). */
+static inline void reduce16(const __m512 *v, float *out) {
+    __m512 s[8], u[4];
+    for (int p = 0; p < 8; p++) /* per 128-bit lane: [v0a+v0c, v1a+v1c, v0b+v0d, v1b+v1d] */
+        s[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+    for (int q = 0; q < 4; q++) { /* per 128-bit lane: [v0, v1, v2, v3] partial sums */
+        __m512d a = _mm512_castps_pd(s[2 * q]), b = _mm512_castps_pd(s[2 * q + 1]);
+        u[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD)));
 }
 #endif
 
@@ -223,9 +238,101 @@ static void attend_head(const weft_model *m, const float *cache, const float *q,
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX512F__)
+/* One row's attention for the query heads of KV heads [g0, g1) (GQA: `group` query heads
+ * per KV head, contiguous in q and out), token blocks outermost so the row's cache is read
+ * in address order (one token's K for all KV heads is one run of kv_heads * head_dim):
+ *
+ *   scores  per block of 16 tokens: the next block's keys and this block's values are
+ *           prefetched; per query head the 16 dots sum into 16 accumulators and one
+ *           transpose-add tree (reduce16) makes one vector of 16 scores
+ *   softmax exp16 over 16 scores at a time
+ *   values  token by token with the head's output in registers (up to 8 chunks of 16 at a
+ *           time: one sequential read of each token's value row; the values are in cache)
+ *
+ * Each token's cache slot is looked up once (tok: [seq_len] int64 scratch): a lookup per
+ * token per chunk, with its divide by block_size, made the whole step 1.05-1.12x slower at
+ * 16 rows and batch-1 decode 1.16-1.33x slower at 1-2 K tokens of context (docs/
+ * architecture.md, "Seventh pass"). q, out: [num_heads, d] (the row's); scores:
+ * [(g1 - g0) * group, seq_len] scratch. Any head_dim: the last 16-float chunk of a head is
+ * masked. Same sums as attend_head up to fp32 rounding order. */
+static void attend_kv_heads(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
+                            int64_t *tok, int g0, int g1, int group, const int32_t *block_table,
+                            int seq_len) {
+    const int d = m->head_dim, kvh = m->num_kv_heads, bs = m->block_size, chunks = (d + 15) / 16;
+    const int heads = (g1 - g0) * group, h0 = g0 * group, row_floats = kvh * d;
+    const size_t v_offset = (size_t)m->num_blocks * bs * row_floats;
+    const __mmask16 tail = (d % 16) ? (__mmask16)((1u << (d % 16)) - 1u) : (__mmask16)0xFFFF;
+    for (int t = 0, blk = 0; t < seq_len; blk++)
+        for (int j = 0; j < bs && t < seq_len; j++) tok[t++] = (int64_t)block_table[blk] * bs + j;
+#define KV_ROW(t) (cache + (size_t)tok[t] * row_floats) /* token t, all heads */
+    for (int t0 = 0; t0 < seq_len; t0 += 16) {
+        const int nt = imin(16, seq_len - t0);
+        const float *rows[16];
+        for (int j = 0; j < 16; j++) rows[j] = KV_ROW(t0 + (j < nt ? j : 0));
+        for (int j = 0; j < nt; j++) { /* this block's values to L2, the next block's keys to L1 */
+            const float *v = rows[j] + v_offset, *kn = t0 + 16 + j < seq_len ? KV_ROW(t0 + 16 + j) : NULL;
+            for (int f = g0 * d; f < g1 * d; f += 16) {
+                __builtin_prefetch(v + f, 0, 2);
+                if (kn) __builtin_prefetch(kn + f, 0, 3);
+            }
+        }
+        for (int hd = 0; hd < heads; hd++) {
+            const float *qh = q + (size_t)(h0 + hd) * d;
+            const size_t koff = (size_t)((h0 + hd) / group) * d;
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+            for (int c = 0; c < chunks; c++) {
+                const __mmask16 mk = c + 1 == chunks ? tail : (__mmask16)0xFFFF;
+                const __m512 qv = _mm512_maskz_loadu_ps(mk, qh + c * 16);
+                for (int j = 0; j < 16; j++)
+                    acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, rows[j] + koff + c * 16), qv, acc[j]);
+            }
+            float s[16];
+            reduce16(acc, s);
+            _mm512_mask_storeu_ps(scores + (size_t)hd * seq_len + t0, (__mmask16)((1u << nt) - 1u),
+                                  _mm512_mul_ps(_mm512_loadu_ps(s), _mm512_set1_ps(m->scale)));
+        }
+    }
+    for (int hd = 0; hd < heads; hd++) { /* softmax in place: scores -> probabilities */
+        float *sc = scores + (size_t)hd * seq_len;
+        __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int t = 0; t < seq_len; t += 16)
+            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, (__mmask16)(seq_len - t >= 16 ? 0xFFFF : (1u << (seq_len - t)) - 1u), sc + t));
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        for (int t = 0; t < seq_len; t += 16) {
+            const __mmask16 mt = (__mmask16)(seq_len - t >= 16 ? 0xFFFF : (1u << (seq_len - t)) - 1u);
+            const __m512 e = _mm512_maskz_mov_ps(mt, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, sc + t), top)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(sc + t, mt, e);
+        }
+        const float inv = 1.f / _mm512_reduce_add_ps(sum);
+        for (int t = 0; t < seq_len; t++) sc[t] *= inv;
+    }
+    for (int hd = 0; hd < heads; hd++) { /* out[hd] = sum_t p[hd, t] v[t], 8 chunks at a time */
+        const float *sc = scores + (size_t)hd * seq_len, *vb = cache + v_offset + (size_t)((h0 + hd) / group) * d;
+        float *oh = out + (size_t)(h0 + hd) * d;
+        for (int c0 = 0; c0 < chunks; c0 += 8) {
+            const int nc = imin(8, chunks - c0);
+            __mmask16 mk[8];
+            __m512 acc[8];
+            for (int c = 0; c < 8; c++) {
+                mk[c] = c0 + c + 1 == chunks ? tail : (__mmask16)0xFFFF;
+                acc[c] = _mm512_setzero_ps();
+            }
+            for (int t = 0; t < seq_len; t++) { /* one sequential read of the token's value row */
+                const __m512 p = _mm512_set1_ps(sc[t]);
+                const float *v = vb + (size_t)tok[t] * row_floats + c0 * 16;
+                for (int c = 0; c < nc; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(mk[c], v + c * 16), acc[c]);
+            }
+            for (int c = 0; c < nc; c++) _mm512_mask_storeu_ps(oh + (c0 + c) * 16, mk[c], acc[c]);
+        }
+    }
+#undef KV_ROW
+}
+#elif defined(__AVX2__) && defined(__FMA__)
 /* One row's attention for the query heads of KV heads [g0, g1) in AVX2 (decode_batch.c's
- * attend_row, decode.c's per KV head; an AVX-512 build has its own in decode_batch.c):
+ * attend_row, decode.c's per KV head; the AVX-512 version is above):
  * each token's cache slot looked up once (tok: [seq_len] int64 scratch; a lookup per
  * token per chunk, with its divide by block_size, cost more than the
  * arithmetic), keys in blocks of 8 tokens (8 score accumulators + q + a key: 10 of the 16
