@@ -92,10 +92,15 @@ def test_a_request_that_outgrows_the_pool_ends_with_length_instead_of_hanging(ch
     assert llm.engine.pool.num_free_blocks == 4
 
 
-def test_greedy_matches_transformers_when_one_step_is_a_long_prefill(checkpoint):
-    """8 prompts prefilled in one step of more than MKL_MIN_ROWS tokens: the linears go
-    through MKL's sgemm on the plain weights there (model/linear.py), oneDNN elsewhere."""
+@pytest.mark.parametrize("mkl_cpu", [True, False], ids=["mkl-cpu", "other-cpu"])
+def test_greedy_matches_transformers_when_one_step_is_a_long_prefill(checkpoint, mkl_cpu, monkeypatch):
+    """8 prompts prefilled in one step of more than MKL_MIN_ROWS tokens: on a CPU where MKL
+    was measured ahead the linears go through its sgemm on the plain weights there, oneDNN
+    elsewhere (model/linear.py); both routes forced here whatever this CPU is."""
+    from services.executor.model import linear as linear_mod
     from services.executor.model.linear import MKL_MIN_ROWS
+
+    monkeypatch.setattr(linear_mod, "mkl_prefill_wins", lambda: mkl_cpu)
 
     path, hf = checkpoint
     rng = random.Random(7)
@@ -110,7 +115,7 @@ def test_greedy_matches_transformers_when_one_step_is_a_long_prefill(checkpoint)
         return forward(input_ids, *args, **kwargs)
 
     llm.engine.model.forward = spy
-    assert llm.engine.model.layers[0].gate_up.plain_weight is not None  # the MKL path is open
+    assert (llm.engine.model.layers[0].gate_up._mkl_weight is not None) is mkl_cpu  # the route taken
     outs = llm.generate(prompts, GREEDY)
     assert max(steps) >= MKL_MIN_ROWS
     assert [o.token_ids for o in outs] == _reference(hf, prompts)

@@ -11,14 +11,19 @@ machines the model's matmuls take 8.9 ms instead of 27 ms at 16 rows, 6.4 instea
 (model/native/): the plain linear's own weight, or, for oneDNN, a copy kept beside the
 packed one when the model asks for it (``keep_plain``; the packed layout is oneDNN's own).
 
-Long prefills are the other way round: from ``MKL_MIN_ROWS`` rows up, MKL's sgemm (torch's
-``F.linear`` on the plain weight, every thread at that size) beats oneDNN on the 16-row
-layout, most on the MLP's wide products (gate_up / down on SmolLM2 at 2,048 rows: ~190
-against ~177 GFLOPS, the whole prefill forward 1.05-1.10x; equal at 256-1,024 rows;
-docs/architecture.md, "Seventh pass"). So a oneDNN linear that keeps its plain weight
-hands such calls to MKL; one without it stays on oneDNN.
+Long prefills on an Intel AVX-512 CPU are the other way round: from ``MKL_MIN_ROWS`` rows
+up, MKL's sgemm (torch's ``F.linear`` on the plain weight, every thread at that size) beats
+oneDNN on the 16-row layout, most on the MLP's wide products (gate_up / down on SmolLM2 at
+2,048 rows on a Sapphire Rapids: ~190 against ~177 GFLOPS, the whole prefill forward
+1.03-1.07x; equal at 256-1,024 rows; docs/architecture.md, "Seventh pass"). So there a
+oneDNN linear that keeps its plain weight hands such calls to MKL. On the AVX2 Zen 2
+machines MKL read 128-150 GFLOPS against oneDNN's 150-167 ("Sixth pass"): elsewhere
+(``mkl_prefill_wins`` false) every call stays on oneDNN.
 """
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +49,16 @@ _PACK_ROWS = 16  # the batch size oneDNN lays the weight out for
 MKL_MIN_ROWS = 512  # from here up a kept plain weight goes through MKL's sgemm instead
 
 
+@functools.cache
+def mkl_prefill_wins() -> bool:
+    """True on an Intel CPU whose torch kernels run AVX-512: where MKL was measured ahead."""
+    try:
+        intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return intel and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 class OneDnnLinear(Linear):
     """fp32 CPU linear through oneDNN with the weight reordered once at load."""
 
@@ -51,11 +66,12 @@ class OneDnnLinear(Linear):
         super().__init__(weight, bias)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
         self.plain_weight = weight.contiguous() if keep_plain else None
+        self._mkl_weight = self.plain_weight if mkl_prefill_wins() else None  # long inputs' route
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the model's case: no reshape ops on the hot path
-            if x.shape[0] >= MKL_MIN_ROWS and self.plain_weight is not None:
-                return F.linear(x, self.plain_weight, self.bias)
+            if x.shape[0] >= MKL_MIN_ROWS and self._mkl_weight is not None:
+                return F.linear(x, self._mkl_weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         shape = x.shape
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.weight, self.bias, "none", [], "")

@@ -1,5 +1,6 @@
-"""A oneDNN linear hands long prefills to MKL when it kept its plain weight, and gives
-the same product either way (services/executor/model/linear.py)."""
+"""A oneDNN linear hands long prefills to MKL when it kept its plain weight and the CPU is
+one where MKL was measured ahead, and gives the same product either way
+(services/executor/model/linear.py)."""
 from __future__ import annotations
 
 import pytest
@@ -21,17 +22,23 @@ def _weights(out_features=48, in_features=40, bias=True):
     return w, b
 
 
+@pytest.fixture(params=[True, False], ids=["mkl-cpu", "other-cpu"])
+def mkl_cpu(request, monkeypatch):
+    monkeypatch.setattr(linear_mod, "mkl_prefill_wins", lambda: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("rows", [1, 16, MKL_MIN_ROWS - 1, MKL_MIN_ROWS, 2 * MKL_MIN_ROWS + 3])
 @pytest.mark.parametrize("keep_plain", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_every_row_count_gives_the_reference_product(rows, keep_plain, bias):
+def test_every_row_count_gives_the_reference_product(rows, keep_plain, bias, mkl_cpu):
     w, b = _weights(bias=bias)
     lin = OneDnnLinear(w, b, keep_plain=keep_plain)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
     torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_long_inputs_go_to_mkl_only_with_a_plain_weight(monkeypatch):
+def test_long_inputs_go_to_mkl_only_with_a_plain_weight_on_an_mkl_cpu(monkeypatch, mkl_cpu):
     calls = []
     real_linear = F.linear
 
@@ -46,10 +53,26 @@ def test_long_inputs_go_to_mkl_only_with_a_plain_weight(monkeypatch):
     kept(long_x)
     kept(short_x)
     packed_only(long_x)
-    assert calls == [MKL_MIN_ROWS]  # only the long input with a kept plain weight
+    # only the long input with a kept plain weight, and only where MKL was measured ahead
+    assert calls == ([MKL_MIN_ROWS] if mkl_cpu else [])
 
 
-def test_a_three_dimensional_input_keeps_its_shape():
+def test_mkl_is_chosen_only_on_intel_avx512(monkeypatch, tmp_path):
+    linear_mod.mkl_prefill_wins.cache_clear()
+    try:
+        for vendor, capability, expected in [("GenuineIntel", "AVX512", True), ("GenuineIntel", "AVX2", False),
+                                             ("AuthenticAMD", "AVX512", False), ("AuthenticAMD", "AVX2", False)]:
+            cpuinfo = tmp_path / vendor
+            cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\n")
+            monkeypatch.setattr(linear_mod, "Path", lambda _p, f=cpuinfo: f)
+            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+            linear_mod.mkl_prefill_wins.cache_clear()
+            assert linear_mod.mkl_prefill_wins() is expected, (vendor, capability)
+    finally:
+        linear_mod.mkl_prefill_wins.cache_clear()
+
+
+def test_a_three_dimensional_input_keeps_its_shape(mkl_cpu):
     w, b = _weights()
     lin = OneDnnLinear(w, b, keep_plain=True)
     x = torch.randn(2, MKL_MIN_ROWS, w.shape[1])
