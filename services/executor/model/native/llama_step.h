@@ -215,6 +215,13 @@ static void rope(float *x, int heads, int d, const float *cos, const float *sin)
     }
 }
 
+/* tok[t] = the cache slot of token t (t < seq_len), from the block table: the attention
+ * kernels look each slot up once instead of dividing by block_size per load. */
+static inline void token_slots(int64_t *tok, const int32_t *block_table, int bs, int seq_len) {
+    for (int t = 0, blk = 0; t < seq_len; blk++)
+        for (int j = 0; j < bs && t < seq_len; j++) tok[t++] = (int64_t)block_table[blk] * bs + j;
+}
+
 /* One query head over its sequence's keys/values (read through the block table). */
 static void attend_head(const weft_model *m, const float *cache, const float *q, float *out, float *scores,
                         int kv_head, const int32_t *block_table, int seq_len) {
@@ -263,8 +270,7 @@ static void attend_kv_heads(const weft_model *m, const float *cache, const float
     const int heads = (g1 - g0) * group, h0 = g0 * group, row_floats = kvh * d;
     const size_t v_offset = (size_t)m->num_blocks * bs * row_floats;
     const __mmask16 tail = (d % 16) ? (__mmask16)((1u << (d % 16)) - 1u) : (__mmask16)0xFFFF;
-    for (int t = 0, blk = 0; t < seq_len; blk++)
-        for (int j = 0; j < bs && t < seq_len; j++) tok[t++] = (int64_t)block_table[blk] * bs + j;
+    token_slots(tok, block_table, bs, seq_len);
 #define KV_ROW(t) (cache + (size_t)tok[t] * row_floats) /* token t, all heads */
     for (int t0 = 0; t0 < seq_len; t0 += 16) {
         const int nt = imin(16, seq_len - t0);
@@ -348,8 +354,7 @@ static void attend_kv_heads(const weft_model *m, const float *cache, const float
     const size_t v_offset = (size_t)m->num_blocks * bs * row_floats;
     const __m256i tail = mask8(d - full * 8);
     const __m256 scale = _mm256_set1_ps(m->scale);
-    for (int t = 0, blk = 0; t < seq_len; blk++)
-        for (int j = 0; j < bs && t < seq_len; j++) tok[t++] = (int64_t)block_table[blk] * bs + j;
+    token_slots(tok, block_table, bs, seq_len);
 #define KV_ROW(t) (cache + (size_t)tok[t] * row_floats) /* token t, all heads */
     for (int t0 = 0; t0 < seq_len; t0 += 8) {
         const int nt = imin(8, seq_len - t0);
