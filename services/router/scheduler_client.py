@@ -62,6 +62,8 @@ MAX_ATTEMPTS = 3
 # restarts it within ~1-2 s) is waited for this long before the first token, beyond
 # MAX_ATTEMPTS; a scheduler that answers (overload, draining, no executor) is not.
 SCHEDULER_OUTAGE_S = 5.0
+# How gRPC core words an UNAVAILABLE whose call never reached a server (pick-first).
+CONNECT_FAILED = "failed to connect"
 
 _now = time.monotonic  # the outage window's clock (a test replaces it)
 
@@ -356,11 +358,17 @@ class SchedulerClient:
                 for e in resp.executors]
 
     def _not_connected(self, exc: BaseException | None) -> bool:
-        """``exc`` is the transport failing to reach the scheduler (no server chose it, and
-        the channel is not connected): the scheduler is down or restarting, not busy."""
-        return (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
-                and error_origin_of(exc) is None
-                and self._channel.get_state(try_to_connect=False) != grpc.ChannelConnectivity.READY)
+        """``exc`` is the transport failing to reach the scheduler (no server chose it): the
+        scheduler is down or restarting, not busy. gRPC core words a failed connect as
+        "failed to connect to all addresses"; that is read from the error itself, because
+        the channel may already be READY again when this is asked (the scheduler came back
+        between the failed attempt and the stop decision: CI saw exactly that race). An
+        error worded otherwise counts while the channel is still not connected."""
+        if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+                and error_origin_of(exc) is None):
+            return False
+        return (CONNECT_FAILED in (exc.details() or "").lower()
+                or self._channel.get_state(try_to_connect=False) != grpc.ChannelConnectivity.READY)
 
     def unreachable(self) -> bool:
         """The channel already knows the scheduler is down (a connect failed; it is backing off)."""

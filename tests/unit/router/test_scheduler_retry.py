@@ -120,3 +120,56 @@ def test_a_scheduler_that_is_down_is_waited_for_beyond_the_attempt_bound_until_i
 
     chunks, attempts = asyncio.run(main())
     assert [c.token_ids for c in chunks] == [(1,), (2,)] and attempts > MAX_ATTEMPTS
+
+
+def test_a_scheduler_back_and_connected_by_the_time_the_retry_is_decided_still_serves_the_request():
+    """The race CI hit: the attempt past MAX_ATTEMPTS is refused, then the scheduler
+    listens and the channel reconnects (READY) before tenacity decides whether to stop.
+    The refusal is still a refusal ("failed to connect"), so the request is retried and
+    served, not answered 503."""
+    from services.mesh.nats_server import free_port
+
+    async def main():
+        port = free_port()
+        client = SchedulerClient(f"127.0.0.1:{port}")
+        server = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(FlakyScheduler([]), server)
+        attempts = 0
+        generate = client._stub.Generate
+
+        class RefusedThenBack:
+            """The refused call; its failure surfaces only once the channel is READY again."""
+
+            def __init__(self, call) -> None:
+                self.call = call
+
+            def cancel(self) -> bool:
+                return self.call.cancel()
+
+            async def read(self):
+                try:
+                    return await self.call.read()
+                except grpc.aio.AioRpcError:
+                    server.add_insecure_port(f"127.0.0.1:{port}")
+                    await server.start()
+                    state = client._channel.get_state(try_to_connect=True)
+                    while state != grpc.ChannelConnectivity.READY:
+                        await client._channel.wait_for_state_change(state)
+                        state = client._channel.get_state(try_to_connect=True)
+                    raise
+
+        def counting(*args, **kwargs):
+            nonlocal attempts
+            attempts += 1
+            call = generate(*args, **kwargs)
+            return RefusedThenBack(call) if attempts == MAX_ATTEMPTS + 1 else call
+
+        client._stub.Generate = counting
+        try:
+            return [c async for c in client.generate(_request(), timeout_s=30)], attempts
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    chunks, attempts = asyncio.run(main())
+    assert [c.token_ids for c in chunks] == [(1,), (2,)] and attempts == MAX_ATTEMPTS + 2
