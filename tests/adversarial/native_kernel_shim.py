@@ -1,5 +1,7 @@
 """The native kernels behind a test shim, for the issue-16 attack files: the static GEMV /
-GEMM / gate-up kernels of decode.c and decode_batch.c behind exported wrappers, compiled
+GEMM / gate-up kernels of decode.c and decode_batch.c and the multi-row step's attention
+(``attend_row``: llama_step.h's attend_kv_heads on AVX-512 / AVX2 builds, the one decode.c
+calls per KV head too) behind exported wrappers, compiled
 from the real sources with the library's own flags (``shim`` / ``shim_path`` fixtures),
 the library itself (``lib``), small-integer operands with NaN guards and sentinels that
 make every dot product exact in fp32 (``_exact_rows_case``), and the preamble of the
@@ -72,6 +74,10 @@ void shim_gate_up_rows(const float *gu, const float *X, float *act, int inter, i
     #pragma omp parallel num_threads(t)
     gate_up_rows_for(gu, X, act, inter, H, R);
 }}
+void shim_attend(const weft_model *m, const float *cache, const float *q, float *out, float *scores, int64_t *tok,
+                 int g0, int g1, int group, const int32_t *block_table, int seq_len) {{
+    attend_row(m, cache, q, out, scores, tok, g0, g1, group, block_table, seq_len);
+}}
 """
 
 
@@ -99,7 +105,9 @@ def _declare_shim(handle: ctypes.CDLL) -> ctypes.CDLL:
     handle.shim_gate_up.argtypes = [P, P, P, I32, I32, I32]
     handle.shim_gemm_rows.argtypes = [P, P, P, I32, P, I32, I32, I32, I32, I32, I32]
     handle.shim_gate_up_rows.argtypes = [P, P, P, I32, I32, I32, I32]
-    for f in (handle.shim_gemv, handle.shim_gate_up, handle.shim_gemm_rows, handle.shim_gate_up_rows):
+    handle.shim_attend.argtypes = [P, P, P, P, P, P, I32, I32, I32, P, I32]
+    for f in (handle.shim_gemv, handle.shim_gate_up, handle.shim_gemm_rows, handle.shim_gate_up_rows,
+              handle.shim_attend):
         f.restype = None
     return handle
 
