@@ -13,6 +13,7 @@ import functools
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -182,3 +183,14 @@ GUARD_PREAMBLE = textwrap.dedent("""
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     PAGE, keep = mmap.PAGESIZE, []
 """)
+
+
+def run_guarded(script: str, *args: str) -> str:
+    """Run a guard-page ``script`` (GUARD_PREAMBLE + its cases) in a child Python with the
+    repository on its path; a read past a guarded operand kills the child, not the test
+    run. Asserts it exited cleanly and returns its stdout (the script's DONE / WRONG line)."""
+    root = str(library.SOURCES[0].parents[4])
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300,
+                          cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, f"child died ({proc.returncode}): {proc.stderr[-2000:]}"
+    return proc.stdout

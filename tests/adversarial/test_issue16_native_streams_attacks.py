@@ -38,18 +38,14 @@ both: native_kernel_shim.py):
    (omp_set_dynamic)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from services.executor.model.native import library
 from tests.adversarial.native_kernel_shim import (  # noqa: F401  (fixtures, skip marks)
     GUARD_PREAMBLE, INF, NAN, SENT, _exact_rows_case, _guarded_weight, _ints, _ptr, _silu_times, _thread_ranges, lib,
-    pytestmark, shim, shim_path)
+    pytestmark, run_guarded, shim, shim_path)
 
 
 def _exact_gemv_case(call, gen, n: int, k: int, threads: int, accumulate: bool, bias: bool) -> None:
@@ -282,8 +278,5 @@ GUARD_PAGE_SCRIPT = GUARD_PREAMBLE + textwrap.dedent("""
 def test_no_kernel_reads_past_the_last_weight_or_activation(shim_path):
     # weights, bias and activations each end right before an unmapped page: a load past
     # them (a prefetch may go there, a load may not) kills the child, not this run
-    root = str(library.SOURCES[0].parents[4])
-    proc = subprocess.run([sys.executable, "-c", GUARD_PAGE_SCRIPT, shim_path], capture_output=True, text=True,
-                          timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": root})
-    assert proc.returncode == 0, f"child died ({proc.returncode}): {proc.stderr[-2000:]}"
-    assert "WRONG []" in proc.stdout, proc.stdout[-2000:]
+    out = run_guarded(GUARD_PAGE_SCRIPT, shim_path)
+    assert "WRONG []" in out, out[-2000:]

@@ -43,18 +43,14 @@ What is attacked, and how (every case deterministic, no timing):
    (every native step size 16 down to 7 and below)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.adversarial.native_kernel_shim import (  # noqa: F401  (fixtures, skip marks)
     GUARD, GUARD_PREAMBLE, INF, NAN, SENT, _avx2_streams_build, _exact_rows_case, _ints, _ptr, _silu_times,
-    avx2_only, lib, pytestmark, shim, shim_path)
+    avx2_only, lib, pytestmark, run_guarded, shim, shim_path)
 from tests.adversarial.test_issue16_native_streams_steps import CANCEL, _dynamic_team
 
 WIDE_R = 6  # activation rows per pass (and STREAM_MAX_ROWS): R > 6 is the wide path
@@ -337,8 +333,5 @@ GUARD_PAGE_SCRIPT = GUARD_PREAMBLE + textwrap.dedent("""
 
 
 def test_no_wide_kernel_reads_before_or_past_its_operands(shim_path):
-    root = str(Path(__file__).resolve().parents[2])
-    proc = subprocess.run([sys.executable, "-c", GUARD_PAGE_SCRIPT, shim_path], capture_output=True, text=True,
-                          timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": root})
-    assert proc.returncode == 0, f"child died ({proc.returncode}): {proc.stderr[-2000:]}"
-    assert "DONE 3528 WRONG []" in proc.stdout, proc.stdout[-2000:]
+    out = run_guarded(GUARD_PAGE_SCRIPT, shim_path)
+    assert "DONE 3528 WRONG []" in out, out[-2000:]

@@ -1,4 +1,4 @@
-"""Issue 16, attacks on the seventh pass (959c30a, 3b7f095, 72aabab, d9bd226):
+"""Issue 16, attacks on the seventh pass's attention (72aabab, d9bd226):
 
 * llama_step.h's AVX-512 ``attend_kv_heads`` (attention over the paged KV cache: each
   token's slot looked up once by ``token_slots``, keys in blocks of 16 tokens summed by
@@ -9,10 +9,7 @@
   are few) now both call. d9bd226 moved the AVX2 version's slot lookup into the same
   ``token_slots``, so the kernel attacks below also run on the shim built for AVX2 without
   AVX-512 and for neither (``attend_head`` per query head) where the CPU runs AVX2.
-* model/linear.py's long-prefill route: a ``OneDnnLinear`` that keeps its plain weight
-  sends 2-D inputs of ``MKL_MIN_ROWS`` (512) rows or more to MKL's sgemm (``F.linear`` on
-  ``_mkl_weight``) on Intel AVX-512 CPUs (``mkl_prefill_wins``), oneDNN's packed weight
-  otherwise.
+(The MKL long-prefill route of the same pass: test_issue16_mkl_prefill_route.py.)
 
 What is attacked, and what is expected (every case deterministic, no timing):
 
@@ -50,38 +47,24 @@ What is attacked, and what is expected (every case deterministic, no timing):
    block sizes 4, 5 and 16, head_dim 144 / 250 / 258 (9, 16 and 17 chunks), one row of
    2,048 tokens beside rows of 1, 15, 17 and 1,024 in the same step (one attention item
    per row, and per (row, KV head)).
-6. The MKL route: exactly 511 / 512 / 513 rows take oneDNN / MKL / MKL and all give the
-   reference product; a non-contiguous 2-D input (a transposed view, a column slice) on
-   both routes; a 3-D input of 2 x 512 rows stays on oneDNN; ``_mkl_weight`` is the very
-   tensor (the same storage) as ``plain_weight`` and, in a model, the one the native
-   decoder streams (no third copy of the weights); a model without the native library
-   (``WEFT_NATIVE_DECODE=0``: no plain weight kept) never takes MKL, whatever the CPU;
-   ``mkl_prefill_wins`` is False when /proc/cpuinfo cannot be read."""
+"""
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from services.executor.model import linear as linear_mod
-from services.executor.model.linear import MKL_MIN_ROWS, OneDnnLinear, onednn_usable
 from services.executor.model.native import library
 from services.executor.model.native.decoder import _ModelStruct
 from tests.adversarial.native_kernel_shim import (  # noqa: F401  (fixtures)
-    GUARD_PREAMBLE, INF, NAN, SENT, _build_shim, _declare_shim, _ptr, lib, shim_path)
+    GUARD_PREAMBLE, INF, NAN, SENT, _build_shim, _declare_shim, _ptr, lib, run_guarded, shim_path)
 from tests.adversarial.native_kernel_shim import pytestmark as native_only
 from tests.adversarial.test_issue16_native_avx2_attacks import Case, _check, _model
 
-onednn_only = pytest.mark.skipif(not onednn_usable(torch.device("cpu"), torch.float32),
-                                 reason="this torch build has no oneDNN linear")
 
 # the shim built as the machine's own (-march=native) and, on an x86 CPU with AVX2 and FMA,
 # as an AVX2 build without AVX-512 (the AVX2 attend_kv_heads, d9bd226's token_slots) and
@@ -406,11 +389,8 @@ GUARD_SCRIPT = GUARD_PREAMBLE + textwrap.dedent("""
 def test_no_attention_read_past_the_pool_or_the_scratch(attn_path):
     # in a child: a masked tail load, a 16-token key block or the value pass that touched
     # one float past the pool's last slot (or before its first) kills it, not this run
-    root = str(Path(__file__).resolve().parents[2])
-    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT, attn_path], capture_output=True, text=True,
-                          timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": root})
-    assert proc.returncode == 0, f"child died ({proc.returncode}): {proc.stderr[-2000:]}"
-    assert "DONE 672 WRONG []" in proc.stdout, proc.stdout[-2000:]
+    out = run_guarded(GUARD_SCRIPT, attn_path)
+    assert "DONE 672 WRONG []" in out, out[-2000:]
 
 
 # ---- 5. both decode steps against torch -----------------------------------------------------
@@ -442,117 +422,3 @@ def test_one_step_with_rows_of_very_different_lengths(bs, threads):
     model = _model({"head_dim": 32, "hidden_size": 32, "intermediate_size": 40, "vocab_size": 67,
                     "max_position_embeddings": 4096})
     _check(Case(model, bs, [2048, 1, 15, 1024, 17], seed=bs), threads=threads)
-
-
-# ---- 6. the MKL route of OneDnnLinear ---------------------------------------------------------
-
-def _weights(out_features=48, in_features=40):
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(out_features, in_features, generator=g) * 0.1, torch.randn(out_features, generator=g)
-
-
-REF_LINEAR = F.linear  # the reference product, before any spy replaces F.linear
-
-
-@pytest.fixture
-def mkl_calls(monkeypatch):
-    """Routes forced onto an MKL CPU; the row counts F.linear (MKL) saw."""
-    monkeypatch.setattr(linear_mod, "mkl_prefill_wins", lambda: True)
-    calls = []
-    monkeypatch.setattr(linear_mod.F, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or REF_LINEAR(x, w, b))
-    return calls
-
-
-@onednn_only
-def test_the_threshold_is_exactly_512_rows_and_both_sides_agree(mkl_calls):
-    w, b = _weights()
-    lin = OneDnnLinear(w, b, keep_plain=True)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(MKL_MIN_ROWS + 1, w.shape[1], generator=g)
-    outs = {}
-    for rows in (MKL_MIN_ROWS - 1, MKL_MIN_ROWS, MKL_MIN_ROWS + 1):
-        outs[rows] = lin(x[:rows])
-        torch.testing.assert_close(outs[rows], REF_LINEAR(x[:rows], w, b), rtol=1e-5, atol=1e-5)
-    assert mkl_calls == [MKL_MIN_ROWS, MKL_MIN_ROWS + 1]
-    # a row's product does not depend on which side of the threshold its batch fell
-    torch.testing.assert_close(outs[MKL_MIN_ROWS - 1], outs[MKL_MIN_ROWS][:-1], rtol=1e-5, atol=1e-6)
-
-
-@onednn_only
-def test_non_contiguous_and_three_dimensional_inputs_on_both_routes(mkl_calls):
-    w, b = _weights()
-    lin = OneDnnLinear(w, b, keep_plain=True)
-    g = torch.Generator().manual_seed(2)
-    ref = REF_LINEAR
-    for rows in (MKL_MIN_ROWS - 1, MKL_MIN_ROWS + 7):
-        wide = torch.randn(rows, 2 * w.shape[1] + 3, generator=g)
-        for x in (wide[:, 3:3 + w.shape[1]], torch.randn(w.shape[1], rows, generator=g).T, wide[:, ::2][:, :40]):
-            assert not x.is_contiguous()
-            torch.testing.assert_close(lin(x), ref(x.contiguous(), w, b), rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"rows={rows} strides={x.stride()}: {m}")
-    assert mkl_calls == [MKL_MIN_ROWS + 7] * 3
-    mkl_calls.clear()
-    x3 = torch.randn(2, MKL_MIN_ROWS, w.shape[1], generator=g)  # 1,024 rows in 3-D: oneDNN, shape kept
-    y3 = lin(x3)
-    assert y3.shape == (2, MKL_MIN_ROWS, w.shape[0]) and mkl_calls == []
-    torch.testing.assert_close(y3, ref(x3, w, b), rtol=1e-5, atol=1e-5)
-
-
-@onednn_only
-def test_the_mkl_weight_is_the_plain_weight_not_a_copy(monkeypatch):
-    monkeypatch.setattr(linear_mod, "mkl_prefill_wins", lambda: True)
-    w, b = _weights()
-    lin = OneDnnLinear(w, b, keep_plain=True)
-    assert lin._mkl_weight is lin.plain_weight and lin.plain_weight.data_ptr() == w.data_ptr()
-    assert OneDnnLinear(w, b, keep_plain=False)._mkl_weight is None
-
-
-@native_only
-@onednn_only
-def test_a_models_mkl_weights_are_the_ones_the_native_step_streams(monkeypatch):
-    # one row-major copy of every weight, shared by the native decode and long prefills
-    monkeypatch.setattr(linear_mod, "mkl_prefill_wins", lambda: True)
-    model = _model({"head_dim": 8, "hidden_size": 16, "intermediate_size": 24, "vocab_size": 31})
-    assert model.use_onednn
-    decoder = model.native_decoder([torch.zeros(2, 2, 4, model.num_kv_heads, model.head_dim)])
-    streamed = decoder._arrays
-    for name in ("qkv", "o", "gate_up", "down"):
-        lin = getattr(model.layers[0], name)
-        assert lin._mkl_weight is not None and lin._mkl_weight.data_ptr() == streamed[name][0], name
-    assert model.lm_head._mkl_weight is not None
-    assert model.lm_head._mkl_weight.data_ptr() == decoder._struct.lm_head
-
-
-@onednn_only
-def test_without_the_native_library_no_linear_takes_mkl(monkeypatch):
-    # WEFT_NATIVE_DECODE=0 (or a build failure): no plain weight is kept, so even on an MKL
-    # CPU every long prefill stays on oneDNN's packed weight
-    from services.executor.attention.selector import backend_class
-    from services.executor.model.config import ModelConfig
-    from services.executor.model.llama import LlamaModel
-    from weft.testing.tiny_model import model_config_dict, random_weights
-
-    monkeypatch.setattr(linear_mod, "mkl_prefill_wins", lambda: True)
-    monkeypatch.setenv("WEFT_NATIVE_DECODE", "0")
-    config = ModelConfig.from_dict({**model_config_dict("tiny", "llama"), "num_hidden_layers": 1})
-    model = LlamaModel(config, random_weights(config, seed=1), backend_class("torch"))
-    assert model.use_onednn and model.native_decoder([]) is None
-    linears = [model.lm_head, *(getattr(model.layers[0], n) for n in ("qkv", "o", "gate_up", "down"))]
-    assert all(lin._mkl_weight is None and lin.plain_weight is None for lin in linears)
-
-
-def test_mkl_is_not_chosen_when_cpuinfo_cannot_be_read(monkeypatch):
-    class Unreadable:
-        def __init__(self, _path):
-            pass
-
-        def read_text(self):
-            raise PermissionError("/proc/cpuinfo")
-
-    linear_mod.mkl_prefill_wins.cache_clear()
-    try:
-        monkeypatch.setattr(linear_mod, "Path", Unreadable)
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-        assert linear_mod.mkl_prefill_wins() is False
-    finally:
-        linear_mod.mkl_prefill_wins.cache_clear()
