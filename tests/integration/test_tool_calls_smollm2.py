@@ -56,8 +56,8 @@ def test_required_at_temperature_one_returns_valid_calls_on_every_seed(mesh):
         return client.chat.completions.create(model=mesh.model, messages=TOOL_MESSAGES, tools=TOOLS,
                                               tool_choice="required", max_tokens=96, temperature=1.0, seed=seed)
 
-    # All seeds at once: the executor decodes them as one batch (a twelfth of the time of
-    # asking one by one); each reply is still checked on its own.
+    # All seeds at once: the executor decodes them in shared batch steps (54 s -> 24 s on a
+    # 2-CPU box); each reply is still checked on its own.
     with ThreadPoolExecutor(max_workers=len(SEEDS)) as pool:
         replies = list(pool.map(ask, SEEDS))
     for seed, reply in zip(SEEDS, replies):
