@@ -28,7 +28,8 @@ from services.router.tool_parsers import ToolCall, ToolCallArgsDelta, ToolCallFo
 
 
 class ChatChoice:
-    def __init__(self, index: int, tools: ToolCallFormat | None, text: TokenText | None, return_token_ids: bool) -> None:
+    def __init__(self, index: int, tools: ToolCallFormat | None, text: TokenText | None, return_token_ids: bool,
+                 session_id: str = "") -> None:
         self.index = index
         self.tools = tools
         self.text = text  # None: no logprobs asked
@@ -39,7 +40,7 @@ class ChatChoice:
         self.last: Delta | None = None
         self.parser = tools.stream_parser() if tools is not None else None
         self.num_calls = 0
-        self.notes = _Notes()
+        self.notes = _Notes(session_id)
 
     # -- non-streamed ----------------------------------------------------------------
     def add(self, delta: Delta) -> None:
@@ -103,7 +104,8 @@ class ChatChoice:
 
 class CompletionChoice:
     def __init__(self, index: int, echo_text: str | None, prompt_ids: tuple[int, ...],
-                 logprobs: CompletionLogprobs | None, score_only: bool, return_token_ids: bool) -> None:
+                 logprobs: CompletionLogprobs | None, score_only: bool, return_token_ids: bool,
+                 session_id: str = "") -> None:
         self.index = index
         self.echo_text = echo_text  # None: no echo
         self.prompt_ids = prompt_ids
@@ -113,7 +115,7 @@ class CompletionChoice:
         self.parts: list[str] = []
         self.ids: list[int] = []
         self.last: Delta | None = None
-        self.notes = _Notes()
+        self.notes = _Notes(session_id)
 
     def _take(self, delta: Delta) -> tuple[str, list[int], dict[str, list] | None]:
         """This delta's text, ids and logprobs part (echo first, on the first delta)."""
@@ -157,17 +159,19 @@ class CompletionChoice:
 
 
 class _Notes:
-    """One choice's decisions: the first delta's notes, completed by later ones (the pause)."""
+    """One choice's decisions: the first delta's notes, completed by later ones (the pause),
+    and the session its hop ran on ("": none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, session_id: str = "") -> None:
         self.notes: ServingNotes | None = None
+        self.session_id = session_id
 
     def add(self, delta: Delta) -> None:
         if delta.notes is not None:
             self.notes = delta.notes if self.notes is None else self.notes.merged(delta.notes)
 
     def body(self) -> dict[str, Any]:
-        return weft_body(self.notes)
+        return weft_body(self.notes, self.session_id)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

@@ -59,6 +59,7 @@ from services.router.logprobs_format import CompletionLogprobs, TokenText
 from services.router.openai_format import ChatFormatter, CompletionFormatter, choices_usage, error_body, sse
 from services.router.prepare import ChatPrompt, completion_prompt
 from services.router.schema import TokenRequest
+from services.router.session_branches import branch_requests
 from services.router.session_routes import SessionControl, SessionRoutes
 from services.router.tool_grammar import with_tool_grammar
 from services.router.tool_parsers import ToolCallFormat, select_format
@@ -231,10 +232,11 @@ class HttpApi:
             return web.json_response(error_body(404, message, "model", "model_not_found"), status=404)
         return web.json_response(card)
 
-    def _streams(self, token_reqs: list[TokenRequest], n: int, stop, grammar_field: str):
-        """The merged (choice index, delta) stream of every prompt's ``n`` completions; each
-        prompt's later completions start once its first has a token (``merge``)."""
-        choices = [c for t in token_reqs for c in fan_out(t, n)]
+    async def _streams(self, token_reqs: list[TokenRequest], n: int, stop, grammar_field: str):
+        """The merged (choice index, delta) stream of every prompt's ``n`` completions, and
+        their requests; each prompt's later completions start once its first has a token
+        (``merge``). A session hop's completions run as branches (session_branches.py)."""
+        choices = [c for t in token_reqs for c in await branch_requests(fan_out(t, n), self.session_routes.sessions)]
         streams = [name_grammar_errors(timed(self.generator.stream(c, stop), "http"), grammar_field)
                    for c in choices]
         return merge(streams, follows=[None if i % n == 0 else i - i % n for i in range(len(choices))]), choices
@@ -248,10 +250,11 @@ class HttpApi:
             token_req = await self.generator.prepare(ChatPrompt(req.messages, req.tools), req.sampling, tenant,
                                                      req.session, rid)
             fmt = ChatFormatter(rid, req.model, req.include_usage)
-            merged, _ = self._streams([token_req], req.sampling.n, req.stop, req.grammar_field)
+            merged, sent = await self._streams([token_req], req.sampling.n, req.stop, req.grammar_field)
             tools = self.tool_format if req.parse_tool_calls else None
             text = self.token_text if req.sampling.logprobs else None
-            choices = [ChatChoice(i, tools, text, req.return_token_ids) for i in range(req.sampling.n)]
+            choices = [ChatChoice(i, tools, text, req.return_token_ids, c.session.session_id)
+                       for i, c in enumerate(sent)]
             try:
                 if req.stream:
                     return await self._stream_chat(request, req, fmt, merged, choices, rid)
@@ -308,7 +311,7 @@ class HttpApi:
                 for i, p in enumerate(req.prompts)
             ]
             fmt = CompletionFormatter(rid, req.model, req.include_usage)
-            merged, sent = self._streams(token_reqs, req.sampling.n, req.stop, req.grammar_field)
+            merged, sent = await self._streams(token_reqs, req.sampling.n, req.stop, req.grammar_field)
             choices = [self._completion_choice(req, i, c) for i, c in enumerate(sent)]
             try:
                 if req.stream:
@@ -323,7 +326,8 @@ class HttpApi:
             prompt = req.prompts[index // req.sampling.n]
             echo = prompt if isinstance(prompt, str) else self.generator.tokenizer.decode(prompt)
         logprobs = CompletionLogprobs(self.token_text) if req.sampling.logprobs else None
-        return CompletionChoice(index, echo, sent.prompt_token_ids, logprobs, req.score_only, req.return_token_ids)
+        return CompletionChoice(index, echo, sent.prompt_token_ids, logprobs, req.score_only, req.return_token_ids,
+                                sent.session.session_id)
 
     async def _collect_completions(self, fmt, merged, choices: list[CompletionChoice], n: int,
                                    rid: str) -> web.Response:

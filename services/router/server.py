@@ -50,10 +50,11 @@ from services.router.grpc_tools import (ToolCallRelay, assistant_tool_calls, too
 from services.router.prepare import ChatPrompt, Prompt, TextPrompt, TokenIdsPrompt
 from services.router.request_ids import grpc_request_id
 from services.router.schema import Sampling
+from services.router.session_branches import branch_requests
 from services.router.session_specs import parse_fork, parse_join
 from services.router.structured_output import check_enforceable
 from services.router.tool_parsers import ToolCallFormat, select_format
-from services.router.validation import (Limits, check_one_branch, deterministic_sampling, parse_sampling,
+from services.router.validation import (Limits, check_session_choices, deterministic_sampling, parse_sampling,
                                         parse_session, parse_stop)
 from weft.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -228,7 +229,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             session = _session(request.session)
             sampling = deterministic_sampling(sampling, session, request.sampling.HasField("temperature"),
                                               "sampling.temperature")
-            check_one_branch(session, sampling.n, "sampling.n")
+            check_session_choices(session, 1, sampling.n, "sampling.n")
             tools = tools_from_proto(request)
             choice = tool_choice_from_proto(request, tools)
             parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
@@ -238,14 +239,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             token_req = await self.generator.prepare(prompt, sampling, tenant, session, rid)
             relays = [ToolCallRelay(self.tool_format) if tools and choice.mode != "none" else None
                       for _ in range(sampling.n)]
+            # a session hop's n completions: n branches of the session (session_branches.py)
+            choices = await branch_requests(fan_out(token_req, sampling.n), self.sessions)
             m.IN_FLIGHT.labels("grpc").inc()
             # The n completions follow the first: its prompt KV is then shared through the prefix cache.
-            merged = merge([self.generator.stream(r, stop) for r in fan_out(token_req, sampling.n)],
-                           follows=[None] + [0] * (sampling.n - 1))
+            merged = merge([self.generator.stream(r, stop) for r in choices], follows=[None] + [0] * (sampling.n - 1))
             started = [False] * sampling.n
             try:
                 async for i, delta in merged:
-                    yield response_chunk(rid, i, delta, sampling, relays[i], "" if started[i] else echo)
+                    chunk = response_chunk(rid, i, delta, sampling, relays[i], "" if started[i] else echo)
+                    if not started[i]:
+                        chunk.session_id = choices[i].session.session_id
+                    yield chunk
                     started[i] = True
             except InvalidRequestError as exc:  # the executor's compiler names "grammar.<kind>"
                 if not exc.field.startswith("grammar"):

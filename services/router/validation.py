@@ -80,7 +80,7 @@ def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
                        grammar=structured.grammar if structured else None)
     session = _session(body)
     sampling = deterministic_sampling(sampling, session, "temperature" in body)
-    check_one_branch(session, sampling.n, "n")
+    check_session_choices(session, 1, sampling.n, "n")
     return ChatRequest(
         model=model,
         messages=parsed,
@@ -126,7 +126,7 @@ def parse_completion_request(body: Any, limits: Limits) -> CompletionRequest:
     if len(prompts) * sampling.n > limits.max_choices:
         raise InvalidRequestError("n", f"{len(prompts)} prompts x n={sampling.n} exceeds {limits.max_choices} "
                                   "choices per request")
-    check_one_branch(session, len(prompts) * sampling.n, "n" if sampling.n > 1 else "prompt")
+    check_session_choices(session, len(prompts), sampling.n, "n")
     return CompletionRequest(
         model=model,
         prompts=prompts,
@@ -261,13 +261,33 @@ def deterministic_sampling(sampling: Sampling, session: Session, temperature_set
     return replace(sampling, temperature=0.0)
 
 
-def check_one_branch(session: Session, num_choices: int, field: str) -> None:
-    """A session runs one hop at a time (a second is refused 409): a hop of a session that
-    asks several completions would race its own branches, so it is refused naming ``field``."""
-    if session.session_id and num_choices > 1:
-        raise InvalidRequestError(field, f"a hop of session {session.session_id!r} continues one branch: "
-                                  f"got {num_choices} completions (fork the session for parallel branches: "
-                                  f"POST /v1/weft/sessions/{{id}}/fork with n, or Router.ForkSession)")
+MAX_SESSION_BRANCHES = 16  # n of one session hop: the hop on the session + up to 15 branches (a fork's cap)
+
+
+def branch_session_id(session_id: str, hop_index: int, choice: int) -> str:
+    """The session completion ``choice`` (>= 1) of hop ``hop_index`` runs on when a session
+    hop asks several (services/router/session_branches.py)."""
+    return f"{session_id}.h{hop_index}.n{choice}"
+
+
+def check_session_choices(session: Session, num_prompts: int, n: int, field: str) -> None:
+    """A session runs one hop at a time (a second is refused 409), so a session hop of
+    several prompts is refused naming ``prompt``; its ``n`` completions run as ``n``
+    branches of the session, at most ``MAX_SESSION_BRANCHES`` and with branch ids that fit
+    a session id, else refused naming ``field``."""
+    if not session.session_id:
+        return
+    if num_prompts > 1:
+        raise InvalidRequestError("prompt", f"a hop of session {session.session_id!r} takes one prompt, got "
+                                  f"{num_prompts} (fork the session for parallel branches: "
+                                  f"POST /v1/weft/sessions/{{id}}/fork, or Router.ForkSession)")
+    if n > MAX_SESSION_BRANCHES:
+        raise InvalidRequestError(field, f"a hop of session {session.session_id!r} runs at most "
+                                  f"{MAX_SESSION_BRANCHES} completions (one branch each), got {n}")
+    if n > 1 and len(branch_session_id(session.session_id, session.hop_index, n - 1)) > MAX_SESSION_KEY_CHARS:
+        raise InvalidRequestError(field, f"the completions of a session hop run on branch sessions "
+                                  f"'<session_id>.h<hop_index>.n<i>', which would exceed {MAX_SESSION_KEY_CHARS} "
+                                  f"characters for session {session.session_id[:40]!r}...: use a shorter session id")
 
 
 def _session(body: Mapping[str, Any]) -> Session:

@@ -212,20 +212,21 @@ def test_deterministic_is_greedy_unless_seeded_and_a_sampled_one_is_refused_nami
     assert temperatures == [0.0, pytest.approx(0.7), 0.0]  # unset: greedy; seeded: as asked
 
 
-def test_a_session_hop_asking_several_completions_is_refused_naming_the_field(model_dir):
+def test_a_session_hop_of_several_prompts_or_more_branches_than_a_fork_takes_is_refused_naming_the_field(
+        model_dir):
     async def main():
         doors = await open_doors(model_dir)
         try:
-            n2 = await doors.http.post("/v1/completions", headers=A, json=completion(0, n=2))
+            n17 = await doors.http.post("/v1/completions", headers=A, json=completion(0, n=17))
             prompts = await doors.http.post("/v1/completions", headers=A,
                                             json={**completion(0), "prompt": [[1, 2], [3, 4]]})
-            with pytest.raises(grpc.aio.AioRpcError) as grpc_n2:
-                _ = [r async for r in doors.grpc.Generate(grpc_hop(0, "s", common_pb2.SamplingParams(n=2)),
+            with pytest.raises(grpc.aio.AioRpcError) as grpc_n17:
+                _ = [r async for r in doors.grpc.Generate(grpc_hop(0, "s", common_pb2.SamplingParams(n=17)),
                                                           metadata=grpc_key("sk-a"))]
-            return (await n2.json())["error"]["param"], (await prompts.json())["error"]["param"], grpc_n2.value
+            return (await n17.json())["error"]["param"], (await prompts.json())["error"]["param"], grpc_n17.value
         finally:
             await doors.close()
 
-    n2, prompts, grpc_n2 = asyncio.run(main())
-    assert (n2, prompts) == ("n", "prompt")
-    assert grpc_n2.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.n" in grpc_n2.details()
+    n17, prompts, grpc_n17 = asyncio.run(main())
+    assert (n17, prompts) == ("n", "prompt")
+    assert grpc_n17.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.n" in grpc_n17.details()

@@ -1,0 +1,65 @@
+"""``n > 1`` on a session hop: the ``n`` completions run as ``n`` branches of the session.
+
+NOTE: a session runs one hop at a time (the scheduler refuses a second with 409), so ``n``
+completions cannot all be hops of the session itself. Completion 0 is: it runs on the
+session, which continues from it as from any hop. Completion i >= 1 runs the same hop on a
+*branch* session ``<session_id>.h<hop_index>.n<i>`` (``validation.branch_session_id``):
+
+    hop h of "s" with n = 3      choice 0 -> session "s"        (hop h, as with n = 1)
+                                 choice 1 -> session "s.hh.n1"  (hop h, a fork of "s")
+                                 choice 2 -> session "s.hh.n2"  (hop h, a fork of "s")
+
+- After hop 0 the branches are a fork of the session taken just before the hop
+  (``Scheduler.ForkSession``, all or nothing): each has the session's context (a stateful
+  hop's new tokens continue it), its program, its next hop index and its executor, and
+  shares its KV blocks by reference (docs/sessions.md, "Fork and join"). The client
+  continues on whichever branch it picks, or joins the session from it
+  (``POST /v1/weft/sessions/{id}/join {"from": "<branch>"}``, which ends the other branches).
+- On hop 0 there is nothing to fork: the branches are new sessions of the same program
+  (attained service accrues to one program) whose shared prompt KV comes from the prefix
+  cache, as for any ``n``. They are not children of the session, so join does not apply:
+  the client continues on the branch it picks and ends the others.
+- A session the scheduler holds no context for (a stateless hop after a scheduler restart)
+  forks nothing: its branches start as on hop 0, and a stateful hop is refused as with n = 1.
+
+The branches follow completion 0 (``delta_streams.merge``): they start once it has a token,
+so the hop's new tokens are computed once. Every choice names its session: the gRPC
+response's ``session_id`` (first chunk of each index) and HTTP's ``choices[i].weft.session_id``.
+A branch id already in use (the same hop asked again after a failure) is 409 / ALREADY_EXISTS
+naming it: end it, or continue on it.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Protocol
+
+from services.router.errors import SessionNotFoundError
+from services.router.schema import TokenRequest
+from services.router.validation import branch_session_id
+
+
+class Forks(Protocol):
+    async def fork_session(self, tenant: str, session_id: str, child_ids: list[str]): ...
+
+
+async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) -> list[TokenRequest]:
+    """``generation.fan_out``'s requests of one prompt, each on its own session when they are
+    a session hop's ``n`` completions (see the module NOTE); otherwise unchanged. Raises the
+    fork's errors: SessionBusyError (a hop of the session runs), SessionExistsError (a
+    branch id is in use)."""
+    session = requests[0].session
+    if len(requests) == 1 or not session.session_id:
+        return requests
+    ids = [branch_session_id(session.session_id, session.hop_index, i) for i in range(1, len(requests))]
+    forked = False
+    if session.hop_index > 0 and sessions is not None:
+        try:
+            await sessions.fork_session(requests[0].tenant, session.session_id, ids)
+            forked = True
+        except SessionNotFoundError:
+            pass  # no context to copy: the branches start as new sessions (the NOTE)
+    # A fork's children belong to the session's program already (the scheduler's record,
+    # whatever the session's own program is); new branches are told it.
+    program_id = session.program_id if forked else (session.program_id or session.session_id)
+    return [requests[0]] + [replace(r, session=replace(r.session, session_id=sid, program_id=program_id))
+                            for r, sid in zip(requests[1:], ids)]
