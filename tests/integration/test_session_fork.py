@@ -99,3 +99,23 @@ def test_three_children_share_the_parents_kv_run_at_once_and_join_back(mesh):
     assert after["usage"]["prompt_tokens_details"]["cached_tokens"] >= child_context // BLOCK_SIZE * BLOCK_SIZE
     status, ended, _ = post(mesh, "/v1/completions", hop("agent.f0", 2, [31] * 4, True))
     assert status == 400 and ended["error"]["param"] == "session.session_id"  # an ended child's context is gone
+
+
+def test_a_hop_asking_three_completions_runs_three_branches_on_the_sessions_kv_and_joins_one(mesh):
+    status, first, parent_executor = post(mesh, "/v1/completions", hop("multi", 0, PARENT_PROMPT, False))
+    assert status == 200, first
+    context = len(PARENT_PROMPT) + first["usage"]["completion_tokens"]
+    status, body, executors = post(mesh, "/v1/completions",
+                                   {**hop("multi", 1, [40] * 20, True), "n": 3, "temperature": 1.0, "seed": 7})
+    assert status == 200, body
+    assert [c["weft"]["session_id"] for c in body["choices"]] == ["multi", "multi.h1.n1", "multi.h1.n2"]
+    assert executors == parent_executor  # every branch placed by the overlap with the session's blocks
+    assert body["usage"]["prompt_tokens"] == context + 20  # each branch continued the session's context
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(PARENT_PROMPT)
+
+    status, join, _ = post(mesh, "/v1/weft/sessions/multi/join", {"from": "multi.h1.n2"})
+    assert status == 200, join
+    assert join["ended_children"] == ["multi.h1.n1"]
+    assert join["num_context_tokens"] == context + 20 + 4  # the branch's hop: 20 new tokens, 4 generated
+    status, after, _ = post(mesh, "/v1/completions", hop("multi", 2, [41] * 4, True))
+    assert status == 200 and after["usage"]["prompt_tokens"] == context + 24 + 4, after
