@@ -23,6 +23,7 @@ from services.router.tool_parsers import select_format
 from services.shared.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
+LINGER_S = 2.0  # how long an unread request body is still read after the answer (aiohttp: 10 s)
 
 
 class RouterApp:
@@ -75,9 +76,14 @@ class RouterApp:
         # even while it waits for the first token, so its KV is freed downstream.
         # keepalive_timeout also bounds a connection that never completes its headers
         # (slowloris): aiohttp arms it at connection start and after every response.
+        # lingering_time: after answering a request whose body was not read (a 408 for a
+        # body that never arrived, a refusal before reading), aiohttp keeps reading it so
+        # the client can see the answer; its 10 s default held each slow client's fd
+        # 10 s past its 408.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self.config.drain_s,
-                                     keepalive_timeout=self.config.http_idle_timeout_s)
+                                     keepalive_timeout=self.config.http_idle_timeout_s,
+                                     lingering_time=LINGER_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.http_port)
         await site.start()

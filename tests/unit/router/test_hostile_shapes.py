@@ -226,7 +226,9 @@ def test_a_body_that_never_arrives_is_408_and_the_connection_closes(model_dir, h
         tokenizer = Tokenizer.from_dir(model_dir)
         limits = model_limits(model_dir, tokenizer, [MODEL], max_model_len=512)
         api = HttpApi(Generator(tokenizer, limits, None), KeyStore({}), MODEL, body_read_timeout_s=0.3)
-        client = TestClient(TestServer(api.app(1 << 20), lingering_time=0.5))  # the close need not wait 10 s
+        server = TestServer(api.app(1 << 20))
+        await server.start_server(lingering_time=0.5)  # as the router's LINGER_S: the close need not wait 10 s
+        client = TestClient(server)
         await client.start_server()
         try:
             reader, writer = await asyncio.open_connection(client.host, client.port)
