@@ -7,6 +7,7 @@ The frameworks talk to Weft exactly as to OpenAI: ``ChatOpenAI(base_url=..., api
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import pytest
@@ -46,9 +47,14 @@ def test_with_structured_output_returns_the_pydantic_object(mesh, method):
     # json_schema sends response_format (a strict schema); function_calling forces a call of a
     # "City" tool (tool_choice naming it, parallel_tool_calls false). Both must parse.
     prompt = "Describe Paris as JSON with the keys name, country, population_millions, climate, landmarks."
-    for sampling in ({}, {"temperature": 0.7, "seed": 5}, {"temperature": 0.7, "seed": 6}):
+    samplings = ({}, {"temperature": 0.7, "seed": 5}, {"temperature": 0.7, "seed": 6})
+
+    def ask(sampling: dict) -> dict:
         model = chat_model(mesh, **sampling).with_structured_output(City, method=method, include_raw=True)
-        result = model.invoke(prompt)
+        return model.invoke(prompt)
+    with ThreadPoolExecutor(max_workers=len(samplings)) as pool:  # asked at once: one batch, not three runs
+        results = list(pool.map(ask, samplings))
+    for sampling, result in zip(samplings, results):
         assert result["parsing_error"] is None, (sampling, result["raw"])
         assert isinstance(result["parsed"], City), (sampling, result["raw"])
         if method == "function_calling":
