@@ -59,7 +59,7 @@ from services.router.logprobs_format import CompletionLogprobs, TokenText
 from services.router.openai_format import ChatFormatter, CompletionFormatter, choices_usage, error_body, sse
 from services.router.prepare import ChatPrompt, completion_prompt
 from services.router.schema import TokenRequest
-from services.router.session_branches import branch_requests
+from services.router.session_branches import branch_requests, end_unfinished_branches
 from services.router.session_routes import SessionControl, SessionRoutes
 from services.router.tool_grammar import with_tool_grammar
 from services.router.tool_parsers import ToolCallFormat, select_format
@@ -236,10 +236,15 @@ class HttpApi:
         """The merged (choice index, delta) stream of every prompt's ``n`` completions, and
         their requests; each prompt's later completions start once its first has a token
         (``merge``). A session hop's completions run as branches (session_branches.py)."""
-        choices = [c for t in token_reqs for c in await branch_requests(fan_out(t, n), self.session_routes.sessions)]
+        sessions = self.session_routes.sessions
+        branched = [await branch_requests(fan_out(t, n), sessions) for t in token_reqs]
+        choices = [c for b in branched for c in b.requests]
         streams = [name_grammar_errors(timed(self.generator.stream(c, stop), "http"), grammar_field)
                    for c in choices]
-        return merge(streams, follows=[None if i % n == 0 else i - i % n for i in range(len(choices))]), choices
+        merged = merge(streams, follows=[None if i % n == 0 else i - i % n for i in range(len(choices))])
+        if len(branched) == 1 and branched[0].forked:  # a branch forked for this hop ends unless its hop finishes
+            merged = end_unfinished_branches(merged, branched[0], sessions)
+        return merged, choices
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)

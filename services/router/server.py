@@ -50,7 +50,7 @@ from services.router.grpc_tools import (ToolCallRelay, assistant_tool_calls, too
 from services.router.prepare import ChatPrompt, Prompt, TextPrompt, TokenIdsPrompt
 from services.router.request_ids import grpc_request_id
 from services.router.schema import Sampling
-from services.router.session_branches import branch_requests
+from services.router.session_branches import branch_requests, end_unfinished_branches
 from services.router.session_specs import parse_fork, parse_join
 from services.router.structured_output import check_enforceable
 from services.router.tool_parsers import ToolCallFormat, select_format
@@ -240,10 +240,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             relays = [ToolCallRelay(self.tool_format) if tools and choice.mode != "none" else None
                       for _ in range(sampling.n)]
             # a session hop's n completions: n branches of the session (session_branches.py)
-            choices = await branch_requests(fan_out(token_req, sampling.n), self.sessions)
+            branches = await branch_requests(fan_out(token_req, sampling.n), self.sessions)
+            choices = branches.requests
             m.IN_FLIGHT.labels("grpc").inc()
             # The n completions follow the first: its prompt KV is then shared through the prefix cache.
             merged = merge([self.generator.stream(r, stop) for r in choices], follows=[None] + [0] * (sampling.n - 1))
+            if branches.forked:  # a branch forked for this hop ends unless its hop finishes
+                merged = end_unfinished_branches(merged, branches, self.sessions)
             started = [False] * sampling.n
             try:
                 async for i, delta in merged:

@@ -25,31 +25,52 @@ session, which continues from it as from any hop. Completion i >= 1 runs the sam
 The branches follow completion 0 (``delta_streams.merge``): they start once it has a token,
 so the hop's new tokens are computed once. Every choice names its session: the gRPC
 response's ``session_id`` (first chunk of each index) and HTTP's ``choices[i].weft.session_id``.
-A branch id already in use (the same hop asked again after a failure) is 409 / ALREADY_EXISTS
-naming it: end it, or continue on it.
+A branch id already in use is 409 / ALREADY_EXISTS naming it: end it, or continue on it.
+
+A forked branch lives only if its hop completes: when the request ends first (choice 0
+refused, e.g. a wrong hop index, busy, a grammar the executor cannot compile; a choice failed;
+the client left), ``end_unfinished_branches`` ends every forked branch whose hop did not
+finish. Else a refused hop would leave branches the client never saw, and asking the same
+hop again would be 409 for each of them in turn.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Protocol
 
+import structlog
+
 from services.router.errors import SessionNotFoundError
-from services.router.schema import TokenRequest
+from services.router.schema import Delta, TokenRequest
 from services.router.validation import branch_session_id
+
+log = structlog.get_logger(__name__)
 
 
 class Forks(Protocol):
     async def fork_session(self, tenant: str, session_id: str, child_ids: list[str]): ...
 
+    async def end_session(self, tenant: str, session_id: str): ...
 
-async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) -> list[TokenRequest]:
+
+@dataclass(frozen=True)
+class Branches:
+    """A prompt's ``n`` requests, and which of them run on a branch forked for them."""
+
+    requests: list[TokenRequest]
+    forked: bool = False  # requests[1:] run on branches forked from the session (they exist already)
+
+
+async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) -> Branches:
     """``generation.fan_out``'s requests of one prompt, each on its own session when they are
     a session hop's ``n`` completions (see the module NOTE); otherwise unchanged. Raises the
     fork's errors: SessionBusyError (a hop of the session runs), SessionExistsError (a
     branch id is in use)."""
     session = requests[0].session
     if len(requests) == 1 or not session.session_id:
-        return requests
+        return Branches(requests)
     ids = [branch_session_id(session.session_id, session.hop_index, i) for i in range(1, len(requests))]
     forked = False
     if session.hop_index > 0 and sessions is not None:
@@ -61,5 +82,39 @@ async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) 
     # A fork's children belong to the session's program already (the scheduler's record,
     # whatever the session's own program is); new branches are told it.
     program_id = session.program_id if forked else (session.program_id or session.session_id)
-    return [requests[0]] + [replace(r, session=replace(r.session, session_id=sid, program_id=program_id))
-                            for r, sid in zip(requests[1:], ids)]
+    return Branches([requests[0]] + [replace(r, session=replace(r.session, session_id=sid, program_id=program_id))
+                                     for r, sid in zip(requests[1:], ids)], forked)
+
+
+_ENDING: set[asyncio.Task] = set()  # ends under way, held until done (the loop keeps tasks by weak reference)
+
+
+async def end_unfinished_branches(merged: AsyncIterator[tuple[int, Delta]], branches: Branches,
+                                  sessions: Forks | None) -> AsyncIterator[tuple[int, Delta]]:
+    """``merged`` (the choices' (index, delta) stream) passed through; once it ends, every
+    forked branch whose hop did not finish is ended (the module NOTE). The ends run in a
+    task of their own, awaited shielded: a client that left cancels its request, not them."""
+    finished: set[int] = set()
+    try:
+        async for i, delta in merged:
+            if delta.finish_reason is not None:
+                finished.add(i)
+            yield i, delta
+    finally:
+        await merged.aclose()
+        unfinished = [r for i, r in enumerate(branches.requests) if i > 0 and i not in finished]
+        if branches.forked and unfinished and sessions is not None:
+            task = asyncio.ensure_future(_end_branches(sessions, unfinished))
+            _ENDING.add(task)
+            task.add_done_callback(_ENDING.discard)
+            await asyncio.shield(task)
+
+
+async def _end_branches(sessions: Forks, requests: list[TokenRequest]) -> None:
+    """End each branch; a failure is logged, not raised (the request's own outcome stands,
+    and a branch not ended expires with its pins)."""
+    ids = [r.session.session_id for r in requests]
+    results = await asyncio.gather(*(sessions.end_session(r.tenant, sid) for r, sid in zip(requests, ids)),
+                                   return_exceptions=True)
+    errors = {sid: str(res) for sid, res in zip(ids, results) if isinstance(res, BaseException)}
+    log.info("session_branches_ended", branch_session_ids=[s for s in ids if s not in errors], errors=errors)
