@@ -57,7 +57,12 @@ class SessionNotFoundError(RouterError):
 
 class SessionExistsError(RouterError):
     """A fork named a child id the caller's tenant already uses (the scheduler's
-    ALREADY_EXISTS); the message names the id."""
+    ALREADY_EXISTS); the message names the id. ``field``: the request field that chose it
+    (the fork route's ``child_ids``; ``n`` for a session hop's branch)."""
+
+    def __init__(self, message: str, field: str = "child_ids") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class UpstreamUnavailable(RouterError):

@@ -25,7 +25,7 @@ def error_response(exc: BaseException) -> web.Response:
     elif isinstance(exc, SessionBusyError):
         status, body = 409, error_body(409, str(exc), "session_id", "session_busy")
     elif isinstance(exc, SessionExistsError):
-        status, body = 409, error_body(409, str(exc), "child_ids", "session_exists")
+        status, body = 409, error_body(409, str(exc), exc.field, "session_exists")
     elif isinstance(exc, SessionNotFoundError):
         status, body = 404, error_body(404, str(exc), "session_id", "session_not_found")
     elif isinstance(exc, OverloadedError):

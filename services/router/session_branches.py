@@ -42,7 +42,7 @@ from typing import Protocol
 
 import structlog
 
-from services.router.errors import SessionNotFoundError
+from services.router.errors import SessionExistsError, SessionNotFoundError
 from services.router.schema import Delta, TokenRequest
 from services.router.validation import branch_session_id
 
@@ -79,6 +79,9 @@ async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) 
             forked = True
         except SessionNotFoundError:
             pass  # no context to copy: the branches start as new sessions (the NOTE)
+        except SessionExistsError as exc:  # named for this request, not for the fork route
+            raise SessionExistsError(f"{exc} (a branch session of this hop's n completions: "
+                                     f"'<session_id>.h<hop_index>.n<i>'; end it, or continue on it)", "n") from None
     # A fork's children belong to the session's program already (the scheduler's record,
     # whatever the session's own program is); new branches are told it.
     program_id = session.program_id if forked else (session.program_id or session.session_id)

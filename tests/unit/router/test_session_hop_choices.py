@@ -137,6 +137,7 @@ def test_refusals_name_the_field_and_another_tenants_hop_forks_nothing_of_the_se
     assert "at most 16" in out["n17"][1]["error"]["message"]
     assert "shorter session id" in out["long"][1]["error"]["message"]
     assert out["exists"][0] == 409 and out["exists"][1]["error"]["code"] == "session_exists"
+    assert out["exists"][1]["error"]["param"] == "n"  # the field that chose the branch ids, not fork's child_ids
     assert "'p.h1.n1'" in out["exists"][1]["error"]["message"]
     assert out["theirs"][0] == 200 and sessions_of(out["theirs"][1]) == ["p", "p.h1.n1"]
     assert out["mine"][0] == 200
