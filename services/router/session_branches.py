@@ -5,9 +5,9 @@ completions cannot all be hops of the session itself. Completion 0 is: it runs o
 session, which continues from it as from any hop. Completion i >= 1 runs the same hop on a
 *branch* session ``<session_id>.h<hop_index>.n<i>`` (``validation.branch_session_id``):
 
-    hop h of "s" with n = 3      choice 0 -> session "s"        (hop h, as with n = 1)
-                                 choice 1 -> session "s.hh.n1"  (hop h, a fork of "s")
-                                 choice 2 -> session "s.hh.n2"  (hop h, a fork of "s")
+    hop 3 of "s" with n = 3      choice 0 -> session "s"        (hop 3, as with n = 1)
+                                 choice 1 -> session "s.h3.n1"  (hop 3, a fork of "s")
+                                 choice 2 -> session "s.h3.n2"  (hop 3, a fork of "s")
 
 - After hop 0 the branches are a fork of the session taken just before the hop
   (``Scheduler.ForkSession``, all or nothing): each has the session's context (a stateful
