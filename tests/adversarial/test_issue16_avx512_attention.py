@@ -42,11 +42,7 @@ What is attacked, and what is expected (every case deterministic, no timing):
    PROT_NONE page), the cache's first block right after one, the block table, the
    queries, the outputs, the score and slot scratch all at a page edge, for head_dim % 16
    in 1, 5, 15, 0 and context lengths 1, 15, 16, 17, 31, 33, 48.
-5. Both decode steps against the torch forward pass (the helpers of
-   test_issue16_native_avx2_attacks.py): context lengths around 16-token blocks over
-   block sizes 4, 5 and 16, head_dim 144 / 250 / 258 (9, 16 and 17 chunks), one row of
-   2,048 tokens beside rows of 1, 15, 17 and 1,024 in the same step (one attention item
-   per row, and per (row, KV head)).
+(Both decode steps that call this kernel, against torch: test_issue16_avx512_attention_steps.py.)
 """
 from __future__ import annotations
 
@@ -63,7 +59,6 @@ from services.executor.model.native.decoder import _ModelStruct
 from tests.adversarial.native_kernel_shim import (  # noqa: F401  (fixtures)
     GUARD_PREAMBLE, INF, NAN, SENT, _build_shim, _declare_shim, _ptr, lib, run_guarded, shim_path)
 from tests.adversarial.native_kernel_shim import pytestmark as native_only
-from tests.adversarial.test_issue16_native_avx2_attacks import Case, _check, _model
 
 
 # the shim built as the machine's own (-march=native) and, on an x86 CPU with AVX2 and FMA,
@@ -391,34 +386,3 @@ def test_no_attention_read_past_the_pool_or_the_scratch(attn_path):
     # one float past the pool's last slot (or before its first) kills it, not this run
     out = run_guarded(GUARD_SCRIPT, attn_path)
     assert "DONE 672 WRONG []" in out, out[-2000:]
-
-
-# ---- 5. both decode steps against torch -----------------------------------------------------
-
-@native_only
-@pytest.mark.parametrize("bs", [4, 5, 16])
-def test_both_steps_at_context_lengths_around_16_token_blocks(bs):
-    model = _model({"head_dim": 20, "hidden_size": 40, "intermediate_size": 50, "vocab_size": 97})
-    _check(Case(model, bs, [1, 15, 16, 17, 31, 32, 33, 48, 49], seed=bs))
-
-
-@native_only
-@pytest.mark.parametrize("head_dim", [144, 250, 258])
-def test_both_steps_with_more_than_8_chunks_per_head(head_dim):
-    # 9, 16 and 17 chunks of 16: the value pass's later register groups; SmolLM2's GQA
-    # ratio 3 (6 query heads over 2 KV heads)
-    model = _model({"head_dim": head_dim, "num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 36,
-                    "intermediate_size": 40, "vocab_size": 61})
-    _check(Case(model, 16, [1, 16, 17, 40], seed=head_dim))
-
-
-@native_only
-@pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("bs", [7, 16])
-def test_one_step_with_rows_of_very_different_lengths(bs, threads):
-    # 2,048 tokens beside 1, 15, 17 and 1,024 in one multi-row step (one thread's scratch
-    # serves rows of every length in turn; 3 threads: 5 rows < 2 per thread, one item per
-    # (row, KV head)), and each through the batch-1 step
-    model = _model({"head_dim": 32, "hidden_size": 32, "intermediate_size": 40, "vocab_size": 67,
-                    "max_position_embeddings": 4096})
-    _check(Case(model, bs, [2048, 1, 15, 1024, 17], seed=bs), threads=threads)
