@@ -1,7 +1,7 @@
 """Router.Generate's response side: one domain ``Delta`` of completion ``index`` as a
 ``GenerateResponse`` chunk (text without tool-call markup and the calls it completed,
 logprobs as asked, usage, rung, migrations and the scheduler's ``decisions``). The
-request side is ``server.py``'s; ``scheduler_client.py`` is the outbound twin."""
+request side is ``grpc_request.py``; ``scheduler_client.py`` is the outbound twin."""
 from __future__ import annotations
 
 from services.router.grpc_tools import ToolCallRelay, to_proto

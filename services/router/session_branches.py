@@ -3,7 +3,7 @@
 NOTE: a session runs one hop at a time (the scheduler refuses a second with 409), so ``n``
 completions cannot all be hops of the session itself. Completion 0 is: it runs on the
 session, which continues from it as from any hop. Completion i >= 1 runs the same hop on a
-*branch* session ``<session_id>.h<hop_index>.n<i>`` (``validation.branch_session_id``):
+*branch* session ``<session_id>.h<hop_index>.n<i>`` (``session_fields.branch_session_id``):
 
     hop 3 of "s" with n = 3      choice 0 -> session "s"        (hop 3, as with n = 1)
                                  choice 1 -> session "s.h3.n1"  (hop 3, a fork of "s")
@@ -44,7 +44,7 @@ import structlog
 
 from services.router.errors import SessionExistsError, SessionNotFoundError
 from services.router.schema import Delta, TokenRequest
-from services.router.validation import branch_session_id
+from services.router.session_fields import branch_session_id
 
 log = structlog.get_logger(__name__)
 

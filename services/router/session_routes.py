@@ -21,7 +21,7 @@ from aiohttp import web
 from services.router.errors import InvalidRequestError
 from services.router.scheduler_client import EndedSession, ForkedSession, JoinedSession
 from services.router.session_specs import HTTP_FIELDS, door_field, parse_fork, parse_join
-from services.router.validation import parse_session_key
+from services.router.session_fields import parse_session_key
 
 
 class SessionControl(Protocol):

@@ -12,7 +12,7 @@ from typing import Any
 
 from services.router.errors import InvalidRequestError
 from services.router.json_fields import json_type
-from services.router.validation import MAX_SESSION_KEY_CHARS, parse_session_key
+from services.router.session_fields import MAX_SESSION_KEY_CHARS, parse_session_key
 
 MAX_FORK_CHILDREN = 16  # as the scheduler's sessions.MAX_CHILDREN
 # The scheduler's field names -> HTTP's (gRPC's are the scheduler's).

@@ -10,7 +10,7 @@ from services.router.errors import InvalidRequestError
 from services.router.http_api import notes_headers
 from services.router.scheduler_client import from_proto, to_proto
 from services.router.schema import ContractSpec, Sampling, Session, TokenRequest
-from services.router.validation import _contract
+from services.router.session_fields import _contract
 from services.scheduler.policy.contracts import ContractBook, ContractTerms, Fallback
 from services.scheduler.policy.degradation import DegradationContract, Rung
 from services.scheduler.errors import InvalidScheduleRequest
