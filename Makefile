@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	@# Hugging Face's `kernels` must not be installed: its import name is this project's kernels/
+	@# package, which shadows it, and a transformers that finds it installed fails (pyproject.toml).
+	$(PY) -m pip uninstall -q -y kernels 2>/dev/null || true
 	touch $(STAMP)
 
 up: $(STAMP)
