@@ -178,6 +178,7 @@ class ForkedSession:
     session_id: str
     child_session_ids: tuple[str, ...]
     num_context_tokens: int  # every child starts from this context
+    new_sessions: bool = False  # ``or_new`` created them as new sessions (no context to fork)
 
 
 @dataclass(frozen=True)
@@ -326,19 +327,23 @@ class SchedulerClient:
         return EndedSession(session_id, resp.ended_now, resp.num_executors_released, resp.num_running_hops)
 
     async def fork_session(self, tenant: str, session_id: str, child_ids: list[str],
-                           timeout_s: float = 5.0) -> ForkedSession:
+                           or_new: tuple[str, int] | None = None, timeout_s: float = 5.0) -> ForkedSession:
         """Fork ``tenant``'s session into ``child_ids`` (Scheduler.ForkSession):
         SessionNotFoundError, SessionBusyError, SessionExistsError or InvalidRequestError
-        naming the scheduler's field."""
+        naming the scheduler's field. ``or_new`` = (program id, next hop): with no context
+        to fork, create the children as new sessions instead of SessionNotFoundError."""
         fork = router_pb2.ForkSessionRequest(session_id=session_id, child_session_ids=child_ids)
+        req = scheduler_pb2.SchedulerForkSessionRequest(tenant=tenant, fork=fork)
+        if or_new is not None:
+            req.or_new, (req.program_id, req.next_hop) = True, or_new
         try:
-            resp = await self._stub.ForkSession(scheduler_pb2.SchedulerForkSessionRequest(tenant=tenant, fork=fork),
-                                                timeout=timeout_s)
+            resp = await self._stub.ForkSession(req, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.ALREADY_EXISTS:
                 raise SessionExistsError(err.details() or "session exists") from None
             raise domain_error(err) from None
-        return ForkedSession(session_id, tuple(resp.fork.child_session_ids), resp.fork.num_context_tokens)
+        return ForkedSession(session_id, tuple(resp.fork.child_session_ids), resp.fork.num_context_tokens,
+                             resp.new_sessions)
 
     async def join_session(self, tenant: str, session_id: str, from_id: str, end_children: bool,
                            timeout_s: float = 5.0) -> JoinedSession:

@@ -21,13 +21,16 @@ session, which continues from it as from any hop. Completion i >= 1 runs the sam
   the client continues on the branch it picks and ends the others.
 - A session the scheduler holds no context for (a stateless hop after a scheduler restart)
   forks nothing: its branches start as on hop 0, and a stateful hop is refused as with n = 1.
+- Either way the branches are created first, all or nothing (``ForkSession`` with
+  ``or_new``: new sessions that expect this hop when there is no context to fork), so a
+  branch id the tenant already uses is refused before any choice runs.
 
 The branches follow completion 0 (``delta_streams.merge``): they start once it has a token,
 so the hop's new tokens are computed once. Every choice names its session: the gRPC
 response's ``session_id`` (first chunk of each index) and HTTP's ``choices[i].weft.session_id``.
 A branch id already in use is 409 / ALREADY_EXISTS naming it: end it, or continue on it.
 
-A forked branch lives only if its hop completes: when the request ends first (choice 0
+A created branch lives only if its hop completes: when the request ends first (choice 0
 refused, e.g. a wrong hop index, busy, a grammar the executor cannot compile; a choice failed;
 the client left), ``end_unfinished_branches`` ends every forked branch whose hop did not
 finish. Else a refused hop would leave branches the client never saw, and asking the same
@@ -50,7 +53,8 @@ log = structlog.get_logger(__name__)
 
 
 class Forks(Protocol):
-    async def fork_session(self, tenant: str, session_id: str, child_ids: list[str]): ...
+    async def fork_session(self, tenant: str, session_id: str, child_ids: list[str],
+                           or_new: tuple[str, int] | None = None): ...
 
     async def end_session(self, tenant: str, session_id: str): ...
 
@@ -60,7 +64,7 @@ class Branches:
     """A prompt's ``n`` requests, and which of them run on a branch forked for them."""
 
     requests: list[TokenRequest]
-    forked: bool = False  # requests[1:] run on branches forked from the session (they exist already)
+    forked: bool = False  # requests[1:] run on branches created for them (forks or new sessions)
 
 
 async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) -> Branches:
@@ -73,18 +77,25 @@ async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) 
         return Branches(requests)
     ids = [branch_session_id(session.session_id, session.hop_index, i) for i in range(1, len(requests))]
     forked = False
-    if session.hop_index > 0 and sessions is not None:
+    program_id = session.program_id or session.session_id
+    if sessions is not None:
+        # A stateless hop's branches are created even with no context to fork (new sessions
+        # of the program at this hop): created first, all or nothing, a branch id the tenant
+        # uses already is refused before anything runs. A stateful hop with no context is
+        # refused by choice 0 anyway (an unknown session), so its branches are not created.
+        or_new = None if session.stateful else (program_id, session.hop_index)
         try:
-            await sessions.fork_session(requests[0].tenant, session.session_id, ids)
+            await sessions.fork_session(requests[0].tenant, session.session_id, ids, or_new)
             forked = True
         except SessionNotFoundError:
-            pass  # no context to copy: the branches start as new sessions (the NOTE)
+            pass  # no context to copy and none created: the branches start as new sessions (the NOTE)
         except SessionExistsError as exc:  # named for this request, not for the fork route
             raise SessionExistsError(f"{exc} (a branch session of this hop's n completions: "
                                      f"'<session_id>.h<hop_index>.n<i>'; end it, or continue on it)", "n") from None
-    # A fork's children belong to the session's program already (the scheduler's record,
-    # whatever the session's own program is); new branches are told it.
-    program_id = session.program_id if forked else (session.program_id or session.session_id)
+    # Created branches belong to the program the scheduler recorded for them (a fork's: the
+    # session's, whatever the session's own program is): a hop naming none reads it there.
+    if forked:
+        program_id = session.program_id
     return Branches([requests[0]] + [replace(r, session=replace(r.session, session_id=sid, program_id=program_id))
                                      for r, sid in zip(requests[1:], ids)], forked)
 

@@ -90,12 +90,18 @@ class SchedulerEndSessionResponse(_message.Message):
     def __init__(self, ended_now: _Optional[bool] = ..., num_executors_released: _Optional[int] = ..., num_running_hops: _Optional[int] = ...) -> None: ...
 
 class SchedulerForkSessionRequest(_message.Message):
-    __slots__ = ("tenant", "fork")
+    __slots__ = ("tenant", "fork", "or_new", "program_id", "next_hop")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
+    OR_NEW_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HOP_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     fork: _router_pb2.ForkSessionRequest
-    def __init__(self, tenant: _Optional[str] = ..., fork: _Optional[_Union[_router_pb2.ForkSessionRequest, _Mapping]] = ...) -> None: ...
+    or_new: bool
+    program_id: str
+    next_hop: int
+    def __init__(self, tenant: _Optional[str] = ..., fork: _Optional[_Union[_router_pb2.ForkSessionRequest, _Mapping]] = ..., or_new: _Optional[bool] = ..., program_id: _Optional[str] = ..., next_hop: _Optional[int] = ...) -> None: ...
 
 class SchedulerJoinSessionRequest(_message.Message):
     __slots__ = ("tenant", "join")
@@ -106,10 +112,12 @@ class SchedulerJoinSessionRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., join: _Optional[_Union[_router_pb2.JoinSessionRequest, _Mapping]] = ...) -> None: ...
 
 class SchedulerForkSessionResponse(_message.Message):
-    __slots__ = ("fork",)
+    __slots__ = ("fork", "new_sessions")
     FORK_FIELD_NUMBER: _ClassVar[int]
+    NEW_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     fork: _router_pb2.ForkSessionResponse
-    def __init__(self, fork: _Optional[_Union[_router_pb2.ForkSessionResponse, _Mapping]] = ...) -> None: ...
+    new_sessions: bool
+    def __init__(self, fork: _Optional[_Union[_router_pb2.ForkSessionResponse, _Mapping]] = ..., new_sessions: _Optional[bool] = ...) -> None: ...
 
 class SchedulerJoinSessionResponse(_message.Message):
     __slots__ = ("join",)

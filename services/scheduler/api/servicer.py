@@ -55,10 +55,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                           context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerForkSessionResponse:
         f = request.fork
         child_ids = list(f.child_session_ids) or fork_child_ids(f.session_id, f.num_children)
-        forked = self._agent(f.session_id).fork_session(request.tenant, f.session_id, child_ids)
+        or_new = (request.program_id, request.next_hop) if request.or_new else None
+        forked = self._agent(f.session_id).fork_session(request.tenant, f.session_id, child_ids, or_new)
+        context = forked.parent.context_token_ids if forked.parent is not None else ()
         return scheduler_pb2.SchedulerForkSessionResponse(fork=router_pb2.ForkSessionResponse(
-            session_id=f.session_id, child_session_ids=child_ids,
-            num_context_tokens=len(forked.parent.context_token_ids)))
+            session_id=f.session_id, child_session_ids=child_ids, num_context_tokens=len(context)),
+            new_sessions=forked.parent is None)
 
     async def JoinSession(self, request: scheduler_pb2.SchedulerJoinSessionRequest,
                           context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerJoinSessionResponse:

@@ -138,15 +138,22 @@ class AgentSteps:
         self.plane.forget_pins(tenant, session_id)
         return len(running)
 
-    def fork_session(self, tenant: str, session_id: str, child_ids: list[str]) -> Forked:
+    def fork_session(self, tenant: str, session_id: str, child_ids: list[str],
+                     or_new: tuple[str, int] | None = None) -> Forked:
         """Fork ``tenant``'s idle session into ``child_ids`` (SessionTable.fork raises the
         refusals). Nothing reaches an executor: each child's first stateful hop sends the
         parent's context + its new tokens, placement by KV overlap picks the executor that
         holds the parent's blocks and its prefix cache serves them by reference (one copy
-        of the blocks however many children). The parent's pins are left alone."""
-        forked = self.plane.sessions.fork(tenant, session_id, child_ids)
+        of the blocks however many children). The parent's pins are left alone.
+        ``or_new`` = (program id, next hop): with no context to fork, the children are
+        created as new sessions (SessionTable.fork_or_new) instead of NOT_FOUND."""
+        table = self.plane.sessions
+        forked = (table.fork(tenant, session_id, child_ids) if or_new is None
+                  else table.fork_or_new(tenant, session_id, child_ids, *or_new))
+        parent = forked.parent
         log.info("session_forked", session_id=session_id, child_session_ids=list(child_ids),
-                 num_context_tokens=len(forked.parent.context_token_ids), executor=forked.parent.executor)
+                 num_context_tokens=len(parent.context_token_ids) if parent else 0,
+                 executor=parent.executor if parent else "", new_sessions=parent is None)
         return forked
 
     async def join_session(self, tenant: str, session_id: str, from_id: str, end_children: bool) -> Joined:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.errors import (InvalidScheduleRequest, SessionBusyError, SessionExistsError,
                                        SessionNotFoundError)
+from services.scheduler.state.session_ids import continues_attempt, executor_session_id
 
 __all__ = ["SessionBusyError", "SessionTable", "SessionState", "HopContext", "ProgramState", "Forked", "Joined",
            "executor_session_id", "MAX_CHILDREN"]
@@ -73,7 +74,7 @@ class SessionState:
 class Forked:
     """What ``fork`` created."""
 
-    parent: SessionState
+    parent: SessionState | None  # None: ``fork_or_new`` created new sessions (no context to copy)
     children: tuple[SessionState, ...]
 
 
@@ -215,7 +216,7 @@ class SessionTable:
             return
         key = (tenant, session_id)
         running = self._running.get(key)
-        if running is not None and not _continues(request_id, running):
+        if running is not None and not continues_attempt(request_id, running):
             raise SessionBusyError(session_id, running)
         self._running[key] = request_id
         self._ended.pop(key, None)
@@ -240,6 +241,9 @@ class SessionTable:
         real ends out. Returns its state, None when there is no recorded context."""
         key = (tenant, session_id)
         ses = self._sessions.pop(key, None)
+        parent = self._sessions.get((tenant, ses.parent_id)) if ses is not None and ses.parent_id else None
+        if parent is not None and session_id in parent.child_ids:
+            parent.child_ids.remove(session_id)  # a parent lists live children only
         if ses is not None or running:
             self._ended[key] = None
             self._ended.move_to_end(key)
@@ -253,14 +257,7 @@ class SessionTable:
         the tenant has no recorded context for it, SessionExistsError for a child id in use,
         InvalidScheduleRequest for bad ids (``child_session_ids[i]``). All or nothing."""
         parent = self._checked(tenant, session_id)
-        if not 1 <= len(child_ids) <= MAX_CHILDREN:
-            raise InvalidScheduleRequest("num_children", f"must be 1..{MAX_CHILDREN}, got {len(child_ids)}")
-        for i, cid in enumerate(child_ids):
-            if not cid or cid == session_id or cid in child_ids[:i]:
-                why = "is empty" if not cid else "names the parent" if cid == session_id else "is repeated"
-                raise InvalidScheduleRequest(f"child_session_ids[{i}]", f"{cid!r} {why}")
-            if (tenant, cid) in self._sessions or (tenant, cid) in self._running:
-                raise SessionExistsError(cid)
+        self._check_child_ids(tenant, session_id, child_ids)
         children = []
         for cid in child_ids:
             child = SessionState(
@@ -274,10 +271,42 @@ class SessionTable:
             self._sessions[(tenant, cid)] = child
             self._ended.pop((tenant, cid), None)
             children.append(child)
+        # Only live children stay listed (an n > 1 hop forks each time: the list must not grow).
+        parent.child_ids = [c for c in parent.child_ids if (tenant, c) in self._sessions]
         parent.child_ids.extend(child_ids)
         self._sessions.move_to_end((tenant, session_id))
         self._trim_sessions()
         return Forked(parent, tuple(children))
+
+    def fork_or_new(self, tenant: str, session_id: str, child_ids: Sequence[str], program_id: str,
+                    next_hop: int) -> Forked:
+        """``fork``, or, when the tenant holds no context for the session (hop 0 of a new
+        session, a scheduler that restarted), create ``child_ids`` as new sessions of
+        ``program_id`` that expect hop ``next_hop`` (``Forked.parent`` None). Either way all or
+        nothing: a child id in use is SessionExistsError before anything is created, so
+        ``n > 1`` on a session hop can never run a branch on a session the tenant already has."""
+        running = self._running.get((tenant, session_id))
+        if running is not None or (tenant, session_id) in self._sessions:
+            return self.fork(tenant, session_id, child_ids)
+        self._check_child_ids(tenant, session_id, child_ids)
+        children = []
+        for cid in child_ids:
+            child = SessionState(tenant, cid, program_id or session_id, last_hop=next_hop - 1)
+            self._sessions[(tenant, cid)] = child
+            self._ended.pop((tenant, cid), None)
+            children.append(child)
+        self._trim_sessions()
+        return Forked(None, tuple(children))
+
+    def _check_child_ids(self, tenant: str, session_id: str, child_ids: Sequence[str]) -> None:
+        if not 1 <= len(child_ids) <= MAX_CHILDREN:
+            raise InvalidScheduleRequest("num_children", f"must be 1..{MAX_CHILDREN}, got {len(child_ids)}")
+        for i, cid in enumerate(child_ids):
+            if not cid or cid == session_id or cid in child_ids[:i]:
+                why = "is empty" if not cid else "names the parent" if cid == session_id else "is repeated"
+                raise InvalidScheduleRequest(f"child_session_ids[{i}]", f"{cid!r} {why}")
+            if (tenant, cid) in self._sessions or (tenant, cid) in self._running:
+                raise SessionExistsError(cid)
 
     def join(self, tenant: str, session_id: str, from_id: str, end_children: bool) -> Joined:
         """The parent continues from child ``from_id``'s context and hop index ("": its
@@ -294,8 +323,7 @@ class SessionTable:
             running = self._running.get((tenant, from_id))
             if running is not None:
                 raise SessionBusyError(from_id, running)
-            absorbed = self.end(tenant, from_id)
-            parent.child_ids.remove(from_id)
+            absorbed = self.end(tenant, from_id)  # (off the parent's child list)
             parent.absorbed_ids.extend([*child.absorbed_ids, from_id])  # released when the parent ends
             parent.context_token_ids = array("I", child.context_token_ids)
             parent.last_hop = child.last_hop
@@ -305,7 +333,7 @@ class SessionTable:
             parent.pinned_until_s, parent.pinned_blocks = 0.0, 0  # its old pins no longer hold its context
         ended: list[SessionState] = []
         if end_children:
-            for cid in parent.child_ids:
+            for cid in list(parent.child_ids):
                 child = self.end(tenant, cid)
                 if child is not None:
                     ended.append(child)
@@ -333,34 +361,6 @@ class SessionTable:
         if ses is None:
             raise SessionNotFoundError(session_id, ": a fork or join needs a session with a completed hop")
         return ses
-
-
-def executor_session_id(tenant: str, session_id: str) -> str:
-    """The id an executor pins and releases a session's blocks under. Executors key pins
-    by this id alone, and two tenants may choose the same session id: scoped by tenant, B's
-    hop or release can never replace or free A's pinned blocks. Empty stays empty. Session
-    ids may hold "/", tenant names too (the keys file): a "/" or "%" in the tenant is
-    escaped so the first "/" always ends it (tenants "acme" with session "x/y" and
-    "acme/x" with "y" were both "acme/x/y")."""
-    scope = tenant.replace("%", "%25").replace("/", "%2F")
-    return f"{scope}/{session_id}" if session_id else ""
-
-
-def _continues(request_id: str, running: str) -> bool:
-    """Whether ``request_id`` is a later attempt of the running hop: the router resends a
-    hop whose scheduler stream was lost as ``<id>.c<k>`` (services/router/continuation.py),
-    possibly before this scheduler saw the old stream end; that continuation takes the
-    claim over instead of being refused. The same id again is not one (clients choose ids:
-    a client sending two hops under one id ran both at once)."""
-    base, k = _attempt(request_id)
-    running_base, running_k = _attempt(running)
-    return base == running_base and k > running_k
-
-
-def _attempt(request_id: str) -> tuple[str, int]:
-    """(the hop's id, its attempt): ``<id>.c<k>`` is attempt k of ``<id>``, attempt 0."""
-    base, sep, k = request_id.rpartition(".c")
-    return (base, int(k)) if sep and base and k.isdigit() else (request_id, 0)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
