@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from services.router.http_responses import choice_error_body
 from services.router.logprobs_format import CompletionLogprobs, TokenText, chat_logprobs
 from services.router.openai_format import ChatFormatter, CompletionFormatter, weft_body
 from services.router.schema import Delta, ServingNotes, Usage
@@ -160,23 +161,26 @@ class CompletionChoice:
 
 class _Notes:
     """One choice's decisions: the first delta's notes, completed by later ones (the pause),
-    and the session its hop ran on ("": none)."""
+    the session its hop ran on ("": none) and, when it failed on its own, why."""
 
     def __init__(self, session_id: str = "") -> None:
         self.notes: ServingNotes | None = None
         self.session_id = session_id
+        self.error: dict[str, Any] | None = None
 
     def add(self, delta: Delta) -> None:
         if delta.notes is not None:
             self.notes = delta.notes if self.notes is None else self.notes.merged(delta.notes)
+        if delta.error is not None:
+            self.error = choice_error_body(delta.error)
 
     def body(self) -> dict[str, Any]:
-        return weft_body(self.notes, self.session_id)
+        return weft_body(self.notes, self.session_id, self.error)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
     """"tool_calls" when the reply made calls, unless it was cut: a reply that hit
     max_tokens stays "length" (as OpenAI reports it), one cut by its KV quota "kv_quota",
-    even when the calls it completed before the cut are returned."""
-    return "tool_calls" if called and reason not in ("length", "kv_quota") else reason
+    one that failed "error", even when the calls it completed before the cut are returned."""
+    return "tool_calls" if called and reason not in ("length", "kv_quota", "error") else reason
 

@@ -4,9 +4,26 @@ logprobs as asked, usage, rung, migrations and the scheduler's ``decisions``). T
 request side is ``grpc_request.py``; ``scheduler_client.py`` is the outbound twin."""
 from __future__ import annotations
 
+import grpc
+
+from services.mesh.grpc_server import ErrorMappingInterceptor, ErrorRule, bounded_details
+from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, SessionBusyError,
+                                    SessionExistsError, SessionNotFoundError, UpstreamError, UpstreamUnavailable)
 from services.router.grpc_tools import ToolCallRelay, to_proto
 from services.router.schema import Delta, Sampling
 from weft.v1 import common_pb2, router_pb2
+
+ROUTER_ERROR_RULES = (
+    ErrorRule(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    ErrorRule(AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
+    ErrorRule(OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ErrorRule(SessionBusyError, grpc.StatusCode.ABORTED),
+    ErrorRule(SessionNotFoundError, grpc.StatusCode.NOT_FOUND),
+    ErrorRule(SessionExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    ErrorRule(UpstreamUnavailable, grpc.StatusCode.UNAVAILABLE),
+    ErrorRule(UpstreamError, grpc.StatusCode.UNAVAILABLE),
+)
+_STATUS = ErrorMappingInterceptor(ROUTER_ERROR_RULES)  # its status_for: the mapping, nothing served
 
 FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
           "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT,
@@ -27,8 +44,8 @@ def response_chunk(rid: str, index: int, delta: Delta, sampling: Sampling, relay
     usage = common_pb2.Usage(num_prompt_tokens=delta.usage.prompt_tokens, num_cached_tokens=delta.usage.cached_tokens,
                              num_output_tokens=delta.usage.completion_tokens)
     reason = delta.finish_reason
-    if reason not in (None, "length", "kv_quota") and relay is not None and relay.num_calls:
-        reason = "tool_calls"  # as HTTP's finish_reason; a cut reply stays "length" / "kv_quota"
+    if reason not in (None, "length", "kv_quota", "error") and relay is not None and relay.num_calls:
+        reason = "tool_calls"  # as HTTP's finish_reason; a cut or failed reply keeps its reason
     finish = FINISH.get(reason, 0)
     return router_pb2.GenerateResponse(
         request_id=rid, index=index, text_delta=echo + text, token_ids_delta=list(delta.token_ids),
@@ -40,8 +57,17 @@ def response_chunk(rid: str, index: int, delta: Delta, sampling: Sampling, relay
         usage=usage, executor=delta.executor,
         degradation_rung=common_pb2.DegradationRung.Value(f"DEGRADATION_RUNG_{delta.degradation_rung.upper()}")
         if delta.degradation_rung else 0,
-        num_migrations=delta.num_migrations, decisions=_decisions(delta),
+        num_migrations=delta.num_migrations, decisions=_decisions(delta), error=choice_error(delta.error),
     )
+
+
+def choice_error(exc: Exception | None) -> router_pb2.ChoiceError | None:
+    """A completion that failed on its own (a session hop's branch): the status the call
+    would have ended with (``ROUTER_ERROR_RULES``), by name, and its details."""
+    if exc is None:
+        return None
+    code, details, retry_after_ms = _STATUS.status_for(exc)
+    return router_pb2.ChoiceError(code=code.name, message=bounded_details(details), retry_after_ms=retry_after_ms or 0)
 
 
 def _decisions(delta: Delta) -> common_pb2.SchedulingDecisions | None:

@@ -59,7 +59,7 @@ from services.router.logprobs_format import CompletionLogprobs, TokenText
 from services.router.openai_format import ChatFormatter, CompletionFormatter, choices_usage, error_body, sse
 from services.router.prepare import ChatPrompt, completion_prompt
 from services.router.schema import TokenRequest
-from services.router.session_branches import branch_requests, end_unfinished_branches
+from services.router.session_branches import branch_requests, end_unfinished_branches, isolate_branch_failures
 from services.router.session_routes import SessionControl, SessionRoutes
 from services.router.tool_grammar import with_tool_grammar
 from services.router.tool_parsers import ToolCallFormat, select_format
@@ -241,6 +241,8 @@ class HttpApi:
         choices = [c for b in branched for c in b.requests]
         streams = [name_grammar_errors(timed(self.generator.stream(c, stop), "http"), grammar_field)
                    for c in choices]
+        if len(branched) == 1:  # a session hop's branch fails on its own, as its choice's "error" finish
+            streams = isolate_branch_failures(streams, branched[0])
         merged = merge(streams, follows=[None if i % n == 0 else i - i % n for i in range(len(choices))])
         if len(branched) == 1 and branched[0].forked:  # a branch forked for this hop ends unless its hop finishes
             merged = end_unfinished_branches(merged, branched[0], sessions)

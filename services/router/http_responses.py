@@ -2,7 +2,8 @@
 
 ``error_response`` maps the router's domain errors to OpenAI-shaped bodies and statuses
 (400 naming the field, 401, 404 / 409 for sessions, 429 with ``Retry-After`` and
-``retry-after-ms``, 503); ``notes_headers`` turns the scheduler's decisions into
+``retry-after-ms``, 503), ``choice_error_body`` the same for one choice that failed on its
+own (a session hop's branch: ``choices[i].weft.error``); ``notes_headers`` turns the scheduler's decisions into
 ``x-weft-*`` response headers.
 """
 from __future__ import annotations
@@ -17,6 +18,12 @@ from services.router.schema import ServingNotes
 
 def error_response(exc: BaseException) -> web.Response:
     """OpenAI-shaped error for a domain error or an aiohttp HTTP exception."""
+    status, body, headers = error_status(exc)
+    return web.json_response(body, status=status, headers=headers)
+
+
+def error_status(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
+    """``error_response``'s status, body and headers."""
     headers: dict[str, str] = {}
     if isinstance(exc, InvalidRequestError):
         status, body = 400, error_body(400, str(exc), exc.field, "model_not_found" if exc.field == "model" else None)
@@ -38,7 +45,15 @@ def error_response(exc: BaseException) -> web.Response:
         status, body = exc.status, error_body(exc.status, exc.reason if exc.text is None else exc.text)
     else:
         status, body = 500, error_body(500, f"internal error ({type(exc).__name__})")
-    return web.json_response(body, status=status, headers=headers)
+    return status, body, headers
+
+
+def choice_error_body(exc: BaseException) -> dict:
+    """A choice that failed on its own (``choices[i].weft.error``): the error object the
+    request would have answered with, its HTTP status, and the retry hint of a 429."""
+    status, body, _ = error_status(exc)
+    retry = {"retry_after_ms": exc.retry_after_ms} if isinstance(exc, OverloadedError) else {}
+    return {**body["error"], "status": status, **retry}
 
 
 def notes_headers(first: ServingNotes | None, last: ServingNotes | None) -> dict[str, str]:

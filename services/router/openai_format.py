@@ -48,14 +48,16 @@ def choices_usage(usages: list[Usage], n: int) -> Usage:
                  sum(u.cached_tokens for u in firsts))
 
 
-def weft_body(notes: ServingNotes | None, session_id: str = "") -> dict[str, Any]:
+def weft_body(notes: ServingNotes | None, session_id: str = "", error: dict[str, Any] | None = None) -> dict[str, Any]:
     """The scheduler's decisions for one choice (``weft.v1.SchedulingDecisions`` in
     snake_case, enums as the shared vocabulary's lowercase labels); null: not reported
     (or, for ``fallback`` / ``pause_decision``, none taken). ``session_id``: the session the
-    choice's hop ran on (a branch for a session hop's choices after the first), null: none."""
+    choice's hop ran on (a branch for a session hop's choices after the first), null: none.
+    ``error``: why the choice failed on its own (finish_reason "error"; a session hop's
+    branch, ``http_responses.choice_error_body``), null: it did not."""
     n = notes or ServingNotes()
     return {
-        "session_id": session_id or None,
+        "session_id": session_id or None, "error": error,
         "request_class": n.request_class or None, "priority": n.priority, "queue_ms": n.queue_ms,
         "fallback": n.fallback or None, "fallback_reason": n.fallback_reason or None,
         "degradation_rung": n.degradation_rung or None, "intent_shift": n.intent_shift,

@@ -197,3 +197,6 @@ class Delta:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # see TokenChunk
     prompt_logprobs: tuple[float, ...] = ()  # see TokenChunk (first delta)
     prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    # finish_reason "error" on a choice that failed on its own (a session hop's branch,
+    # session_branches.isolate_branch_failures): the router's error it would have failed with.
+    error: Exception | None = None

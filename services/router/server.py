@@ -35,19 +35,17 @@ import structlog
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-from services.mesh.grpc_server import ErrorRule
 from services.mesh.logging import request_context
 from services.router import metrics as m
 from services.router.auth import KeyStore, bearer_token
-from services.router.errors import (AuthenticationError, InvalidRequestError, OverloadedError, SessionBusyError,
-                                    SessionExistsError, SessionNotFoundError, UpstreamError, UpstreamUnavailable)
-from services.router.delta_streams import merge
+from services.router.errors import InvalidRequestError, UpstreamUnavailable
+from services.router.delta_streams import merge, name_grammar_errors
 from services.router.generation import Generator, fan_out
 from services.router.grpc_request import prompt_from_proto, sampling_from_proto, session_from_proto
-from services.router.grpc_response import response_chunk
+from services.router.grpc_response import ROUTER_ERROR_RULES, response_chunk
 from services.router.grpc_tools import ToolCallRelay, tool_choice_from_proto, tools_from_proto, with_tool_grammar
 from services.router.request_ids import grpc_request_id
-from services.router.session_branches import branch_requests, end_unfinished_branches
+from services.router.session_branches import branch_requests, end_unfinished_branches, isolate_branch_failures
 from services.router.session_specs import parse_fork, parse_join
 from services.router.tool_parsers import ToolCallFormat, select_format
 from services.router.session_fields import check_session_choices, deterministic_sampling, parse_session
@@ -56,16 +54,6 @@ from weft.v1 import router_pb2, router_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
-ROUTER_ERROR_RULES = (
-    ErrorRule(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    ErrorRule(AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
-    ErrorRule(OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    ErrorRule(SessionBusyError, grpc.StatusCode.ABORTED),
-    ErrorRule(SessionNotFoundError, grpc.StatusCode.NOT_FOUND),
-    ErrorRule(SessionExistsError, grpc.StatusCode.ALREADY_EXISTS),
-    ErrorRule(UpstreamUnavailable, grpc.StatusCode.UNAVAILABLE),
-    ErrorRule(UpstreamError, grpc.StatusCode.UNAVAILABLE),
-)
 
 
 # What server reflection lists on the public port (grpcurl, Postman): the API, its
@@ -149,7 +137,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             choices = branches.requests
             m.IN_FLIGHT.labels("grpc").inc()
             # The n completions follow the first: its prompt KV is then shared through the prefix cache.
-            merged = merge([self.generator.stream(r, stop) for r in choices], follows=[None] + [0] * (sampling.n - 1))
+            # A refused grammar names the request's field (the executor's compiler names
+            # "grammar.<kind>"); a session hop's branch fails on its own, as its choice's "error" finish.
+            streams = isolate_branch_failures([name_grammar_errors(self.generator.stream(r, stop), grammar_field)
+                                               for r in choices], branches)
+            merged = merge(streams, follows=[None] + [0] * (sampling.n - 1))
             if branches.forked:  # a branch forked for this hop ends unless its hop finishes
                 merged = end_unfinished_branches(merged, branches, self.sessions)
             started = [False] * sampling.n
@@ -160,10 +152,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         chunk.session_id = choices[i].session.session_id
                     yield chunk
                     started[i] = True
-            except InvalidRequestError as exc:  # the executor's compiler names "grammar.<kind>"
-                if not exc.field.startswith("grammar"):
-                    raise
-                raise InvalidRequestError(grammar_field, f"cannot be enforced: {exc.message}") from None
             finally:
                 m.IN_FLIGHT.labels("grpc").dec()
                 await merged.aclose()

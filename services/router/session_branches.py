@@ -30,11 +30,19 @@ so the hop's new tokens are computed once. Every choice names its session: the g
 response's ``session_id`` (first chunk of each index) and HTTP's ``choices[i].weft.session_id``.
 A branch id already in use is 409 / ALREADY_EXISTS naming it: end it, or continue on it.
 
+A branch fails on its own (``isolate_branch_failures``): an error in choice i >= 1 ends
+that choice with finish_reason "error" and the error it would have failed the call with
+(gRPC ``GenerateResponse.error``, HTTP ``choices[i].weft.error``), and the other choices go
+on. Failing the whole call instead (as a plain ``n > 1`` does, like vLLM and OpenAI) would
+report a hop as failed whose choice 0 may have finished: the session has moved on, and
+asking the hop again is refused as the wrong hop. Choice 0 is the session's hop itself: its
+failure still fails the call (the session did not move; asking again is right).
+
 A created branch lives only if its hop completes: when the request ends first (choice 0
-refused, e.g. a wrong hop index, busy, a grammar the executor cannot compile; a choice failed;
-the client left), ``end_unfinished_branches`` ends every forked branch whose hop did not
-finish. Else a refused hop would leave branches the client never saw, and asking the same
-hop again would be 409 for each of them in turn.
+refused, e.g. a wrong hop index, busy, a grammar the executor cannot compile; the client
+left) or the branch's own choice failed, ``end_unfinished_branches`` ends every forked
+branch whose hop did not finish. Else a refused hop would leave branches the client never
+saw, and asking the same hop again would be 409 for each of them in turn.
 """
 from __future__ import annotations
 
@@ -45,8 +53,8 @@ from typing import Protocol
 
 import structlog
 
-from services.router.errors import SessionExistsError, SessionNotFoundError
-from services.router.schema import Delta, TokenRequest
+from services.router.errors import RouterError, SessionExistsError, SessionNotFoundError
+from services.router.schema import Delta, TokenRequest, Usage
 from services.router.session_fields import branch_session_id
 
 log = structlog.get_logger(__name__)
@@ -100,6 +108,31 @@ async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) 
                                      for r, sid in zip(requests[1:], ids)], forked)
 
 
+def isolate_branch_failures(streams: list[AsyncIterator[Delta]], branches: Branches) -> list[AsyncIterator[Delta]]:
+    """``streams`` (one per request of ``branches``), each branch's (choice i >= 1 of a
+    session hop) made to end in an "error" delta instead of raising (the module NOTE);
+    unchanged for anything but a session hop's ``n`` completions."""
+    requests = branches.requests
+    if len(requests) == 1 or not requests[0].session.session_id:
+        return streams
+    return [streams[0]] + [_failure_as_finish(s, r) for s, r in zip(streams[1:], requests[1:])]
+
+
+async def _failure_as_finish(deltas: AsyncIterator[Delta], request: TokenRequest) -> AsyncIterator[Delta]:
+    last: Delta | None = None
+    try:
+        async for delta in deltas:
+            last = delta
+            yield delta
+    except RouterError as exc:
+        log.info("session_branch_failed", branch_session_id=request.session.session_id,
+                 error_type=type(exc).__name__, error=str(exc)[:300])
+        yield Delta("", (), (), "error", last.usage if last is not None else Usage(0, 0, 0),
+                    last.executor if last is not None else "", error=exc)
+    finally:
+        await deltas.aclose()
+
+
 _ENDING: set[asyncio.Task] = set()  # ends under way, held until done (the loop keeps tasks by weak reference)
 
 
@@ -111,7 +144,7 @@ async def end_unfinished_branches(merged: AsyncIterator[tuple[int, Delta]], bran
     finished: set[int] = set()
     try:
         async for i, delta in merged:
-            if delta.finish_reason is not None:
+            if delta.finish_reason is not None and delta.error is None:  # a failed branch did not finish its hop
                 finished.add(i)
             yield i, delta
     finally:

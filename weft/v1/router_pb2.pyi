@@ -109,7 +109,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., session: _Optional[_Union[_common_pb2.SessionInfo, _Mapping]] = ..., return_logprobs: _Optional[bool] = ..., semantic_cache: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., echo: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text_delta", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "degradation_rung", "num_migrations", "index", "top_logprobs_delta", "prompt_logprobs", "prompt_top_logprobs", "tool_calls", "decisions", "session_id")
+    __slots__ = ("request_id", "text_delta", "token_ids_delta", "logprobs_delta", "finish_reason", "usage", "executor", "degradation_rung", "num_migrations", "index", "top_logprobs_delta", "prompt_logprobs", "prompt_top_logprobs", "tool_calls", "decisions", "session_id", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class GenerateResponse(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text_delta: str
     token_ids_delta: _containers.RepeatedScalarFieldContainer[int]
@@ -142,7 +143,18 @@ class GenerateResponse(_message.Message):
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     decisions: _common_pb2.SchedulingDecisions
     session_id: str
-    def __init__(self, request_id: _Optional[str] = ..., text_delta: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., degradation_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., num_migrations: _Optional[int] = ..., index: _Optional[int] = ..., top_logprobs_delta: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., decisions: _Optional[_Union[_common_pb2.SchedulingDecisions, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    error: ChoiceError
+    def __init__(self, request_id: _Optional[str] = ..., text_delta: _Optional[str] = ..., token_ids_delta: _Optional[_Iterable[int]] = ..., logprobs_delta: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., executor: _Optional[str] = ..., degradation_rung: _Optional[_Union[_common_pb2.DegradationRung, str]] = ..., num_migrations: _Optional[int] = ..., index: _Optional[int] = ..., top_logprobs_delta: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., decisions: _Optional[_Union[_common_pb2.SchedulingDecisions, _Mapping]] = ..., session_id: _Optional[str] = ..., error: _Optional[_Union[ChoiceError, _Mapping]] = ...) -> None: ...
+
+class ChoiceError(_message.Message):
+    __slots__ = ("code", "message", "retry_after_ms")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    retry_after_ms: int
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
