@@ -15,10 +15,10 @@ Long prefills on an Intel AVX-512 CPU are the other way round: from ``MKL_MIN_RO
 up, MKL's sgemm (torch's ``F.linear`` on the plain weight, every thread at that size) beats
 oneDNN on the 16-row layout, most on the MLP's wide products (gate_up / down on SmolLM2 at
 2,048 rows on a Sapphire Rapids: ~190 against ~177 GFLOPS, the whole prefill forward
-1.03-1.07x; equal at 256-1,024 rows; docs/architecture.md, "Seventh pass"), and on an AMD
-Zen 3 (~170 against ~156 GFLOPS over a SmolLM2 layer's products at 2,048 rows, "Eleventh
-pass"). So there a oneDNN linear that keeps its plain weight hands such calls to MKL. On the AVX2 Zen 2 machines MKL read 128-150 GFLOPS against oneDNN's 150-167 ("Sixth pass"):
-elsewhere (``mkl_prefill_wins`` false) every call stays on oneDNN.
+1.03-1.07x; equal at 256-1,024 rows; docs/architecture.md, "Seventh pass"). So there a
+oneDNN linear that keeps its plain weight hands such calls to MKL. On the AVX2 Zen 2
+machines MKL read 128-150 GFLOPS against oneDNN's 150-167 ("Sixth pass"): elsewhere
+(``mkl_prefill_wins`` false) every call stays on oneDNN.
 """
 from __future__ import annotations
 
@@ -51,27 +51,12 @@ MKL_MIN_ROWS = 512  # from here up a kept plain weight goes through MKL's sgemm 
 
 @functools.cache
 def mkl_prefill_wins() -> bool:
-    """True where MKL was measured ahead of oneDNN on long prefills (``cpu_prefers_mkl``)."""
+    """True on an Intel CPU whose torch kernels run AVX-512: where MKL was measured ahead."""
     try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
+        intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return cpu_prefers_mkl(cpuinfo, torch.backends.cpu.get_cpu_capability())
-
-
-def cpu_prefers_mkl(cpuinfo: str, capability: str) -> bool:
-    """The CPUs where MKL's sgemm was measured ahead of oneDNN's 16-row layout on long
-    prefills: Intel whose torch kernels run AVX-512 (Sapphire Rapids, "Seventh pass"), and
-    AMD family 25 without AVX-512 (Zen 3: the 16 x 128 SmolLM2 prefill ~7 % faster, "Eleventh
-    pass"). Not Zen 2 (family 23: MKL the slower, "Sixth pass"), and nothing unmeasured
-    (Zen 4 is family 25 with AVX-512). ``capability``: torch's, e.g. "AVX2", "AVX512"."""
-    if "GenuineIntel" in cpuinfo:
-        return capability.startswith("AVX512")
-    if "AuthenticAMD" not in cpuinfo:
-        return False
-    family = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                   if line.startswith("cpu family")), "")
-    return family == "25" and capability == "AVX2"
+    return intel and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 class OneDnnLinear(Linear):
