@@ -334,6 +334,9 @@ class SessionTable:
         ended: list[SessionState] = []
         if end_children:
             for cid in list(parent.child_ids):
+                recorded = self._sessions.get((tenant, cid))
+                if recorded is not None and recorded.parent_id != session_id:
+                    continue  # the id outlived its branch (evicted) and is another session's now
                 child = self.end(tenant, cid)
                 if child is not None:
                     ended.append(child)
