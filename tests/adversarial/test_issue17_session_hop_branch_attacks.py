@@ -9,8 +9,11 @@ and malformed ``or_new`` requests straight at the scheduler servicer."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from services.router.errors import UpstreamUnavailable
@@ -18,11 +21,12 @@ from services.scheduler.api.servicer import SchedulerServicer
 from services.scheduler.dispatch.agent_steps import AgentSteps
 from services.scheduler.errors import InvalidScheduleRequest, SessionExistsError
 from services.scheduler.state.sessions import SessionTable
-from tests.adversarial.test_issue17_session_hop_choices import (TENANT_A, completion, grpc_hop, mesh_doors,
-                                                                sessions_of)
+from tests.adversarial import test_issue17_session_hop_choices as choices_module
+from tests.adversarial.test_issue17_session_hop_choices import (A, BRANCHES_H1, TENANT_A, HostileExecutor, completion,
+                                                                grpc_hop, mesh_doors, sessions_of)
 from tests.unit.router.test_session_lifecycle_doors import grpc_key
 from tests.waiting import until
-from weft.v1 import router_pb2, scheduler_pb2
+from weft.v1 import executor_pb2, router_pb2, scheduler_pb2
 
 
 @pytest.fixture(scope="module")
@@ -309,3 +313,54 @@ def test_an_or_new_fork_at_the_servicer_at_the_edges_of_next_hop_and_program():
     with pytest.raises(SessionExistsError):  # the same request again: its ids are in use
         asyncio.run(servicer.ForkSession(fork_request(child_ids=["s.a"], next_hop=2**32 - 1), None))
     assert len(table) == 3
+
+
+# -- choice 0 fails after its branches finished ---------------------------------------------------
+
+class LateFailingExecutor(HostileExecutor):
+    """While ``fail_late``: choice 0 (a request id without ".n<i>") sends one token, then
+    fails once ``fail_now`` is set (its executor refuses mid-stream); the branches finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_late, self.fail_now = False, asyncio.Event()
+
+    async def Generate(self, request, context):
+        if self.fail_late and not re.search(r"\.n\d+$", request.request_id):
+            yield executor_pb2.ExecuteResponse(request_id=request.request_id, token_ids_delta=[7], executor=self.name)
+            await self.fail_now.wait()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "grammar.json_schema: cannot continue")
+        async for chunk in super().Generate(request, context):
+            yield chunk
+
+
+@pytest.mark.xfail(strict=True, reason="when choice 0 fails after a branch finished its hop, the request fails "
+                   "(the session did not move) but end_unfinished_branches keeps the finished branches: asking "
+                   "the same hop again, as docs/sessions.md says to, is 409 session_exists naming 's.h1.n1'")
+def test_choice_0_failing_after_its_branches_finished_leaves_the_same_hop_askable_again(model_dir, monkeypatch):
+    monkeypatch.setattr(choices_module, "HostileExecutor", LateFailingExecutor)
+
+    async def main():
+        async with mesh_doors(model_dir, monkeypatch) as mesh:
+            await mesh.post(completion(0, "s"))
+            mesh.executor.fail_late = True
+            resp = await mesh.http.post("/v1/completions", json=completion(1, "s", n=3, stream=True), headers=A)
+            assert resp.status == 200
+            finished, events = set(), []
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    event = json.loads(line[6:])
+                    events.append(event)
+                    finished.update(c["index"] for c in event.get("choices", []) if c.get("finish_reason"))
+                    if {1, 2} <= finished:
+                        mesh.executor.fail_now.set()  # both branches finished: now choice 0 fails
+            mesh.executor.fail_late = False
+            failed = [e for e in events if "error" in e]
+            moved = mesh.table.get(TENANT_A, "s").last_hop
+            await until(lambda: not mesh.left_behind(BRANCHES_H1), "the failed hop's branches to end", 5.0)
+            return finished, failed, moved, await mesh.post(completion(1, "s", n=3))
+
+    finished, failed, moved, again = asyncio.run(main())
+    assert finished == {1, 2} and failed, (finished, failed)  # choice 0 failed the request
+    assert moved == 0  # the session did not move: hop 1 is still the one to ask
+    assert again[0] == 200 and sessions_of(again[1]) == ["s", *BRANCHES_H1], again
