@@ -3,8 +3,8 @@
 ``error_response`` maps the router's domain errors to OpenAI-shaped bodies and statuses
 (400 naming the field, 401, 404 / 409 for sessions, 429 with ``Retry-After`` and
 ``retry-after-ms``, 503), ``choice_error_body`` the same for one choice that failed on its
-own (a session hop's branch: ``choices[i].weft.error``); ``notes_headers`` turns the scheduler's decisions into
-``x-weft-*`` response headers.
+own (a session hop's branch: ``choices[i].weft.error``); ``notes_headers`` turns the
+scheduler's decisions into ``x-weft-*`` response headers.
 """
 from __future__ import annotations
 

@@ -55,7 +55,6 @@ from weft.v1 import router_pb2, router_pb2_grpc
 log = structlog.get_logger(__name__)
 
 
-
 # What server reflection lists on the public port (grpcurl, Postman): the API, its
 # liveness check and reflection itself. Schema only: every call still needs a key.
 REFLECTED_SERVICES = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health.SERVICE_NAME,
