@@ -316,24 +316,27 @@ class SchedulerClient:
         except grpc.aio.AioRpcError as err:
             return err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
-    async def end_session(self, tenant: str, session_id: str, timeout_s: float = 5.0) -> EndedSession:
+    async def end_session(self, tenant: str, session_id: str, timeout_s: float = 5.0,
+                          fork_id: str = "") -> EndedSession:
         """End ``tenant``'s session (Scheduler.EndSession); SessionNotFoundError when the
-        tenant has no such session."""
+        tenant has no such session. With ``fork_id``: only if that fork created it."""
+        req = scheduler_pb2.SchedulerEndSessionRequest(tenant=tenant, session_id=session_id, fork_id=fork_id)
         try:
-            resp = await self._stub.EndSession(
-                scheduler_pb2.SchedulerEndSessionRequest(tenant=tenant, session_id=session_id), timeout=timeout_s)
+            resp = await self._stub.EndSession(req, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             raise domain_error(err) from None
         return EndedSession(session_id, resp.ended_now, resp.num_executors_released, resp.num_running_hops)
 
     async def fork_session(self, tenant: str, session_id: str, child_ids: list[str],
-                           or_new: tuple[str, int] | None = None, timeout_s: float = 5.0) -> ForkedSession:
+                           or_new: tuple[str, int] | None = None, timeout_s: float = 5.0,
+                           fork_id: str = "") -> ForkedSession:
         """Fork ``tenant``'s session into ``child_ids`` (Scheduler.ForkSession):
         SessionNotFoundError, SessionBusyError, SessionExistsError or InvalidRequestError
         naming the scheduler's field. ``or_new`` = (program id, next hop): with no context
-        to fork, create the children as new sessions instead of SessionNotFoundError."""
+        to fork, create the children as new sessions instead of SessionNotFoundError.
+        ``fork_id``: recorded on each child (``end_session(..., fork_id=)`` ends only those)."""
         fork = router_pb2.ForkSessionRequest(session_id=session_id, child_session_ids=child_ids)
-        req = scheduler_pb2.SchedulerForkSessionRequest(tenant=tenant, fork=fork)
+        req = scheduler_pb2.SchedulerForkSessionRequest(tenant=tenant, fork=fork, fork_id=fork_id)
         if or_new is not None:
             req.or_new, (req.program_id, req.next_hop) = True, or_new
         try:

@@ -38,22 +38,34 @@ report a hop as failed whose choice 0 may have finished: the session has moved o
 asking the hop again is refused as the wrong hop. Choice 0 is the session's hop itself: its
 failure still fails the call (the session did not move; asking again is right).
 
-A created branch lives only if its hop completes: when the request ends first (choice 0
-refused, e.g. a wrong hop index, busy, a grammar the executor cannot compile; the client
-left) or the branch's own choice failed, ``end_unfinished_branches`` ends every forked
-branch whose hop did not finish. Else a refused hop would leave branches the client never
-saw, and asking the same hop again would be 409 for each of them in turn.
+A created branch lives only if its hop and the session's hop both complete. When the
+request ends first (choice 0 refused, e.g. a wrong hop index, busy, a grammar the executor
+cannot compile; the client left) or the branch's own choice failed,
+``end_unfinished_branches`` ends every forked branch whose hop did not finish; when choice 0
+did not finish, it ends every branch, finished or not: the session did not move, the call
+failed, and asking the same hop again (the documented retry) must find no branch of it.
+Else a refused hop would leave branches the client never saw, and asking the same hop again
+would be 409 for each of them in turn. The fork itself may fail after the scheduler created
+the branches (its answer lost to a deadline or a reset; the client cancelled while the
+router awaited it): ``branch_requests`` then ends them before raising.
+
+Every such end names the fork (``fork_id``, fresh per request, recorded by the scheduler on
+each branch it creates): the scheduler ends a branch only if that fork created it, so a
+same-named session the client made, or a fork that was refused because of it, is never
+ended by a failed request.
 """
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 import structlog
 
-from services.router.errors import RouterError, SessionExistsError, SessionNotFoundError
+from services.router.errors import (InvalidRequestError, RouterError, SessionBusyError, SessionExistsError,
+                                    SessionNotFoundError)
 from services.router.schema import Delta, TokenRequest, Usage
 from services.router.session_fields import branch_session_id
 
@@ -62,9 +74,9 @@ log = structlog.get_logger(__name__)
 
 class Forks(Protocol):
     async def fork_session(self, tenant: str, session_id: str, child_ids: list[str],
-                           or_new: tuple[str, int] | None = None): ...
+                           or_new: tuple[str, int] | None = None, *, fork_id: str = ""): ...
 
-    async def end_session(self, tenant: str, session_id: str): ...
+    async def end_session(self, tenant: str, session_id: str, *, fork_id: str = ""): ...
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,7 @@ class Branches:
 
     requests: list[TokenRequest]
     forked: bool = False  # requests[1:] run on branches created for them (forks or new sessions)
+    fork_id: str = ""  # the fork that created them: only it ends them (the module NOTE)
 
 
 async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) -> Branches:
@@ -84,7 +97,7 @@ async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) 
     if len(requests) == 1 or not session.session_id:
         return Branches(requests)
     ids = [branch_session_id(session.session_id, session.hop_index, i) for i in range(1, len(requests))]
-    forked = False
+    forked, fork_id = False, uuid.uuid4().hex
     program_id = session.program_id or session.session_id
     if sessions is not None:
         # A stateless hop's branches are created even with no context to fork (new sessions
@@ -92,20 +105,28 @@ async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) 
         # uses already is refused before anything runs. A stateful hop with no context is
         # refused by choice 0 anyway (an unknown session), so its branches are not created.
         or_new = None if session.stateful else (program_id, session.hop_index)
+        tenant = requests[0].tenant
         try:
-            await sessions.fork_session(requests[0].tenant, session.session_id, ids, or_new)
+            await sessions.fork_session(tenant, session.session_id, ids, or_new, fork_id=fork_id)
             forked = True
         except SessionNotFoundError:
             pass  # no context to copy and none created: the branches start as new sessions (the NOTE)
         except SessionExistsError as exc:  # named for this request, not for the fork route
             raise SessionExistsError(f"{exc} (a branch session of this hop's n completions: "
                                      f"'<session_id>.h<hop_index>.n<i>'; end it, or continue on it)", "n") from None
+        except (SessionBusyError, InvalidRequestError):
+            raise  # refused: the fork created nothing
+        except BaseException:
+            # The fork may have created the branches with its answer lost (a deadline, a
+            # reset), or the client left while it was awaited: end what it created, if anything.
+            await _end_shielded(sessions, tenant, ids, fork_id)
+            raise
     # Created branches belong to the program the scheduler recorded for them (a fork's: the
     # session's, whatever the session's own program is): a hop naming none reads it there.
     if forked:
         program_id = session.program_id
     return Branches([requests[0]] + [replace(r, session=replace(r.session, session_id=sid, program_id=program_id))
-                                     for r, sid in zip(requests[1:], ids)], forked)
+                                     for r, sid in zip(requests[1:], ids)], forked, fork_id if forked else "")
 
 
 def isolate_branch_failures(streams: list[AsyncIterator[Delta]], branches: Branches) -> list[AsyncIterator[Delta]]:
@@ -139,8 +160,9 @@ _ENDING: set[asyncio.Task] = set()  # ends under way, held until done (the loop 
 async def end_unfinished_branches(merged: AsyncIterator[tuple[int, Delta]], branches: Branches,
                                   sessions: Forks | None) -> AsyncIterator[tuple[int, Delta]]:
     """``merged`` (the choices' (index, delta) stream) passed through; once it ends, every
-    forked branch whose hop did not finish is ended (the module NOTE). The ends run in a
-    task of their own, awaited shielded: a client that left cancels its request, not them."""
+    forked branch whose hop did not finish is ended, and every branch when choice 0's did not
+    (the module NOTE). The ends run in a task of their own, awaited shielded: a client that
+    left cancels its request, not them."""
     finished: set[int] = set()
     try:
         async for i, delta in merged:
@@ -149,19 +171,25 @@ async def end_unfinished_branches(merged: AsyncIterator[tuple[int, Delta]], bran
             yield i, delta
     finally:
         await merged.aclose()
-        unfinished = [r for i, r in enumerate(branches.requests) if i > 0 and i not in finished]
+        unfinished = [r for i, r in enumerate(branches.requests) if i > 0 and (i not in finished or 0 not in finished)]
         if branches.forked and unfinished and sessions is not None:
-            task = asyncio.ensure_future(_end_branches(sessions, unfinished))
-            _ENDING.add(task)
-            task.add_done_callback(_ENDING.discard)
-            await asyncio.shield(task)
+            await _end_shielded(sessions, unfinished[0].tenant, [r.session.session_id for r in unfinished],
+                                branches.fork_id)
 
 
-async def _end_branches(sessions: Forks, requests: list[TokenRequest]) -> None:
-    """End each branch; a failure is logged, not raised (the request's own outcome stands,
-    and a branch not ended expires with its pins)."""
-    ids = [r.session.session_id for r in requests]
-    results = await asyncio.gather(*(sessions.end_session(r.tenant, sid) for r, sid in zip(requests, ids)),
+async def _end_shielded(sessions: Forks, tenant: str, ids: list[str], fork_id: str) -> None:
+    """``_end_branches`` in a task of its own, awaited shielded (a cancelled request does
+    not cancel the ends; the task is held until done)."""
+    task = asyncio.ensure_future(_end_branches(sessions, tenant, ids, fork_id))
+    _ENDING.add(task)
+    task.add_done_callback(_ENDING.discard)
+    await asyncio.shield(task)
+
+
+async def _end_branches(sessions: Forks, tenant: str, ids: list[str], fork_id: str) -> None:
+    """End each branch the fork ``fork_id`` created; a failure is logged, not raised (the
+    request's own outcome stands, and a branch not ended expires with its pins)."""
+    results = await asyncio.gather(*(sessions.end_session(tenant, sid, fork_id=fork_id) for sid in ids),
                                    return_exceptions=True)
     errors = {sid: str(res) for sid, res in zip(ids, results) if isinstance(res, BaseException)}
     log.info("session_branches_ended", branch_session_ids=[s for s in ids if s not in errors], errors=errors)

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
+from services.router.errors import SessionExistsError as BranchInUse
 from services.router.errors import UpstreamUnavailable
 from services.scheduler.api.servicer import SchedulerServicer
 from services.scheduler.dispatch.agent_steps import AgentSteps
@@ -50,23 +51,19 @@ class LostForks:
     created) but whose answer is lost: the router sees the call fail as a deadline would."""
 
     def __init__(self, client) -> None:
-        self.client, self.lose = client, True
+        self.client, self.lose, self.created = client, True, ()
 
     def __getattr__(self, name):
         return getattr(self.client, name)
 
-    async def fork_session(self, tenant, session_id, child_ids, or_new=None):
-        forked = await self.client.fork_session(tenant, session_id, child_ids, or_new)
+    async def fork_session(self, tenant, session_id, child_ids, or_new=None, *, fork_id=""):
+        forked = await self.client.fork_session(tenant, session_id, child_ids, or_new, fork_id=fork_id)
         if self.lose:
-            self.lose = False
+            self.lose, self.created = False, forked.child_session_ids
             raise UpstreamUnavailable("scheduler: DEADLINE_EXCEEDED: Deadline Exceeded", lost=True)
         return forked
 
 
-@pytest.mark.xfail(strict=True, reason="a ForkSession that created the branches but whose answer was lost "
-                   "(deadline, reset) leaves them behind: branch_requests raises before the request knows it "
-                   "forked, nothing ends them, and asking the same hop again is 409 session_exists naming "
-                   "the client's own branch")
 @pytest.mark.parametrize("hop_index", [0, 1])
 def test_a_fork_whose_answer_is_lost_leaves_no_branch_and_the_same_hop_can_be_asked_again(
         model_dir, monkeypatch, hop_index):
@@ -79,7 +76,7 @@ def test_a_fork_whose_answer_is_lost_leaves_no_branch_and_the_same_hop_can_be_as
                 await mesh.post(completion(0, "s"))  # plain hop 0: no fork
             forks[0].lose = True
             lost = await mesh.post(completion(hop_index, "s", n=3))
-            created = mesh.left_behind(branches)  # the scheduler did create them
+            created = list(forks[0].created)  # the scheduler did create them
             await until(lambda: not mesh.left_behind(branches), "the branches of the failed hop to end", 5.0)
             return lost, created, await mesh.post(completion(hop_index, "s", n=3))
 
@@ -87,6 +84,33 @@ def test_a_fork_whose_answer_is_lost_leaves_no_branch_and_the_same_hop_can_be_as
     assert lost[0] == 503, lost
     assert created == branches
     assert again[0] == 200 and sessions_of(again[1]) == ["s", *branches], again
+
+
+class RefusedThenLostForks(LostForks):
+    """The scheduler refuses the fork (a branch id is the client's own session), and the
+    refusal is lost on the way back: the router sees the same failure as a lost success."""
+
+    async def fork_session(self, tenant, session_id, child_ids, or_new=None, *, fork_id=""):
+        try:
+            return await self.client.fork_session(tenant, session_id, child_ids, or_new, fork_id=fork_id)
+        except BranchInUse:
+            raise UpstreamUnavailable("scheduler: DEADLINE_EXCEEDED: Deadline Exceeded", lost=True) from None
+
+
+def test_a_lost_fork_answer_never_ends_the_clients_own_session_named_like_a_branch(model_dir, monkeypatch):
+    async def main():
+        async with mesh_doors(model_dir, monkeypatch, RefusedThenLostForks) as mesh:
+            await mesh.post(completion(0, "s"))
+            for h in (0, 1):  # the client's own session, named like hop 1's first branch
+                await mesh.post(completion(h, "s.h1.n1", prompt=[7, 7, 7]))
+            lost = await mesh.post(completion(1, "s", n=3))
+            own = mesh.table.get(TENANT_A, "s.h1.n1")
+            return lost, (own.last_hop, own.parent_id) if own else None, mesh.left_behind(["s.h1.n2"])
+
+    lost, own, behind = asyncio.run(main())
+    assert lost[0] == 503, lost
+    assert own == (1, "")  # its session is untouched: the router's ends name the fork, which created nothing
+    assert behind == []
 
 
 class StuckForks:
@@ -100,8 +124,8 @@ class StuckForks:
     def __getattr__(self, name):
         return getattr(self.client, name)
 
-    async def fork_session(self, tenant, session_id, child_ids, or_new=None):
-        forked = await self.client.fork_session(tenant, session_id, child_ids, or_new)
+    async def fork_session(self, tenant, session_id, child_ids, or_new=None, *, fork_id=""):
+        forked = await self.client.fork_session(tenant, session_id, child_ids, or_new, fork_id=fork_id)
         self.forked.set()
         try:
             await asyncio.Event().wait()
@@ -111,10 +135,6 @@ class StuckForks:
         return forked  # pragma: no cover
 
 
-@pytest.mark.xfail(strict=True, reason="a gRPC client that cancels (or whose deadline passes) while the "
-                   "router awaits ForkSession leaves the created branches behind: the CancelledError leaves "
-                   "branch_requests before end_unfinished_branches wraps anything, and the same hop asked "
-                   "again is 409 session_exists")
 def test_a_grpc_client_that_cancels_during_the_fork_leaves_no_branch(model_dir, monkeypatch):
     forks = []
 
@@ -208,10 +228,6 @@ def test_join_with_end_children_spares_a_session_that_reuses_an_evicted_branch_i
     assert table.get("t", "s.h1.n1") is not None  # before: ended (and its pins released everywhere)
 
 
-@pytest.mark.xfail(strict=True, reason="SessionTable.join appends every absorbed branch to the parent's "
-                   "absorbed_ids and never drops one: a session joined from a branch on every hop (the "
-                   "documented n > 1 + join workflow) grows the list by one per hop, and ending it fans out "
-                   "one release per absorbed id to every executor")
 def test_a_session_joined_from_a_branch_on_every_hop_does_not_grow_without_bound():
     table = SessionTable()
     hop(table, "s", 0)
@@ -334,9 +350,6 @@ class LateFailingExecutor(HostileExecutor):
             yield chunk
 
 
-@pytest.mark.xfail(strict=True, reason="when choice 0 fails after a branch finished its hop, the request fails "
-                   "(the session did not move) but end_unfinished_branches keeps the finished branches: asking "
-                   "the same hop again, as docs/sessions.md says to, is 409 session_exists naming 's.h1.n1'")
 def test_choice_0_failing_after_its_branches_finished_leaves_the_same_hop_askable_again(model_dir, monkeypatch):
     monkeypatch.setattr(choices_module, "HostileExecutor", LateFailingExecutor)
 

@@ -209,8 +209,8 @@ class PausedForks:
     def __getattr__(self, name):
         return getattr(self.client, name)
 
-    async def fork_session(self, tenant, session_id, child_ids, or_new=None):
-        forked = await self.client.fork_session(tenant, session_id, child_ids, or_new)
+    async def fork_session(self, tenant, session_id, child_ids, or_new=None, *, fork_id=""):
+        forked = await self.client.fork_session(tenant, session_id, child_ids, or_new, fork_id=fork_id)
         self.forked.set()
         await self.resume.wait()
         return forked

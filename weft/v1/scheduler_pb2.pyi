@@ -72,12 +72,14 @@ class ListExecutorsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerEndSessionRequest(_message.Message):
-    __slots__ = ("tenant", "session_id")
+    __slots__ = ("tenant", "session_id", "fork_id")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FORK_ID_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     session_id: str
-    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    fork_id: str
+    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., fork_id: _Optional[str] = ...) -> None: ...
 
 class SchedulerEndSessionResponse(_message.Message):
     __slots__ = ("ended_now", "num_executors_released", "num_running_hops")
@@ -90,18 +92,20 @@ class SchedulerEndSessionResponse(_message.Message):
     def __init__(self, ended_now: _Optional[bool] = ..., num_executors_released: _Optional[int] = ..., num_running_hops: _Optional[int] = ...) -> None: ...
 
 class SchedulerForkSessionRequest(_message.Message):
-    __slots__ = ("tenant", "fork", "or_new", "program_id", "next_hop")
+    __slots__ = ("tenant", "fork", "or_new", "program_id", "next_hop", "fork_id")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     OR_NEW_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOP_FIELD_NUMBER: _ClassVar[int]
+    FORK_ID_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     fork: _router_pb2.ForkSessionRequest
     or_new: bool
     program_id: str
     next_hop: int
-    def __init__(self, tenant: _Optional[str] = ..., fork: _Optional[_Union[_router_pb2.ForkSessionRequest, _Mapping]] = ..., or_new: _Optional[bool] = ..., program_id: _Optional[str] = ..., next_hop: _Optional[int] = ...) -> None: ...
+    fork_id: str
+    def __init__(self, tenant: _Optional[str] = ..., fork: _Optional[_Union[_router_pb2.ForkSessionRequest, _Mapping]] = ..., or_new: _Optional[bool] = ..., program_id: _Optional[str] = ..., next_hop: _Optional[int] = ..., fork_id: _Optional[str] = ...) -> None: ...
 
 class SchedulerJoinSessionRequest(_message.Message):
     __slots__ = ("tenant", "join")

@@ -44,7 +44,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         agent = self.dispatch.agent
         if not request.session_id:
             raise InvalidScheduleRequest("session_id", "must not be empty")
-        end = await agent.end_session(request.tenant, request.session_id) if agent is not None else None
+        end = await agent.end_session(request.tenant, request.session_id, request.fork_id) if agent is not None else None
         if end is None:
             raise SessionNotFoundError(request.session_id)
         return scheduler_pb2.SchedulerEndSessionResponse(
@@ -56,7 +56,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         f = request.fork
         child_ids = list(f.child_session_ids) or fork_child_ids(f.session_id, f.num_children)
         or_new = (request.program_id, request.next_hop) if request.or_new else None
-        forked = self._agent(f.session_id).fork_session(request.tenant, f.session_id, child_ids, or_new)
+        forked = self._agent(f.session_id).fork_session(request.tenant, f.session_id, child_ids, or_new,
+                                                        request.fork_id)
         context = forked.parent.context_token_ids if forked.parent is not None else ()
         return scheduler_pb2.SchedulerForkSessionResponse(fork=router_pb2.ForkSessionResponse(
             session_id=f.session_id, child_session_ids=child_ids, num_context_tokens=len(context)),

@@ -103,13 +103,17 @@ class AgentSteps:
         if plan is not None:
             self.plane.sessions.release_claim(plan.request.tenant, plan.request.session_id, request_id)
 
-    async def end_session(self, tenant: str, session_id: str) -> SessionEnd | None:
+    async def end_session(self, tenant: str, session_id: str, fork_id: str = "") -> SessionEnd | None:
         """End ``tenant``'s session now: forget its context and pin accounting, and ask
         every known executor to release its pins (pins are keyed by the tenant-scoped id,
         so no other tenant's blocks can be touched). A hop still running is left to finish;
         its KV is released when it does (``observe``). None when this tenant never had the
-        session (another tenant's id included); a repeated end is a no-op that succeeds."""
+        session (another tenant's id included); a repeated end is a no-op that succeeds.
+        With ``fork_id``, only a session that fork created ends (``SessionTable.created_by``);
+        any other is left as it is (not ended now, nothing released)."""
         sessions = self.plane.sessions
+        if fork_id and not sessions.created_by(tenant, session_id, fork_id):
+            return SessionEnd(False, 0, 0)
         already = sessions.was_ended(tenant, session_id)
         running = any(p.request.tenant == tenant and p.request.session_id == session_id
                       for p in self._plans.values())
@@ -139,17 +143,18 @@ class AgentSteps:
         return len(running)
 
     def fork_session(self, tenant: str, session_id: str, child_ids: list[str],
-                     or_new: tuple[str, int] | None = None) -> Forked:
+                     or_new: tuple[str, int] | None = None, fork_id: str = "") -> Forked:
         """Fork ``tenant``'s idle session into ``child_ids`` (SessionTable.fork raises the
         refusals). Nothing reaches an executor: each child's first stateful hop sends the
         parent's context + its new tokens, placement by KV overlap picks the executor that
         holds the parent's blocks and its prefix cache serves them by reference (one copy
         of the blocks however many children). The parent's pins are left alone.
         ``or_new`` = (program id, next hop): with no context to fork, the children are
-        created as new sessions (SessionTable.fork_or_new) instead of NOT_FOUND."""
+        created as new sessions (SessionTable.fork_or_new) instead of NOT_FOUND. Each child
+        records ``fork_id``, so ``end_session`` with it ends only what this fork created."""
         table = self.plane.sessions
-        forked = (table.fork(tenant, session_id, child_ids) if or_new is None
-                  else table.fork_or_new(tenant, session_id, child_ids, *or_new))
+        forked = (table.fork(tenant, session_id, child_ids, fork_id) if or_new is None
+                  else table.fork_or_new(tenant, session_id, child_ids, *or_new, fork_id=fork_id))
         parent = forked.parent
         log.info("session_forked", session_id=session_id, child_session_ids=list(child_ids),
                  num_context_tokens=len(parent.context_token_ids) if parent else 0,
@@ -159,13 +164,17 @@ class AgentSteps:
     async def join_session(self, tenant: str, session_id: str, from_id: str, end_children: bool) -> Joined:
         """Join ``tenant``'s session: it continues from child ``from_id`` (or its own
         context); with ``end_children`` its other children end as ``end_session`` ends a
-        session (pins released on every executor, running hops left to finish)."""
-        joined = self.plane.sessions.join(tenant, session_id, from_id, end_children)
+        session (pins released on every executor, running hops left to finish). The pins of
+        the children it had joined from before are released too (``Joined.superseded``: the
+        absorbed child's pins hold the whole context now), unless a live session holds the id."""
+        table = self.plane.sessions
+        joined = table.join(tenant, session_id, from_id, end_children)
         if joined.absorbed is not None:  # its pins stay (the parent's next hop reads them) until their TTL
             joined.absorbed.pause_started_s = None
         for child in joined.ended:
             self._ended(tenant, child.session_id, child)
-        ended = [*joined.ended_ids, *(a for child in joined.ended for a in self.plane.sessions.absorbed_pins(child))]
+        ended = [*joined.ended_ids, *(a for child in joined.ended for a in table.absorbed_pins(child)),
+                 *(a for a in joined.superseded if table.get(tenant, a) is None and table.running_hop(tenant, a) is None)]
         await asyncio.gather(*(self._release_everywhere(tenant, cid) for cid in ended))
         log.info("session_joined", session_id=session_id, from_session_id=from_id,
                  ended_session_ids=list(joined.ended_ids), num_context_tokens=len(joined.parent.context_token_ids))

@@ -56,6 +56,8 @@ class SessionState:
     program_id: str
     last_hop: int = -1  # last completed hop
     # Prompt + output of the last completed hop; 4 bytes a token (10k sessions of 4k tokens: 160 MB).
+    # Never changed in place: a fork's children share their parent's array (one copy however
+    # many children), and ``end_hop`` / ``join`` assign a new one.
     context_token_ids: array = field(default_factory=lambda: array("I"))
     executor: str = ""  # where its KV lives
     pause_started_s: float | None = None  # when the last hop ended (its tool call began)
@@ -68,6 +70,7 @@ class SessionState:
     parent_id: str = ""  # the session this one was forked from ("" for none)
     child_ids: list[str] = field(default_factory=list)  # live children forked from this one
     absorbed_ids: list[str] = field(default_factory=list)  # children joined from: their pins hold this context
+    fork_id: str = ""  # the id of the fork that created it (the caller's; "" for none): ``created_by``
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Joined:
     parent: SessionState
     absorbed: SessionState | None
     ended: tuple[SessionState, ...]
+    superseded: tuple[str, ...] = ()  # ids joined from earlier whose pins the absorbed child's now cover
 
     @property
     def ended_ids(self) -> tuple[str, ...]:
@@ -251,9 +255,9 @@ class SessionTable:
         return ses
 
     # -- fork and join ----------------------------------------------------------------
-    def fork(self, tenant: str, session_id: str, child_ids: Sequence[str]) -> Forked:
+    def fork(self, tenant: str, session_id: str, child_ids: Sequence[str], fork_id: str = "") -> Forked:
         """Create ``child_ids`` as copies of the session (context, program, next hop,
-        executor). Raises SessionBusyError while it runs a hop, SessionNotFoundError when
+        executor), each recording ``fork_id`` (``created_by``). Raises SessionBusyError while it runs a hop, SessionNotFoundError when
         the tenant has no recorded context for it, SessionExistsError for a child id in use,
         InvalidScheduleRequest for bad ids (``child_session_ids[i]``). All or nothing."""
         parent = self._checked(tenant, session_id)
@@ -262,10 +266,10 @@ class SessionTable:
         for cid in child_ids:
             child = SessionState(
                 tenant, cid, parent.program_id, last_hop=parent.last_hop,
-                context_token_ids=array("I", parent.context_token_ids), executor=parent.executor,
+                context_token_ids=parent.context_token_ids, executor=parent.executor,
                 pause_started_s=parent.pause_started_s, expected_pause_ms=parent.expected_pause_ms,
                 demoted=parent.demoted, mean_entropy=parent.mean_entropy,
-                observed_pause_ms=parent.observed_pause_ms, parent_id=session_id)
+                observed_pause_ms=parent.observed_pause_ms, parent_id=session_id, fork_id=fork_id)
             # Not pinned_until_s: the pins are the parent's; a child's intent shift must not
             # release (or evict) the prefix its siblings share.
             self._sessions[(tenant, cid)] = child
@@ -279,7 +283,7 @@ class SessionTable:
         return Forked(parent, tuple(children))
 
     def fork_or_new(self, tenant: str, session_id: str, child_ids: Sequence[str], program_id: str,
-                    next_hop: int) -> Forked:
+                    next_hop: int, fork_id: str = "") -> Forked:
         """``fork``, or, when the tenant holds no context for the session (hop 0 of a new
         session, a scheduler that restarted), create ``child_ids`` as new sessions of
         ``program_id`` that expect hop ``next_hop`` (``Forked.parent`` None). Either way all or
@@ -287,16 +291,22 @@ class SessionTable:
         ``n > 1`` on a session hop can never run a branch on a session the tenant already has."""
         running = self._running.get((tenant, session_id))
         if running is not None or (tenant, session_id) in self._sessions:
-            return self.fork(tenant, session_id, child_ids)
+            return self.fork(tenant, session_id, child_ids, fork_id)
         self._check_child_ids(tenant, session_id, child_ids)
         children = []
         for cid in child_ids:
-            child = SessionState(tenant, cid, program_id or session_id, last_hop=next_hop - 1)
+            child = SessionState(tenant, cid, program_id or session_id, last_hop=next_hop - 1, fork_id=fork_id)
             self._sessions[(tenant, cid)] = child
             self._ended.pop((tenant, cid), None)
             children.append(child)
         self._trim_sessions()
         return Forked(None, tuple(children))
+
+    def created_by(self, tenant: str, session_id: str, fork_id: str) -> bool:
+        """The tenant's session ``session_id`` is recorded and the fork ``fork_id`` created it
+        (a same-named session the client made, or another fork's, is not)."""
+        ses = self._sessions.get((tenant, session_id))
+        return bool(fork_id) and ses is not None and ses.fork_id == fork_id
 
     def _check_child_ids(self, tenant: str, session_id: str, child_ids: Sequence[str]) -> None:
         if not 1 <= len(child_ids) <= MAX_CHILDREN:
@@ -311,10 +321,13 @@ class SessionTable:
     def join(self, tenant: str, session_id: str, from_id: str, end_children: bool) -> Joined:
         """The parent continues from child ``from_id``'s context and hop index ("": its
         own); that child is forgotten, and with ``end_children`` every other child ends
-        (``end``). Raises as ``fork`` does, SessionBusyError when the child runs a hop, and
+        (``end``). The context is then the absorbed child's, whose pins hold all of it: the ids
+        joined from before (the parent's and the child's own) are ``Joined.superseded`` (the
+        caller releases their pins), so a session joined from a branch every hop keeps one.
+        Raises as ``fork`` does, SessionBusyError when the child runs a hop, and
         InvalidScheduleRequest naming ``from_session_id`` for an id that is not a live child."""
         parent = self._checked(tenant, session_id)
-        absorbed = None
+        absorbed, superseded = None, ()
         if from_id:
             child = self._sessions.get((tenant, from_id))
             if from_id not in parent.child_ids or child is None or child.parent_id != session_id:
@@ -324,8 +337,9 @@ class SessionTable:
             if running is not None:
                 raise SessionBusyError(from_id, running)
             absorbed = self.end(tenant, from_id)  # (off the parent's child list)
-            parent.absorbed_ids.extend([*child.absorbed_ids, from_id])  # released when the parent ends
-            parent.context_token_ids = array("I", child.context_token_ids)
+            superseded = tuple(a for a in dict.fromkeys([*parent.absorbed_ids, *child.absorbed_ids]) if a != from_id)
+            parent.absorbed_ids = [from_id]  # released when the parent ends
+            parent.context_token_ids = child.context_token_ids
             parent.last_hop = child.last_hop
             parent.executor, parent.demoted = child.executor, child.demoted
             parent.pause_started_s, parent.expected_pause_ms = child.pause_started_s, child.expected_pause_ms
@@ -341,7 +355,7 @@ class SessionTable:
                 if child is not None:
                     ended.append(child)
             parent.child_ids.clear()
-        return Joined(parent, absorbed, tuple(ended))
+        return Joined(parent, absorbed, tuple(ended), superseded)
 
     def absorbed_pins(self, ses: SessionState) -> list[str]:
         """The ids of the children ``ses`` joined from whose pins still hold its context:

@@ -77,10 +77,14 @@ class Mesh:
         """``executor`` reports these tokens' blocks (as its KV events would)."""
         self.index.stored(executor, hash_block_chain(token_ids, 16, extra_keys_for("m", tenant)))
 
-    async def fork(self, session_id: str = "p", n: int = 0, ids=(), tenant: str = "t"):
+    async def fork(self, session_id: str = "p", n: int = 0, ids=(), tenant: str = "t", fork_id: str = ""):
         return (await self.stub.ForkSession(scheduler_pb2.SchedulerForkSessionRequest(
             tenant=tenant, fork=router_pb2.ForkSessionRequest(session_id=session_id, num_children=n,
-                                                              child_session_ids=list(ids))))).fork
+                                                              child_session_ids=list(ids)), fork_id=fork_id))).fork
+
+    async def end(self, session_id: str, fork_id: str = "", tenant: str = "t"):
+        return await self.stub.EndSession(scheduler_pb2.SchedulerEndSessionRequest(
+            tenant=tenant, session_id=session_id, fork_id=fork_id))
 
     async def join(self, session_id: str = "p", from_id: str = "", end_children: bool = True, tenant: str = "t"):
         return (await self.stub.JoinSession(scheduler_pb2.SchedulerJoinSessionRequest(
@@ -163,6 +167,51 @@ def test_join_continues_from_a_child_and_ends_the_others_on_every_executor():
         assert f.released == ["t/y"]  # y released everywhere; x's pins stay for the parent's next hop
     assert gone.code() == absorbed.code() == grpc.StatusCode.INVALID_ARGUMENT  # both forgotten
     assert "session.session_id" in gone.details()
+
+
+def test_an_end_naming_a_fork_ends_only_the_sessions_that_fork_created():
+    fakes = gated("a", "b")
+
+    async def main():
+        async with Mesh(fakes) as mesh:
+            await run_hop(mesh.stub, hop("p0", "p", 0, PARENT_PROMPT))
+            await run_hop(mesh.stub, hop("z0", "z", 0, [9, 9]))  # the client's own session
+            await mesh.fork(ids=["x", "y"], fork_id="F")
+            other = await mesh.end("x", fork_id="G")  # another fork's id: x is left as it is
+            own = await mesh.end("z", fork_id="F")  # not created by any fork
+            released = [list(f.released) for f in fakes.values()]
+            created = await mesh.end("x", fork_id="F")
+            again = await mesh.end("x", fork_id="F")  # ended: no longer "created by F"
+            hop1 = await run_hop(mesh.stub, hop("y1", "y", 1, [700], stateful=True))  # y lives on
+            return other, own, released, created, again, hop1
+
+    other, own, released, created, again, hop1 = asyncio.run(main())
+    assert (other.ended_now, other.num_executors_released) == (False, 0)
+    assert (own.ended_now, own.num_executors_released) == (False, 0)
+    assert released == [[], []]
+    assert (created.ended_now, created.num_executors_released) == (True, 2)
+    assert all(f.released == ["t/x"] for f in fakes.values())
+    assert not again.ended_now
+    assert hop1[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_a_session_joined_from_a_child_every_hop_keeps_one_absorbed_id_and_releases_the_older():
+    fakes = gated("a")
+
+    async def main():
+        async with Mesh(fakes) as mesh:
+            await run_hop(mesh.stub, hop("p0", "p", 0, PARENT_PROMPT))
+            for k in (1, 2, 3):
+                await mesh.fork(ids=[f"b{k}"])
+                await run_hop(mesh.stub, hop(f"b{k}", f"b{k}", k, [500 + k], stateful=True))
+                await mesh.join(from_id=f"b{k}")
+            released = list(fakes["a"].released)
+            await mesh.end("p")
+            return released, list(fakes["a"].released)
+
+    after_joins, after_end = asyncio.run(main())
+    assert after_joins == ["t/b1", "t/b2"]  # each join released the one before (its pins are superseded)
+    assert after_end == after_joins + ["t/p", "t/b3"]  # the end releases the session and the last absorbed
 
 
 def test_join_without_from_keeps_the_parents_context_and_hop_index():

@@ -86,3 +86,22 @@ def test_a_parent_lists_only_its_live_children_however_many_hops_fork_it():
         table.end("t", f"s.h{k}.n1")
     table.fork("t", "s", ["s.h40.n1"])
     assert parent.child_ids == ["s.h39.n1", "s.h40.n1"]
+
+
+def test_a_forks_children_share_the_parents_context_and_each_later_hop_replaces_only_its_own():
+    table = SessionTable()
+    hop(table, "s", 0, prompt=tuple(range(1, 4001)))
+    parent = table.get("t", "s")
+    forked = table.fork("t", "s", [f"s.f{k}" for k in range(16)], fork_id="F")
+    assert all(c.context_token_ids is parent.context_token_ids for c in forked.children)  # one copy, not 16
+    assert all(table.created_by("t", c.session_id, "F") for c in forked.children)
+    assert not table.created_by("t", "s", "F") and not table.created_by("t", "s.f0", "")
+    table.begin_hop("t", "s.f0", "", 1, True, [7])
+    table.end_hop("t", "s.f0", "", 1, [*range(1, 4001), 4, 7], [8], "e", 1, 0, 0.0)
+    hop(table, "s", 1, prompt=(9, 9))
+    assert table.get("t", "s.f0").context_token_ids.tolist() == [*range(1, 4001), 4, 7, 8]
+    assert table.get("t", "s.f1").context_token_ids.tolist() == [*range(1, 4001), 4]  # untouched by both
+    assert table.get("t", "s").context_token_ids.tolist() == [9, 9, 4]
+    joined = table.join("t", "s", "s.f0", end_children=True)
+    assert joined.parent.context_token_ids.tolist() == [*range(1, 4001), 4, 7, 8]
+    assert len(joined.ended) == 15 and joined.superseded == ()
