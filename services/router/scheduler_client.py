@@ -105,6 +105,7 @@ def to_proto(req: TokenRequest) -> scheduler_pb2.ScheduleRequest:
     return scheduler_pb2.ScheduleRequest(
         request_id=req.request_id, model_id=req.model, prompt_token_ids=list(req.prompt_token_ids),
         tenant=req.tenant, sampling=sampling, session=session, deadline_unix_ms=req.deadline_unix_ms,
+        fork_id=req.fork_id,
     )
 
 

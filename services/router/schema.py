@@ -117,6 +117,7 @@ class TokenRequest:
     tenant: str
     session: Session = field(default_factory=Session)
     deadline_unix_ms: int = 0
+    fork_id: str = ""  # a session hop's branch: the fork that created its session (session_branches.py)
 
 
 @dataclass(frozen=True)

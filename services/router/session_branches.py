@@ -28,7 +28,8 @@ session, which continues from it as from any hop. Completion i >= 1 runs the sam
 The branches follow completion 0 (``delta_streams.merge``): they start once it has a token,
 so the hop's new tokens are computed once. Every choice names its session: the gRPC
 response's ``session_id`` (first chunk of each index) and HTTP's ``choices[i].weft.session_id``.
-A branch id already in use is 409 / ALREADY_EXISTS naming it: end it, or continue on it.
+A branch id already in use is 409 / ALREADY_EXISTS naming it: the client's own session
+(end it and ask again), or a failed attempt's branch whose end is under way (ask again).
 
 A branch fails on its own (``isolate_branch_failures``): an error in choice i >= 1 ends
 that choice with finish_reason "error" and the error it would have failed the call with
@@ -112,8 +113,7 @@ async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) 
         except SessionNotFoundError:
             pass  # no context to copy and none created: the branches start as new sessions (the NOTE)
         except SessionExistsError as exc:  # named for this request, not for the fork route
-            raise SessionExistsError(f"{exc} (a branch session of this hop's n completions: "
-                                     f"'<session_id>.h<hop_index>.n<i>'; end it, or continue on it)", "n") from None
+            raise SessionExistsError(_in_use_message(str(exc), tenant, ids), "n") from None
         except (SessionBusyError, InvalidRequestError):
             raise  # refused: the fork created nothing
         except BaseException:
@@ -125,8 +125,10 @@ async def branch_requests(requests: list[TokenRequest], sessions: Forks | None) 
     # session's, whatever the session's own program is): a hop naming none reads it there.
     if forked:
         program_id = session.program_id
-    return Branches([requests[0]] + [replace(r, session=replace(r.session, session_id=sid, program_id=program_id))
-                                     for r, sid in zip(requests[1:], ids)], forked, fork_id if forked else "")
+    fork_id = fork_id if forked else ""
+    return Branches([requests[0]] + [replace(r, session=replace(r.session, session_id=sid, program_id=program_id),
+                                             fork_id=fork_id)
+                                     for r, sid in zip(requests[1:], ids)], forked, fork_id)
 
 
 def isolate_branch_failures(streams: list[AsyncIterator[Delta]], branches: Branches) -> list[AsyncIterator[Delta]]:
@@ -155,6 +157,19 @@ async def _failure_as_finish(deltas: AsyncIterator[Delta], request: TokenRequest
 
 
 _ENDING: set[asyncio.Task] = set()  # ends under way, held until done (the loop keeps tasks by weak reference)
+_BEING_ENDED: dict[tuple[str, str], int] = {}  # (tenant, branch id) -> ends of it under way
+
+
+def _in_use_message(refusal: str, tenant: str, ids: list[str]) -> str:
+    """The 409 for a branch id in use, said for ``n`` (the client chose no id): transient
+    when a failed attempt's ends of it are under way, else the client's own session."""
+    pending = [sid for sid in ids if (tenant, sid) in _BEING_ENDED]
+    if pending:
+        return (f"branch session {pending[0]!r} of this hop is still being ended after a failed attempt "
+                f"of the same hop: ask again")
+    named = refusal.split("'")[1] if refusal.count("'") >= 2 else ids[0]
+    return (f"branch session {named!r} of this hop's n completions ('<session_id>.h<hop_index>.n<i>') "
+            f"is a session you use: end it (DELETE /v1/weft/sessions/{{id}}, EndSession) and ask again")
 
 
 async def end_unfinished_branches(merged: AsyncIterator[tuple[int, Delta]], branches: Branches,
@@ -189,7 +204,16 @@ async def _end_shielded(sessions: Forks, tenant: str, ids: list[str], fork_id: s
 async def _end_branches(sessions: Forks, tenant: str, ids: list[str], fork_id: str) -> None:
     """End each branch the fork ``fork_id`` created; a failure is logged, not raised (the
     request's own outcome stands, and a branch not ended expires with its pins)."""
-    results = await asyncio.gather(*(sessions.end_session(tenant, sid, fork_id=fork_id) for sid in ids),
-                                   return_exceptions=True)
+    keys = [(tenant, sid) for sid in ids]
+    for key in keys:
+        _BEING_ENDED[key] = _BEING_ENDED.get(key, 0) + 1
+    try:
+        results = await asyncio.gather(*(sessions.end_session(tenant, sid, fork_id=fork_id) for sid in ids),
+                                       return_exceptions=True)
+    finally:
+        for key in keys:
+            _BEING_ENDED[key] -= 1
+            if not _BEING_ENDED[key]:
+                del _BEING_ENDED[key]
     errors = {sid: str(res) for sid, res in zip(ids, results) if isinstance(res, BaseException)}
     log.info("session_branches_ended", branch_session_ids=[s for s in ids if s not in errors], errors=errors)

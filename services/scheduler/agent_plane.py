@@ -66,6 +66,7 @@ class HopRequest:
     request_class: RequestClass | None = None  # None: decided here
     terms: ContractTerms = ContractTerms()
     caller_priority: float = 0.0
+    fork_id: str = ""  # ScheduleRequest.fork_id: the fork that created its session for this hop
     judged_intent: JudgedIntent | None = None  # set by dispatch/agent_steps.judge_intent
 
     def judged(self, decision: IntentShiftDecision, num_context_tokens: int) -> HopRequest:
@@ -171,6 +172,8 @@ class AgentPlane:
         ctx: HopContext = self.sessions.begin_hop(hop.tenant, hop.session_id, hop.program_id, hop.hop_index,
                                                   hop.stateful, hop.prompt_token_ids)
         ses = ctx.session
+        if ses is not None and ses.fork_id != hop.fork_id:
+            ses.fork_id = ""  # a hop not the fork's own: the session is the caller's now (``created_by``)
         now = self.clock()
         cls = hop.request_class or (RequestClass.AGENTIC if hop.session_id else RequestClass.INTERACTIVE)
         fresh = False

@@ -27,7 +27,7 @@ from weft.v1 import events_pb2 as weft_dot_v1_dot_events__pb2
 from weft.v1 import router_pb2 as weft_dot_v1_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17weft/v1/scheduler.proto\x12\x07weft.v1\x1a\x14weft/v1/common.proto\x1a\x14weft/v1/events.proto\x1a\x14weft/v1/router.proto\"\xdf\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.weft.v1.SamplingParams\x12%\n\x07session\x18\x06 \x01(\x0b\x32\x14.weft.v1.SessionInfo\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x04\x12\x10\n\x08priority\x18\x08 \x01(\x02\"\xed\x04\n\x10ScheduleResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0ftoken_ids_delta\x18\x02 \x03(\r\x12\x16\n\x0elogprobs_delta\x18\x03 \x03(\x02\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.weft.v1.FinishReason\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.weft.v1.Usage\x12\x10\n\x08\x65xecutor\x18\x06 \x01(\t\x12\x10\n\x08queue_ms\x18\x07 \x01(\r\x12-\n\x0e\x66\x61llback_taken\x18\x08 \x01(\x0e\x32\x15.weft.v1.FallbackPath\x12\x17\n\x0f\x66\x61llback_reason\x18\t \x01(\t\x12,\n\rrequest_class\x18\n \x01(\x0e\x32\x15.weft.v1.RequestClass\x12.\n\x0epause_decision\x18\x0b \x01(\x0e\x32\x16.weft.v1.PauseDecision\x12\x32\n\x10\x64\x65gradation_rung\x18\x0c \x01(\x0e\x32\x18.weft.v1.DegradationRung\x12\x16\n\x0enum_migrations\x18\r \x01(\r\x12\x32\n\x12top_logprobs_delta\x18\x0e \x03(\x0b\x32\x16.weft.v1.TokenLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x0f \x03(\x02\x12\x33\n\x13prompt_top_logprobs\x18\x10 \x03(\x0b\x32\x16.weft.v1.TokenLogprobs\x12/\n\tdecisions\x18\x11 \x01(\x0b\x32\x1c.weft.v1.SchedulingDecisions\"\x16\n\x14ListExecutorsRequest\"Q\n\x1aSchedulerEndSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07\x66ork_id\x18\x03 \x01(\t\"j\n\x1bSchedulerEndSessionResponse\x12\x11\n\tended_now\x18\x01 \x01(\x08\x12\x1e\n\x16num_executors_released\x18\x02 \x01(\r\x12\x18\n\x10num_running_hops\x18\x03 \x01(\r\"\x9f\x01\n\x1bSchedulerForkSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12)\n\x04\x66ork\x18\x02 \x01(\x0b\x32\x1b.weft.v1.ForkSessionRequest\x12\x0e\n\x06or_new\x18\x03 \x01(\x08\x12\x12\n\nprogram_id\x18\x04 \x01(\t\x12\x10\n\x08next_hop\x18\x05 \x01(\r\x12\x0f\n\x07\x66ork_id\x18\x06 \x01(\t\"X\n\x1bSchedulerJoinSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12)\n\x04join\x18\x02 \x01(\x0b\x32\x1b.weft.v1.JoinSessionRequest\"`\n\x1cSchedulerForkSessionResponse\x12*\n\x04\x66ork\x18\x01 \x01(\x0b\x32\x1c.weft.v1.ForkSessionResponse\x12\x14\n\x0cnew_sessions\x18\x02 \x01(\x08\"J\n\x1cSchedulerJoinSessionResponse\x12*\n\x04join\x18\x01 \x01(\x0b\x32\x1c.weft.v1.JoinSessionResponse\"\x96\x01\n\x0c\x45xecutorInfo\x12-\n\theartbeat\x18\x01 \x01(\x0b\x32\x1a.weft.v1.ExecutorHeartbeat\x12!\n\x04load\x18\x02 \x01(\x0b\x32\x13.weft.v1.LoadReport\x12\x1a\n\x12num_indexed_blocks\x18\x03 \x01(\x04\x12\x18\n\x10last_seen_ago_ms\x18\x04 \x01(\x04\"A\n\x15ListExecutorsResponse\x12(\n\texecutors\x18\x01 \x03(\x0b\x32\x15.weft.v1.ExecutorInfo2\xaf\x03\n\tScheduler\x12\x41\n\x08Generate\x12\x18.weft.v1.ScheduleRequest\x1a\x19.weft.v1.ScheduleResponse0\x01\x12N\n\rListExecutors\x12\x1d.weft.v1.ListExecutorsRequest\x1a\x1e.weft.v1.ListExecutorsResponse\x12W\n\nEndSession\x12#.weft.v1.SchedulerEndSessionRequest\x1a$.weft.v1.SchedulerEndSessionResponse\x12Z\n\x0b\x46orkSession\x12$.weft.v1.SchedulerForkSessionRequest\x1a%.weft.v1.SchedulerForkSessionResponse\x12Z\n\x0bJoinSession\x12$.weft.v1.SchedulerJoinSessionRequest\x1a%.weft.v1.SchedulerJoinSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17weft/v1/scheduler.proto\x12\x07weft.v1\x1a\x14weft/v1/common.proto\x1a\x14weft/v1/events.proto\x1a\x14weft/v1/router.proto\"\xf0\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.weft.v1.SamplingParams\x12%\n\x07session\x18\x06 \x01(\x0b\x32\x14.weft.v1.SessionInfo\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x04\x12\x10\n\x08priority\x18\x08 \x01(\x02\x12\x0f\n\x07\x66ork_id\x18\t \x01(\t\"\xed\x04\n\x10ScheduleResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0ftoken_ids_delta\x18\x02 \x03(\r\x12\x16\n\x0elogprobs_delta\x18\x03 \x03(\x02\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.weft.v1.FinishReason\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.weft.v1.Usage\x12\x10\n\x08\x65xecutor\x18\x06 \x01(\t\x12\x10\n\x08queue_ms\x18\x07 \x01(\r\x12-\n\x0e\x66\x61llback_taken\x18\x08 \x01(\x0e\x32\x15.weft.v1.FallbackPath\x12\x17\n\x0f\x66\x61llback_reason\x18\t \x01(\t\x12,\n\rrequest_class\x18\n \x01(\x0e\x32\x15.weft.v1.RequestClass\x12.\n\x0epause_decision\x18\x0b \x01(\x0e\x32\x16.weft.v1.PauseDecision\x12\x32\n\x10\x64\x65gradation_rung\x18\x0c \x01(\x0e\x32\x18.weft.v1.DegradationRung\x12\x16\n\x0enum_migrations\x18\r \x01(\r\x12\x32\n\x12top_logprobs_delta\x18\x0e \x03(\x0b\x32\x16.weft.v1.TokenLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x0f \x03(\x02\x12\x33\n\x13prompt_top_logprobs\x18\x10 \x03(\x0b\x32\x16.weft.v1.TokenLogprobs\x12/\n\tdecisions\x18\x11 \x01(\x0b\x32\x1c.weft.v1.SchedulingDecisions\"\x16\n\x14ListExecutorsRequest\"Q\n\x1aSchedulerEndSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07\x66ork_id\x18\x03 \x01(\t\"j\n\x1bSchedulerEndSessionResponse\x12\x11\n\tended_now\x18\x01 \x01(\x08\x12\x1e\n\x16num_executors_released\x18\x02 \x01(\r\x12\x18\n\x10num_running_hops\x18\x03 \x01(\r\"\x9f\x01\n\x1bSchedulerForkSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12)\n\x04\x66ork\x18\x02 \x01(\x0b\x32\x1b.weft.v1.ForkSessionRequest\x12\x0e\n\x06or_new\x18\x03 \x01(\x08\x12\x12\n\nprogram_id\x18\x04 \x01(\t\x12\x10\n\x08next_hop\x18\x05 \x01(\r\x12\x0f\n\x07\x66ork_id\x18\x06 \x01(\t\"X\n\x1bSchedulerJoinSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12)\n\x04join\x18\x02 \x01(\x0b\x32\x1b.weft.v1.JoinSessionRequest\"`\n\x1cSchedulerForkSessionResponse\x12*\n\x04\x66ork\x18\x01 \x01(\x0b\x32\x1c.weft.v1.ForkSessionResponse\x12\x14\n\x0cnew_sessions\x18\x02 \x01(\x08\"J\n\x1cSchedulerJoinSessionResponse\x12*\n\x04join\x18\x01 \x01(\x0b\x32\x1c.weft.v1.JoinSessionResponse\"\x96\x01\n\x0c\x45xecutorInfo\x12-\n\theartbeat\x18\x01 \x01(\x0b\x32\x1a.weft.v1.ExecutorHeartbeat\x12!\n\x04load\x18\x02 \x01(\x0b\x32\x13.weft.v1.LoadReport\x12\x1a\n\x12num_indexed_blocks\x18\x03 \x01(\x04\x12\x18\n\x10last_seen_ago_ms\x18\x04 \x01(\x04\"A\n\x15ListExecutorsResponse\x12(\n\texecutors\x18\x01 \x03(\x0b\x32\x15.weft.v1.ExecutorInfo2\xaf\x03\n\tScheduler\x12\x41\n\x08Generate\x12\x18.weft.v1.ScheduleRequest\x1a\x19.weft.v1.ScheduleResponse0\x01\x12N\n\rListExecutors\x12\x1d.weft.v1.ListExecutorsRequest\x1a\x1e.weft.v1.ListExecutorsResponse\x12W\n\nEndSession\x12#.weft.v1.SchedulerEndSessionRequest\x1a$.weft.v1.SchedulerEndSessionResponse\x12Z\n\x0b\x46orkSession\x12$.weft.v1.SchedulerForkSessionRequest\x1a%.weft.v1.SchedulerForkSessionResponse\x12Z\n\x0bJoinSession\x12$.weft.v1.SchedulerJoinSessionRequest\x1a%.weft.v1.SchedulerJoinSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weft.v1.scheduler_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCHEDULEREQUEST']._serialized_start=103
-  _globals['_SCHEDULEREQUEST']._serialized_end=326
-  _globals['_SCHEDULERESPONSE']._serialized_start=329
-  _globals['_SCHEDULERESPONSE']._serialized_end=950
-  _globals['_LISTEXECUTORSREQUEST']._serialized_start=952
-  _globals['_LISTEXECUTORSREQUEST']._serialized_end=974
-  _globals['_SCHEDULERENDSESSIONREQUEST']._serialized_start=976
-  _globals['_SCHEDULERENDSESSIONREQUEST']._serialized_end=1057
-  _globals['_SCHEDULERENDSESSIONRESPONSE']._serialized_start=1059
-  _globals['_SCHEDULERENDSESSIONRESPONSE']._serialized_end=1165
-  _globals['_SCHEDULERFORKSESSIONREQUEST']._serialized_start=1168
-  _globals['_SCHEDULERFORKSESSIONREQUEST']._serialized_end=1327
-  _globals['_SCHEDULERJOINSESSIONREQUEST']._serialized_start=1329
-  _globals['_SCHEDULERJOINSESSIONREQUEST']._serialized_end=1417
-  _globals['_SCHEDULERFORKSESSIONRESPONSE']._serialized_start=1419
-  _globals['_SCHEDULERFORKSESSIONRESPONSE']._serialized_end=1515
-  _globals['_SCHEDULERJOINSESSIONRESPONSE']._serialized_start=1517
-  _globals['_SCHEDULERJOINSESSIONRESPONSE']._serialized_end=1591
-  _globals['_EXECUTORINFO']._serialized_start=1594
-  _globals['_EXECUTORINFO']._serialized_end=1744
-  _globals['_LISTEXECUTORSRESPONSE']._serialized_start=1746
-  _globals['_LISTEXECUTORSRESPONSE']._serialized_end=1811
-  _globals['_SCHEDULER']._serialized_start=1814
-  _globals['_SCHEDULER']._serialized_end=2245
+  _globals['_SCHEDULEREQUEST']._serialized_end=343
+  _globals['_SCHEDULERESPONSE']._serialized_start=346
+  _globals['_SCHEDULERESPONSE']._serialized_end=967
+  _globals['_LISTEXECUTORSREQUEST']._serialized_start=969
+  _globals['_LISTEXECUTORSREQUEST']._serialized_end=991
+  _globals['_SCHEDULERENDSESSIONREQUEST']._serialized_start=993
+  _globals['_SCHEDULERENDSESSIONREQUEST']._serialized_end=1074
+  _globals['_SCHEDULERENDSESSIONRESPONSE']._serialized_start=1076
+  _globals['_SCHEDULERENDSESSIONRESPONSE']._serialized_end=1182
+  _globals['_SCHEDULERFORKSESSIONREQUEST']._serialized_start=1185
+  _globals['_SCHEDULERFORKSESSIONREQUEST']._serialized_end=1344
+  _globals['_SCHEDULERJOINSESSIONREQUEST']._serialized_start=1346
+  _globals['_SCHEDULERJOINSESSIONREQUEST']._serialized_end=1434
+  _globals['_SCHEDULERFORKSESSIONRESPONSE']._serialized_start=1436
+  _globals['_SCHEDULERFORKSESSIONRESPONSE']._serialized_end=1532
+  _globals['_SCHEDULERJOINSESSIONRESPONSE']._serialized_start=1534
+  _globals['_SCHEDULERJOINSESSIONRESPONSE']._serialized_end=1608
+  _globals['_EXECUTORINFO']._serialized_start=1611
+  _globals['_EXECUTORINFO']._serialized_end=1761
+  _globals['_LISTEXECUTORSRESPONSE']._serialized_start=1763
+  _globals['_LISTEXECUTORSRESPONSE']._serialized_end=1828
+  _globals['_SCHEDULER']._serialized_start=1831
+  _globals['_SCHEDULER']._serialized_end=2262
 # @@protoc_insertion_point(module_scope)

@@ -95,7 +95,7 @@ def job_from_pb(request: scheduler_pb2.ScheduleRequest, time_remaining_s: Callab
         expected_tool_ms=ses.expected_tool_ms, stateful=ses.stateful, request_class=request_class,
         terms=ContractTerms(c.kv_quota_blocks, c.ttft_ceiling_ms, c.tpot_ceiling_ms,
                             FALLBACKS.get(c.fallback, Fallback.NONE), contract),
-        caller_priority=request.priority,
+        caller_priority=request.priority, fork_id=request.fork_id,
     )
     return Job(
         request_id=request.request_id, prompt_token_ids=prompt, model_id=request.model_id,

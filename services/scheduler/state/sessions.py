@@ -71,6 +71,7 @@ class SessionState:
     child_ids: list[str] = field(default_factory=list)  # live children forked from this one
     absorbed_ids: list[str] = field(default_factory=list)  # children joined from: their pins hold this context
     fork_id: str = ""  # the id of the fork that created it (the caller's; "" for none): ``created_by``
+    pins_hold_context: bool = True  # its own pins can hold its whole context (False after a fork or a join)
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,7 @@ class SessionTable:
         ses.last_hop = max(ses.last_hop, hop_index)
         ses.context_token_ids = array("I", prompt_token_ids)
         ses.context_token_ids.extend(output_token_ids)
+        ses.pins_hold_context = True
         ses.executor = executor
         ses.pause_started_s = now
         ses.expected_pause_ms = expected_pause_ms
@@ -257,9 +259,10 @@ class SessionTable:
     # -- fork and join ----------------------------------------------------------------
     def fork(self, tenant: str, session_id: str, child_ids: Sequence[str], fork_id: str = "") -> Forked:
         """Create ``child_ids`` as copies of the session (context, program, next hop,
-        executor), each recording ``fork_id`` (``created_by``). Raises SessionBusyError while it runs a hop, SessionNotFoundError when
-        the tenant has no recorded context for it, SessionExistsError for a child id in use,
-        InvalidScheduleRequest for bad ids (``child_session_ids[i]``). All or nothing."""
+        executor), each recording ``fork_id`` (``created_by``). Raises SessionBusyError while
+        it runs a hop, SessionNotFoundError when the tenant has no recorded context for it,
+        SessionExistsError for a child id in use, InvalidScheduleRequest for bad ids
+        (``child_session_ids[i]``). All or nothing."""
         parent = self._checked(tenant, session_id)
         self._check_child_ids(tenant, session_id, child_ids)
         children = []
@@ -269,7 +272,8 @@ class SessionTable:
                 context_token_ids=parent.context_token_ids, executor=parent.executor,
                 pause_started_s=parent.pause_started_s, expected_pause_ms=parent.expected_pause_ms,
                 demoted=parent.demoted, mean_entropy=parent.mean_entropy,
-                observed_pause_ms=parent.observed_pause_ms, parent_id=session_id, fork_id=fork_id)
+                observed_pause_ms=parent.observed_pause_ms, parent_id=session_id, fork_id=fork_id,
+                pins_hold_context=False)
             # Not pinned_until_s: the pins are the parent's; a child's intent shift must not
             # release (or evict) the prefix its siblings share.
             self._sessions[(tenant, cid)] = child
@@ -304,7 +308,9 @@ class SessionTable:
 
     def created_by(self, tenant: str, session_id: str, fork_id: str) -> bool:
         """The tenant's session ``session_id`` is recorded and the fork ``fork_id`` created it
-        (a same-named session the client made, or another fork's, is not)."""
+        (a same-named session the client made, or another fork's, is not), and no hop but the
+        fork's own has begun on it (the client continued on it: it is the client's now;
+        ``AgentPlane.begin`` clears ``fork_id`` for a hop that does not name the fork)."""
         ses = self._sessions.get((tenant, session_id))
         return bool(fork_id) and ses is not None and ses.fork_id == fork_id
 
@@ -321,9 +327,10 @@ class SessionTable:
     def join(self, tenant: str, session_id: str, from_id: str, end_children: bool) -> Joined:
         """The parent continues from child ``from_id``'s context and hop index ("": its
         own); that child is forgotten, and with ``end_children`` every other child ends
-        (``end``). The context is then the absorbed child's, whose pins hold all of it: the ids
-        joined from before (the parent's and the child's own) are ``Joined.superseded`` (the
-        caller releases their pins), so a session joined from a branch every hop keeps one.
+        (``end``). The context is then the absorbed child's; when the child completed a hop
+        since it was forked or joined, its own pins hold all of it and the ids joined from
+        before (the parent's and the child's) are ``Joined.superseded`` (the caller releases
+        their pins), so a session joined from a branch every hop keeps one; else they are kept.
         Raises as ``fork`` does, SessionBusyError when the child runs a hop, and
         InvalidScheduleRequest naming ``from_session_id`` for an id that is not a live child."""
         parent = self._checked(tenant, session_id)
@@ -337,8 +344,11 @@ class SessionTable:
             if running is not None:
                 raise SessionBusyError(from_id, running)
             absorbed = self.end(tenant, from_id)  # (off the parent's child list)
-            superseded = tuple(a for a in dict.fromkeys([*parent.absorbed_ids, *child.absorbed_ids]) if a != from_id)
-            parent.absorbed_ids = [from_id]  # released when the parent ends
+            earlier = [a for a in dict.fromkeys([*parent.absorbed_ids, *child.absorbed_ids]) if a != from_id]
+            if child.pins_hold_context:
+                superseded, earlier = tuple(earlier), []
+            parent.absorbed_ids = [*earlier, from_id]  # released when the parent ends
+            parent.pins_hold_context = False
             parent.context_token_ids = child.context_token_ids
             parent.last_hop = child.last_hop
             parent.executor, parent.demoted = child.executor, child.demoted
