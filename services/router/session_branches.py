@@ -167,7 +167,7 @@ def _in_use_message(refusal: str, tenant: str, ids: list[str]) -> str:
     if pending:
         return (f"branch session {pending[0]!r} of this hop is still being ended after a failed attempt "
                 f"of the same hop: ask again")
-    named = refusal.split("'")[1] if refusal.count("'") >= 2 else ids[0]
+    named = next((sid for sid in ids if repr(sid) in refusal), ids[0])  # the scheduler names the one in use
     return (f"branch session {named!r} of this hop's n completions ('<session_id>.h<hop_index>.n<i>') "
             f"is a session you use: end it (DELETE /v1/weft/sessions/{{id}}, EndSession) and ask again")
 

@@ -166,8 +166,9 @@ class AgentPlane:
 
     def begin(self, hop: HopRequest, pool_num_blocks: int) -> HopPlan:
         """Validate and plan a hop; raises InvalidScheduleRequest naming the field.
-        Modifies nothing but the session's observed pause length and, on an intent shift,
-        its pin and demoted state (released KV is never promoted back)."""
+        Modifies nothing but the session's observed pause length, its fork id (cleared by
+        a hop that is not its fork's own) and, on an intent shift, its pin and demoted state
+        (released KV is never promoted back)."""
         self.contracts.validate(hop.terms, hop.tenant, pool_num_blocks)
         ctx: HopContext = self.sessions.begin_hop(hop.tenant, hop.session_id, hop.program_id, hop.hop_index,
                                                   hop.stateful, hop.prompt_token_ids)

@@ -23,13 +23,9 @@ from tests.waiting import until
 from weft.v1 import executor_pb2, router_pb2
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from weft.testing.tiny_model import make_tiny_checkpoint
-
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    make_tiny_checkpoint(path)
-    return path
+@pytest.fixture
+def model_dir(tiny_model_dir):
+    return tiny_model_dir  # the suite's tiny checkpoint (tests/adversarial/conftest.py)
 
 
 class ChoiceZeroFailsLate(HostileExecutor):

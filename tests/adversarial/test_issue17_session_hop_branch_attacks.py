@@ -30,13 +30,9 @@ from tests.waiting import until
 from weft.v1 import executor_pb2, router_pb2, scheduler_pb2
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from weft.testing.tiny_model import make_tiny_checkpoint
-
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    make_tiny_checkpoint(path)
-    return path
+@pytest.fixture
+def model_dir(tiny_model_dir):
+    return tiny_model_dir  # the suite's tiny checkpoint (tests/adversarial/conftest.py)
 
 
 def hop(table: SessionTable, sid: str, index: int, tenant: str = "t", prompt=(1, 2, 3)) -> None:

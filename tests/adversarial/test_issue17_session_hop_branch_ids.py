@@ -17,13 +17,9 @@ from tests.adversarial.test_issue17_session_hop_choices import (TENANT_A, TENANT
                                                                 sessions_of)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from weft.testing.tiny_model import make_tiny_checkpoint
-
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    make_tiny_checkpoint(path)
-    return path
+@pytest.fixture
+def model_dir(tiny_model_dir):
+    return tiny_model_dir  # the suite's tiny checkpoint (tests/adversarial/conftest.py)
 
 
 def test_hop_0_with_a_branch_id_in_use_is_409_before_choice_0_runs(model_dir, monkeypatch):
