@@ -69,11 +69,11 @@ SHIM_ROWS = """
 void shim_gemm_rows(const float *W, const float *b, const float *X, int ldx, float *Y, int ldy, int n, int k,
                     int R, int acc, int t) {{
     #pragma omp parallel num_threads(t)
-    gemm_rows_for(W, b, X, ldx, Y, ldy, n, k, R, acc);
+    gemm_rows_for(W, NULL, b, X, ldx, Y, ldy, n, k, R, acc); /* NULL: the plain-weight tiles */
 }}
 void shim_gate_up_rows(const float *gu, const float *X, float *act, int inter, int H, int R, int t) {{
     #pragma omp parallel num_threads(t)
-    gate_up_rows_for(gu, X, act, inter, H, R);
+    gate_up_rows_for(gu, NULL, X, act, inter, H, R);
 }}
 void shim_attend(const weft_model *m, const float *cache, const float *q, float *out, float *scores, int64_t *tok,
                  int g0, int g1, int group, const int32_t *block_table, int seq_len) {{
@@ -81,14 +81,18 @@ void shim_attend(const weft_model *m, const float *cache, const float *q, float 
 }}
 """
 
+SHIM_GEMM = """
+#include "{src}/gemm.c"
+"""  # decode_batch.c's wide steps call gemm.c's packed GEMM (given NULL above: never run)
+
 
 def _build_shim(directory) -> str:
     """The static kernels of decode.c / decode_batch.c behind exported wrappers, compiled
-    from the real sources with the library's flags (two translation units, in parallel)."""
+    from the real sources with the library's flags (three translation units, in parallel)."""
     src = library.SOURCES[0].parent
     flags = [f for f in library.FLAGS if f != "-shared"]
     objs, procs = [], []
-    for name, text in (("shim_one", SHIM_ONE), ("shim_rows", SHIM_ROWS)):
+    for name, text in (("shim_one", SHIM_ONE), ("shim_rows", SHIM_ROWS), ("shim_gemm", SHIM_GEMM)):
         c = directory / f"{name}.c"
         c.write_text(text.format(src=src))
         objs.append(str(directory / f"{name}.o"))

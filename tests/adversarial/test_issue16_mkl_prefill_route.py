@@ -93,7 +93,9 @@ def test_the_mkl_weight_is_the_plain_weight_not_a_copy(monkeypatch):
 @onednn_only
 def test_a_models_mkl_weights_are_the_ones_the_native_step_streams(monkeypatch):
     # one row-major copy of every weight, shared by the native decode and long prefills
+    # (an MKL CPU has AVX-512, where native/gemm.c's packed linears are never made)
     monkeypatch.setattr(linear_mod, "mkl_prefill_wins", lambda: True)
+    monkeypatch.setenv("WEFT_PACKED_GEMM", "0")
     model = _model({"head_dim": 8, "hidden_size": 16, "intermediate_size": 24, "vocab_size": 31})
     assert model.use_onednn
     decoder = model.native_decoder([torch.zeros(2, 2, 4, model.num_kv_heads, model.head_dim)])

@@ -92,15 +92,22 @@ def test_a_request_that_outgrows_the_pool_ends_with_length_instead_of_hanging(ch
     assert llm.engine.pool.num_free_blocks == 4
 
 
-@pytest.mark.parametrize("mkl_cpu", [True, False], ids=["mkl-cpu", "other-cpu"])
-def test_greedy_matches_transformers_when_one_step_is_a_long_prefill(checkpoint, mkl_cpu, monkeypatch):
+@pytest.mark.parametrize("route", ["mkl", "onednn", "packed"])
+def test_greedy_matches_transformers_when_one_step_is_a_long_prefill(checkpoint, route, monkeypatch):
     """8 prompts prefilled in one step of more than MKL_MIN_ROWS tokens: on a CPU where MKL
     was measured ahead the linears go through its sgemm on the plain weights there, oneDNN
-    elsewhere (model/linear.py); both routes forced here whatever this CPU is."""
+    elsewhere, and on AVX2 CPUs native/gemm.c's packed GEMM (model/linear.py); every route
+    forced here that this CPU can take (the packed one needs an AVX2 build without AVX-512)."""
     from services.executor.model import linear as linear_mod
-    from services.executor.model.linear import MKL_MIN_ROWS
+    from services.executor.model.linear import MKL_MIN_ROWS, PackedLinear, packed_usable
+    from services.executor.model.native import library as native_library
 
-    monkeypatch.setattr(linear_mod, "mkl_prefill_wins", lambda: mkl_cpu)
+    if route == "packed":
+        if not packed_usable(native_library.load()):
+            pytest.skip("the packed GEMM is built for AVX2 CPUs without AVX-512 only")
+    else:
+        monkeypatch.setenv("WEFT_PACKED_GEMM", "0")
+    monkeypatch.setattr(linear_mod, "mkl_prefill_wins", lambda: route == "mkl")
 
     path, hf = checkpoint
     rng = random.Random(7)
@@ -115,7 +122,9 @@ def test_greedy_matches_transformers_when_one_step_is_a_long_prefill(checkpoint,
         return forward(input_ids, *args, **kwargs)
 
     llm.engine.model.forward = spy
-    assert (llm.engine.model.layers[0].gate_up._mkl_weight is not None) is mkl_cpu  # the route taken
+    gate_up = llm.engine.model.layers[0].gate_up  # the route taken
+    assert isinstance(gate_up, PackedLinear) is (route == "packed")
+    assert (getattr(gate_up, "_mkl_weight", None) is not None) is (route == "mkl")
     outs = llm.generate(prompts, GREEDY)
     assert max(steps) >= MKL_MIN_ROWS
     assert [o.token_ids for o in outs] == _reference(hf, prompts)

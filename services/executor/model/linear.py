@@ -23,6 +23,7 @@ machines MKL read 128-150 GFLOPS against oneDNN's 150-167 ("Sixth pass"): elsewh
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -43,6 +44,12 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         return F.linear(x, self.weight, self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out // 2]
+        """For gate_up (gate rows, then up rows): ``silu(x @ gate.T) * (x @ up.T)``."""
+        gate_up = self(x)
+        inter = self.out_features // 2
+        return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
 
 
 _PACK_ROWS = 16  # the batch size oneDNN lays the weight out for
@@ -78,6 +85,74 @@ class OneDnnLinear(Linear):
         return y.view(*shape[:-1], self.out_features)
 
 
+class PackedLinear(Linear):
+    """fp32 CPU linear through native/gemm.c over the weight packed in panels of 16
+    (native/gemm_packed.h), the plain row-major weight kept beside it for the native
+    decode steps of a few rows. Made only where the native library says the packed GEMM
+    is built (AVX2 without AVX-512; make_linear). ``gate_up``: the two halves' panels are
+    interleaved and ``silu_mul`` gives the activation in one pass (``__call__`` on such a
+    linear falls back to torch on the plain weight)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib, gate_up: bool = False) -> None:
+        super().__init__(weight, bias)
+        n, k = weight.shape
+        plain = weight.contiguous()
+        self.plain_weight = plain
+        self._lib = lib
+        self._gate_up = gate_up
+        if gate_up:
+            if n % 2:
+                raise ValueError(f"gate_up needs an even number of rows, got {n}")
+            self.packed = torch.empty(((n // 2 + 7) // 8) * k * 16, dtype=torch.float32)
+            lib.weft_pack_gate_up(plain.data_ptr(), n // 2, k, self.packed.data_ptr())
+        else:
+            self.packed = torch.empty(((n + 15) // 16) * k * 16, dtype=torch.float32)
+            lib.weft_pack_panels(plain.data_ptr(), n, k, self.packed.data_ptr())
+        self.weight = plain
+        self.bias = bias.contiguous() if bias is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gate_up:
+            return F.linear(x, self.plain_weight, self.bias)
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or x2.device.type != "cpu":
+            return F.linear(x, self.plain_weight, self.bias)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        rows = x2.shape[0]
+        y = torch.empty((rows, self.out_features), dtype=torch.float32)
+        if rows:
+            self._lib.weft_gemm_packed(self.packed.data_ptr(), self.bias.data_ptr() if self.bias is not None else None,
+                                       x2.data_ptr(), self.in_features, y.data_ptr(), self.out_features,
+                                       self.out_features, self.in_features, rows, 0, torch.get_num_threads())
+        return y.view(*shape[:-1], self.out_features)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._gate_up:
+            return super().silu_mul(x)
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or x2.device.type != "cpu":
+            return super().silu_mul(x)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        rows, inter = x2.shape[0], self.out_features // 2
+        act = torch.empty((rows, inter), dtype=torch.float32)
+        if rows:
+            self._lib.weft_gate_up_packed(self.packed.data_ptr(), x2.data_ptr(), self.in_features, act.data_ptr(),
+                                          inter, inter, self.in_features, rows, torch.get_num_threads())
+        return act.view(*shape[:-1], inter)
+
+
+def packed_usable(lib, environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
+    """Whether ``lib`` (the native library, or None) has the packed GEMM built and
+    ``WEFT_PACKED_GEMM`` does not turn it off (0/false/off/no: oneDNN as before)."""
+    if environ.get("WEFT_PACKED_GEMM", "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    return lib is not None and bool(lib.weft_gemm_packed_available())
+
+
 def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
@@ -87,5 +162,11 @@ def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, use_onednn: bool, keep_plain: bool = False) -> Linear:
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, use_onednn: bool, keep_plain: bool = False,
+                packed_lib=None, gate_up: bool = False) -> Linear:
+    """The linear for one projection: packed (native/gemm.c) where ``packed_lib`` is given
+    (the native library on a CPU where ``packed_usable``), else oneDNN where usable, else
+    torch's. ``gate_up``: the projection is gate rows then up rows (``silu_mul``)."""
+    if packed_lib is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+        return PackedLinear(weight, bias, packed_lib, gate_up=gate_up)
     return OneDnnLinear(weight, bias, keep_plain) if use_onednn else Linear(weight, bias)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from services.executor.attention.base import AttentionBackend, AttentionMetadata
 from services.executor.errors import CheckpointError
-from services.executor.model.linear import Linear, make_linear, onednn_usable
+from services.executor.model.linear import Linear, make_linear, onednn_usable, packed_usable
 from services.executor.model.config import ModelConfig
 from services.executor.model.native import library as native_library
 from services.executor.model.native.decoder import NativeDecoder
@@ -117,7 +117,11 @@ class LlamaModel:
     def _load(self, sd: dict[str, torch.Tensor]) -> None:
         c = self.config
         keep_plain = self._native_lib is not None  # the native step streams row-major weights
-        lin = lambda w, b=None: make_linear(w, b, self.use_onednn, keep_plain)  # noqa: E731
+        # On AVX2 CPUs the projections run through native/gemm.c's packed GEMM (prefills,
+        # decode steps of many rows) in place of oneDNN's; the plain weight stays beside it.
+        packed_lib = self._native_lib if self.use_onednn and packed_usable(self._native_lib) else None
+        lin = lambda w, b=None, gate_up=False: make_linear(  # noqa: E731
+            w, b, self.use_onednn, keep_plain, packed_lib=packed_lib, gate_up=gate_up)
         # Weights the native step streams as loaded get a copy from torch's allocator (huge
         # pages, process_env.py): the tied lm_head read at 70 GB/s from the checkpoint's
         # buffer and 80 GB/s from a copy. (qkv and gate_up are fresh concatenations already.)
@@ -144,7 +148,7 @@ class LlamaModel:
                     qkv=lin(qkv, bias),
                     o=lin(fresh(self._take(sd, a + "o_proj.weight")), o_bias),
                     post_norm=self._take(sd, p + "post_attention_layernorm.weight"),
-                    gate_up=lin(gate_up),
+                    gate_up=lin(gate_up, gate_up=True),
                     down=lin(fresh(self._take(sd, p + "mlp.down_proj.weight"))),
                 )
             )
@@ -179,7 +183,6 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)  # [n, 1, d]
         sin = self.sin_signed[positions].unsqueeze(1)
         k_end = self.q_dim + self.kv_dim
-        inter = self.config.intermediate_size
         heads = self.num_heads + self.num_kv_heads
         for lw, kv_cache in zip(self.layers, kv_caches):
             x = rms_norm(h, lw.input_norm, self.eps)
@@ -192,8 +195,7 @@ class LlamaModel:
             o = self.attn.forward(q, k, v, kv_cache, meta)  # [n, heads, d]
             h = h + lw.o(o.view(n, self.q_dim))
             x = rms_norm(h, lw.post_norm, self.eps)
-            gate_up = lw.gate_up(x)  # [n, 2 * intermediate]
-            h = h + lw.down(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]))
+            h = h + lw.down(lw.gate_up.silu_mul(x))  # silu(gate) * up: [n, intermediate]
         return rms_norm(h, self.final_norm, self.eps)
 
     @torch.inference_mode()

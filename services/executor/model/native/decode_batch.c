@@ -24,6 +24,7 @@
  * on AVX-512 builds too.
  */
 #include "llama_step.h"
+#include "gemm_packed.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define TILE_W 6 /* weight rows per register tile: two halves of 3 (half_dots) */
@@ -274,8 +275,13 @@ static void gate_up_wide_for(const float *gu, const float *X, float *act, int in
  * owns a contiguous range of rows, read as TILE_W streams up to STREAM_MAX_ROWS rows and
  * as wide tiles past it (gemm_wide_for). Ends with a barrier. */
 
-static void gemm_rows_for(const float *W, const float *b, const float *X, int ldx, float *Y, int ldy, int n, int k,
-                          int R, int accumulate) {
+static void gemm_rows_for(const float *W, const float *P, const float *b, const float *X, int ldx, float *Y, int ldy,
+                          int n, int k, int R, int accumulate) {
+    if (R > STREAM_MAX_ROWS && P) { /* gemm.c's outer-product tiles over the packed copy */
+        gemm_packed_for(P, b, X, ldx, Y, ldy, n, k, R, accumulate);
+        #pragma omp barrier
+        return;
+    }
     if (R > STREAM_MAX_ROWS) {
         gemm_wide_for(W, b, X, ldx, Y, ldy, n, k, R, accumulate);
         return;
@@ -308,7 +314,12 @@ static void gemm_rows_for(const float *W, const float *b, const float *X, int ld
 /* Inside a parallel region: act[r, i] = silu(gate[r, i]) * up[r, i] for i < inter, a tile
  * of gate rows and the same tile of up rows in one pass over the R rows (TILE_W streams
  * each up to STREAM_MAX_ROWS rows, wide tiles past it). gu [2 * inter, H]. Ends with a barrier. */
-static void gate_up_rows_for(const float *gu, const float *X, float *act, int inter, int H, int R) {
+static void gate_up_rows_for(const float *gu, const float *P, const float *X, float *act, int inter, int H, int R) {
+    if (R > STREAM_MAX_ROWS && P) {
+        gate_up_packed_for(P, X, H, act, inter, inter, H, R);
+        #pragma omp barrier
+        return;
+    }
     if (R > STREAM_MAX_ROWS) {
         gate_up_wide_for(gu, X, act, inter, H, R);
         return;
@@ -421,8 +432,9 @@ static inline unsigned prefetch_rows(int pass, int passes, int tile, int tiles, 
 /* Inside a parallel region: Y[r, o] (+)= W[o, :] . X[r, :] + b[o] for r < R, o < n.
  * W [n, k]; X [R, ldx]; Y [R, ldy]. accumulate != 0 adds into Y (a residual). Each thread
  * owns a contiguous range of 4-row weight tiles. Ends with the loop's barrier. */
-static void gemm_rows_for(const float *W, const float *b, const float *X, int ldx, float *Y, int ldy, int n, int k,
-                          int R, int accumulate) {
+static void gemm_rows_for(const float *W, const float *P, const float *b, const float *X, int ldx, float *Y, int ldy,
+                          int n, int k, int R, int accumulate) {
+    (void)P; /* packed copies exist on AVX2 builds only (gemm_packed.h) */
     const int tiles = (n + TILE_W - 1) / TILE_W, passes = (R + TILE_R - 1) / TILE_R;
     #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
@@ -445,7 +457,8 @@ static void gemm_rows_for(const float *W, const float *b, const float *X, int ld
 
 /* Inside a parallel region: act[r, i] = silu(gate[r, i]) * up[r, i] for i < inter, the gate
  * rows' tile and its up rows' tile in one pass over the R rows. gu [2 * inter, H]. */
-static void gate_up_rows_for(const float *gu, const float *X, float *act, int inter, int H, int R) {
+static void gate_up_rows_for(const float *gu, const float *P, const float *X, float *act, int inter, int H, int R) {
+    (void)P;
     const int tiles = (inter + TILE_W - 1) / TILE_W, passes = (R + TILE_R - 1) / TILE_R;
     #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
@@ -535,7 +548,7 @@ int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const
         for (int l = 0; l < m->num_layers; l++) {
             float *cache = m->kv_cache[l];
             for (int r = 0; r < R; r++) rms_norm(h + (size_t)r * H, m->input_norm[l], x + (size_t)r * H, H, m->eps);
-            gemm_rows_for(m->qkv[l], m->qkv_bias[l], x, H, qkv, qkv_dim, qkv_dim, H, R, 0);
+            gemm_rows_for(m->qkv[l], m->qkv_p ? m->qkv_p[l] : NULL, m->qkv_bias[l], x, H, qkv, qkv_dim, qkv_dim, H, R, 0);
             /* rope each row's key and query heads at its position, write its K/V slot */
             #pragma omp for schedule(static)
             for (int p = 0; p < R * nkv; p++) {
@@ -557,13 +570,13 @@ int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const
                 attend_row(m, cache, qkv + (size_t)r * qkv_dim, attn + (size_t)r * q_dim, sc, tok, part * nkv / split,
                            (part + 1) * nkv / split, group, block_tables + (size_t)r * table_stride, seq_lens[r]);
             }
-            gemm_rows_for(m->o[l], m->o_bias[l], attn, q_dim, h, H, H, q_dim, R, 1); /* h += o(attn) */
+            gemm_rows_for(m->o[l], m->o_p ? m->o_p[l] : NULL, m->o_bias[l], attn, q_dim, h, H, H, q_dim, R, 1); /* h += o(attn) */
             for (int r = 0; r < R; r++) rms_norm(h + (size_t)r * H, m->post_norm[l], x + (size_t)r * H, H, m->eps);
-            gate_up_rows_for(m->gate_up[l], x, act, inter, H, R);
-            gemm_rows_for(m->down[l], NULL, act, inter, h, H, H, inter, R, 1); /* h += down(act) */
+            gate_up_rows_for(m->gate_up[l], m->gate_up_p ? m->gate_up_p[l] : NULL, x, act, inter, H, R);
+            gemm_rows_for(m->down[l], m->down_p ? m->down_p[l] : NULL, NULL, act, inter, h, H, H, inter, R, 1); /* h += down(act) */
         }
         for (int r = 0; r < R; r++) rms_norm(h + (size_t)r * H, m->final_norm, x + (size_t)r * H, H, m->eps);
-        gemm_rows_for(m->lm_head, NULL, x, H, logits, m->vocab, m->vocab, H, R, 0);
+        gemm_rows_for(m->lm_head, m->lm_head_p, NULL, x, H, logits, m->vocab, m->vocab, H, R, 0);
     }
     free(buf);
     return 0;

@@ -2,7 +2,8 @@
 or R sequences at once (``decode_batch.c``).
 
 The C side gets raw pointers into tensors torch owns: the model's row-major fp32 weights
-(kept beside oneDNN's packed copies, see linear.py), its RoPE tables and the runner's KV
+(kept beside oneDNN's or gemm.c's packed copies, see linear.py; steps of more than a few
+rows read gemm.c's copies where the model has them), its RoPE tables and the runner's KV
 cache. ``NativeDecoder`` holds references to every tensor it hands out, so none is freed
 while the C struct points at it; the KV cache tensors must not be replaced afterwards
 (the model runner allocates them once).
@@ -39,6 +40,8 @@ class _ModelStruct(ctypes.Structure):
         *[(name, ctypes.c_void_p) for name in ("embed", "final_norm", "lm_head", "cos", "sin")],
         *[(name, ctypes.POINTER(ctypes.c_void_p)) for name in
           ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "down", "kv_cache")],
+        ("lm_head_p", ctypes.c_void_p),
+        *[(name, ctypes.POINTER(ctypes.c_void_p)) for name in ("qkv_p", "o_p", "gate_up_p", "down_p")],
     ]
 
 
@@ -76,15 +79,24 @@ class NativeDecoder:
             "down": [lw.down.plain_weight for lw in layers],
             "kv_cache": list(kv_caches),
         }
-        self._keep = [model.embed, model.final_norm, model.lm_head.plain_weight, model.cos, model.sin, per_layer]
-        self._arrays = {name: (ctypes.c_void_p * len(ts))(*[_ptr(t) for t in ts]) for name, ts in per_layer.items()}
+        # gemm.c's packed copies (linear.py's PackedLinear) where every projection has one:
+        # decode steps of many rows read those; else NULL and they read the plain weights
+        packed = {f"{name}_p": [getattr(getattr(lw, name), "packed", None) for lw in layers]
+                  for name in ("qkv", "o", "gate_up", "down")}
+        if not all(t is not None for ts in packed.values() for t in ts):
+            packed = {}
+        lm_head_p = getattr(model.lm_head, "packed", None) if packed else None
+        self._keep = [model.embed, model.final_norm, model.lm_head.plain_weight, model.cos, model.sin, per_layer,
+                      packed, lm_head_p]
+        self._arrays = {name: (ctypes.c_void_p * len(ts))(*[_ptr(t) for t in ts])
+                        for name, ts in {**per_layer, **packed}.items()}
         self._struct = _ModelStruct(
             hidden=c.hidden_size, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim, intermediate=c.intermediate_size, vocab=model.lm_head.out_features,
             num_layers=len(layers), block_size=block_size, num_blocks=num_blocks,
             eps=model.eps, scale=model.head_dim ** -0.5,
             embed=_ptr(model.embed), final_norm=_ptr(model.final_norm), lm_head=_ptr(model.lm_head.plain_weight),
-            cos=_ptr(model.cos), sin=_ptr(model.sin),
+            cos=_ptr(model.cos), sin=_ptr(model.sin), lm_head_p=_ptr(lm_head_p),
             **{name: ctypes.cast(arr, ctypes.POINTER(ctypes.c_void_p)) for name, arr in self._arrays.items()},
         )
         self._struct_ref = ctypes.byref(self._struct)

@@ -1,6 +1,7 @@
 """Build, cache and load the native decode library (``decode.c``: one sequence,
 ``decode_batch.c``: several; ``llama_step.h`` what both share; ``argmax.c``: greedy
-sampling), or say why not.
+sampling; ``gemm.c``: the packed AVX2 GEMM of prefills and wide decode steps), or say why
+not.
 
 The C sources are compiled at first use with the system C compiler into
 ``$WEFT_CACHE_DIR/native/`` (default ``~/.cache/weft/native/``), named by a hash of the
@@ -30,8 +31,8 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "decode_batch.c", "argmax.c"))
-HEADERS = (Path(__file__).with_name("llama_step.h"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "decode_batch.c", "argmax.c", "gemm.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("llama_step.h", "gemm_packed.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120
 
@@ -104,6 +105,16 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.weft_argmax_rows.restype = ctypes.c_int
     lib.weft_argmax_entropy_rows.argtypes = [p, i32, i32, p, p, p, i32]
     lib.weft_argmax_entropy_rows.restype = ctypes.c_int
+    lib.weft_gemm_packed_available.argtypes = []
+    lib.weft_gemm_packed_available.restype = ctypes.c_int
+    lib.weft_pack_panels.argtypes = [p, i32, i32, p]
+    lib.weft_pack_panels.restype = None
+    lib.weft_pack_gate_up.argtypes = [p, i32, i32, p]
+    lib.weft_pack_gate_up.restype = None
+    lib.weft_gemm_packed.argtypes = [p, p, p, i32, p, i32, i32, i32, i32, i32, i32]
+    lib.weft_gemm_packed.restype = None
+    lib.weft_gate_up_packed.argtypes = [p, p, i32, p, i32, i32, i32, i32, i32]
+    lib.weft_gate_up_packed.restype = None
     return lib
 
 

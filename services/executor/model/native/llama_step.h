@@ -192,6 +192,11 @@ typedef struct {
     const float *const *gate_up;     /* [2 * intermediate, hidden] */
     const float *const *down;        /* [hidden, intermediate] */
     float *const *kv_cache;          /* [2, num_blocks, block_size, num_kv_heads, head_dim] */
+    /* the same weights packed for gemm.c (gemm_packed.h), or NULL where not packed: read by
+     * decode_batch.c's steps of more than STREAM_MAX_ROWS rows (the arrays hold num_layers
+     * pointers when set) */
+    const float *lm_head_p;
+    const float *const *qkv_p, *const *o_p, *const *gate_up_p, *const *down_p;
 } weft_model;
 
 /* HF's LlamaRMSNorm in fp32: x / sqrt(mean(x^2) + eps) * w. One thread. */
