@@ -19,6 +19,14 @@ oneDNN on the 16-row layout, most on the MLP's wide products (gate_up / down on 
 oneDNN linear that keeps its plain weight hands such calls to MKL. On the AVX2 Zen 2
 machines MKL read 128-150 GFLOPS against oneDNN's 150-167 ("Sixth pass"): elsewhere
 (``mkl_prefill_wins`` false) every call stays on oneDNN.
+
+On AVX2 CPUs without AVX-512 (the AMD Zen boxes) every projection is a ``PackedLinear``
+instead (when the native library is built, ``WEFT_PACKED_GEMM`` not 0): native/gemm.c's
+outer-product GEMM over a copy packed in panels of 16 outputs, in place of oneDNN's copy
+(the same memory), with the plain weight beside it for the native steps of a few rows. It
+read 123-151 GFLOPS at 16 rows where oneDNN read 92-105, and 144-153 at 2,048 rows against
+132-139 (2 threads, Zen 3); the native multi-row decode step reads the same packed copies
+past 6 rows (docs/architecture.md, "Thirteenth pass").
 """
 from __future__ import annotations
 
@@ -94,6 +102,9 @@ class PackedLinear(Linear):
     linear falls back to torch on the plain weight)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib, gate_up: bool = False) -> None:
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+                raise ValueError(f"the packed GEMM needs a float32 CPU {name}, got {t.dtype} on {t.device}")
         super().__init__(weight, bias)
         n, k = weight.shape
         plain = weight.contiguous()
@@ -111,13 +122,16 @@ class PackedLinear(Linear):
         self.weight = plain
         self.bias = bias.contiguous() if bias is not None else None
 
+    def _torch_route(self, x: torch.Tensor) -> bool:
+        """Inputs the kernel does not take (torch's linear serves or refuses them): other
+        dtypes or devices, no input features (the product is the bias)."""
+        return x.dtype != torch.float32 or x.device.type != "cpu" or self.in_features == 0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gate_up:
+        if self._gate_up or self._torch_route(x):
             return F.linear(x, self.plain_weight, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or x2.device.type != "cpu":
-            return F.linear(x, self.plain_weight, self.bias)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         rows = x2.shape[0]
@@ -129,12 +143,10 @@ class PackedLinear(Linear):
         return y.view(*shape[:-1], self.out_features)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._gate_up:
+        if not self._gate_up or self.bias is not None or self._torch_route(x):  # (the kernel adds no bias)
             return super().silu_mul(x)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or x2.device.type != "cpu":
-            return super().silu_mul(x)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         rows, inter = x2.shape[0], self.out_features // 2

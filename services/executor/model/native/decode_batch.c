@@ -277,7 +277,11 @@ static void gate_up_wide_for(const float *gu, const float *X, float *act, int in
 
 static void gemm_rows_for(const float *W, const float *P, const float *b, const float *X, int ldx, float *Y, int ldy,
                           int n, int k, int R, int accumulate) {
-    if (R > STREAM_MAX_ROWS && P) { /* gemm.c's outer-product tiles over the packed copy */
+    /* Past STREAM_MAX_ROWS, gemm.c's outer-product tiles over the packed copy where the model
+     * has one: 1.14-1.18x faster steps at 16 rows, 1.28-1.43x at 32 (SmolLM2 / bench,
+     * benchmarks/packed_gemm.py); at 7-10 rows alternating rounds read 0.87-1.13x, but every
+     * step past 6 rows keeps one kernel, so a row's bits do not depend on its batch there. */
+    if (R > STREAM_MAX_ROWS && P) {
         gemm_packed_for(P, b, X, ldx, Y, ldy, n, k, R, accumulate);
         #pragma omp barrier
         return;

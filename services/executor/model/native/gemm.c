@@ -92,6 +92,10 @@ static inline int block_rows(int k) {
 static void panel_block(const float *p, const float *nextp, const float *X, int ldx, int m0, int mc, int k,
                         float acc[][PACK_NR]) {
     const int passes = (mc + MR - 1) / MR;
+    if (k <= 0) { /* no columns: every sum is 0 (the loop below would leave acc as it was) */
+        memset(acc, 0, (size_t)mc * sizeof *acc);
+        return;
+    }
     for (int k0 = 0; k0 < k; k0 += KC) {
         const int kc = imin(KC, k - k0);
         const float *pf = k0 + kc < k ? p + (size_t)(k0 + kc) * PACK_NR : nextp;

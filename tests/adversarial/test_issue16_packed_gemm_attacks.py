@@ -1,0 +1,628 @@
+"""Issue 16, attacks on the packed outer-product fp32 GEMM (886c3ca: native/gemm.c,
+gemm_packed.h, model/linear.py's PackedLinear, decode_batch.c's steps of more than 6 rows
+over the packed copies). AVX2 builds without AVX-512 only (module skip elsewhere).
+
+What is attacked (every case deterministic; nothing here repeats test_packed_gemm.py):
+
+1. The exported kernels on small integers (every dot product exact in fp32 whatever the
+   order, compared for EQUALITY with float64): the column-block edges k = 1, 255, 256,
+   257, 513, 1000; the row-block edges R = 0, 1, 6, 7, 120, 121, 241; a huge k that makes
+   block_rows() 6 or 12; partial panels (n % 16, inter % 8); thread counts 1..9 (more
+   threads than panels, n = 1) and an OpenMP team smaller than asked; NaN in every ldx gap
+   and around X, NaN right after the bias's n floats, sentinels in every ldy / ld_act gap
+   and around Y / act; the residual added exactly once.
+2. Poison: a NaN / inf activation row stays in its row (the padded zero weight rows turn
+   0 * inf into NaN only in discarded lanes), an inf / NaN weight row (gate or up) stays
+   in its column.
+3. Bitwise invariance of a row's output (the doc comment's claim): alone, among 17, 130
+   or 241 rows at any position, with ldx gaps, threads 1 / 2 / 3: gemm and gate_up.
+4. Reads / writes past the end (subprocess, guard pages): X, bias, Y, act and the packed
+   weights each ending right before (or starting right after) a PROT_NONE page, with n and
+   inter that leave a fully masked second half (the masked loads / stores of gemm.c).
+5. PackedLinear given what a hostile caller gives: fp64 / bf16 weights, an fp16 bias, a
+   bias on a gate_up, a non-contiguous bias, wrong-width / wrong-dtype inputs, k = 0, a
+   weight changed after packing (documented, not required).
+6. The model: WEFT_PACKED_GEMM spellings; the native multi-row step with packed copies on a
+   shape with an odd intermediate (131 and 5), hidden 72, vocab 1022 at 7 / 13 / 64 rows
+   against the torch forward, bitwise the same for threads 1..3 and for a row alone among
+   7; greedy tokens of an engine with 13 concurrent requests (native steps of up to 13
+   rows) the same with the packed GEMM on and off.
+
+Found here and fixed before the first commit of this file (the tests were strict xfails):
+PackedLinear packed fp64 / bf16 weights and read an fp16 bias as fp32 (now ValueError
+naming the tensor); silu_mul dropped a gate_up's bias (now torch's route); k = 0 stored an
+uninitialised accumulator buffer instead of the bias (panel_block zeroes it); in_features 0
+failed to reshape (now torch's route, the bias).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.executor.attention.base import AttentionMetadata
+from services.executor.attention.selector import backend_class
+from services.executor.model.config import ModelConfig
+from services.executor.model.linear import Linear, OneDnnLinear, PackedLinear, make_linear, packed_usable
+from services.executor.model.llama import LlamaModel
+from services.executor.model.native import library
+from tests.adversarial.native_kernel_shim import NAN, INF, SENT, pytestmark as _native_only
+from tests.adversarial.test_issue16_native_streams_steps import _dynamic_team
+from weft.testing.tiny_model import make_tiny_checkpoint, model_config_dict, random_weights
+
+LIB = library.load() if library.native_enabled() else None
+pytestmark = [
+    _native_only,
+    pytest.mark.skipif(LIB is None or not LIB.weft_gemm_packed_available(),
+                       reason="the packed GEMM is built for AVX2 CPUs without AVX-512 only"),
+]
+
+ROOT = str(library.SOURCES[0].parents[4])
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+def _ints(gen, *shape, lo=-3, hi=4) -> torch.Tensor:
+    return torch.randint(lo, hi, shape, generator=gen).float()
+
+
+def _pack(W: torch.Tensor) -> torch.Tensor:
+    n, k = W.shape
+    P = torch.full((((n + 15) // 16) * k * 16,), NAN)
+    LIB.weft_pack_panels(W.contiguous().data_ptr(), n, k, P.data_ptr())
+    return P
+
+
+def _pack_gu(GU: torch.Tensor) -> torch.Tensor:
+    n2, k = GU.shape
+    inter = n2 // 2
+    P = torch.full((((inter + 7) // 8) * k * 16,), NAN)
+    LIB.weft_pack_gate_up(GU.contiguous().data_ptr(), inter, k, P.data_ptr())
+    return P
+
+
+class _Guarded:
+    """[R, width] fp32 rows of stride ld inside a buffer with `pad` floats of `fill` before
+    and after and `fill` in every gap."""
+
+    def __init__(self, R: int, width: int, ld: int, fill: float, pad: int = 24) -> None:
+        self.R, self.width, self.ld, self.pad, self.fill = R, width, ld, pad, fill
+        self.buf = torch.full((R * ld + 2 * pad,), fill)
+        self.view = self.buf[pad:pad + R * ld].view(R, ld) if R else self.buf[pad:pad]
+
+    def ptr(self) -> int:
+        return self.buf.data_ptr() + 4 * self.pad
+
+    def body(self) -> torch.Tensor:
+        return self.view[:, :self.width] if self.R else torch.empty(0, self.width)
+
+    def untouched_outside(self) -> bool:
+        same = (lambda t: torch.isnan(t).all()) if self.fill != self.fill else (lambda t: (t == self.fill).all())
+        ok = bool(same(self.buf[:self.pad])) and bool(same(self.buf[self.pad + self.R * self.ld:]))
+        if self.R and self.ld > self.width:
+            ok = ok and bool(same(self.view[:, self.width:]))
+        return ok
+
+
+def _gemm_case(gen, n: int, k: int, R: int, threads: int, *, accumulate: bool, bias: bool, ldx_gap: int = 3,
+               ldy_gap: int = 5, note: str = "") -> None:
+    W = _ints(gen, n, k)
+    P = _pack(W)
+    b = torch.cat([_ints(gen, n, lo=-9, hi=10), torch.full((16,), NAN)])  # NaN right after the n biases
+    X = _Guarded(R, k, k + ldx_gap, NAN)
+    if R:
+        X.view[:, :k] = _ints(gen, R, k)
+    Y = _Guarded(R, n, n + ldy_gap, SENT)
+    Y0 = _ints(gen, R, n, lo=-50, hi=51)
+    if R:
+        Y.view[:, :n] = Y0
+    LIB.weft_gemm_packed(P.data_ptr(), b.data_ptr() if bias else None, X.ptr(), X.ld, Y.ptr(), Y.ld, n, k, R,
+                         int(accumulate), threads)
+    want = X.body().double() @ W.double().T + (b[:n].double() if bias else 0) + (Y0.double() if accumulate else 0)
+    got = Y.body().double()
+    where = f"n={n} k={k} R={R} threads={threads} acc={accumulate} bias={bias} {note}"
+    bad = (got != want) & ~(torch.isnan(got) & torch.isnan(want))
+    assert not bad.any(), f"{where}: (row, out) {bad.nonzero().tolist()[:8]} differ"
+    assert Y.untouched_outside(), f"{where}: written outside Y's valid columns"
+
+
+def _gate_up_case(gen, inter: int, k: int, R: int, threads: int, *, ldx_gap: int = 2, lda_gap: int = 3,
+                  note: str = "") -> None:
+    GU = _ints(gen, 2 * inter, k, lo=-1, hi=2)
+    P = _pack_gu(GU)
+    X = _Guarded(R, k, k + ldx_gap, NAN)
+    if R:
+        X.view[:, :k] = _ints(gen, R, k, lo=-1, hi=2)
+    A = _Guarded(R, inter, inter + lda_gap, SENT)
+    LIB.weft_gate_up_packed(P.data_ptr(), X.ptr(), X.ld, A.ptr(), A.ld, inter, k, R, threads)
+    g = X.body().double() @ GU[:inter].double().T  # exact small integers
+    u = X.body().double() @ GU[inter:].double().T
+    want = F.silu(g) * u
+    where = f"inter={inter} k={k} R={R} threads={threads} {note}"
+    torch.testing.assert_close(A.body().double(), want, rtol=2e-6, atol=2e-6, msg=lambda m: f"{where}: {m}")
+    assert A.untouched_outside(), f"{where}: written outside act's valid columns"
+
+
+# ---- 1. exact products at every block edge ----------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 7, 255, 256, 257, 513, 1000])
+def test_exact_at_column_and_row_block_edges(k):
+    gen = torch.Generator().manual_seed(k)
+    i = 0
+    for R in (0, 1, 6, 7, 120, 121, 241):
+        for n in (1, 15, 16, 17, 33):
+            for threads in (1, 2, 3):
+                i += 1
+                _gemm_case(gen, n, k, R, threads, accumulate=bool(i % 2), bias=bool(i % 3))
+
+
+@pytest.mark.parametrize("k", [5000, 11000, 20000])  # block_rows(k) = 12, 6, 6
+def test_exact_when_a_huge_k_makes_the_row_blocks_small(k):
+    gen = torch.Generator().manual_seed(k)
+    for R in (5, 6, 7, 13, 25):
+        _gemm_case(gen, 17, k, R, 2, accumulate=True, bias=True)
+
+
+@pytest.mark.parametrize("k", [1, 255, 256, 257, 600])
+def test_gate_up_exact_at_block_edges_and_partial_panels(k):
+    gen = torch.Generator().manual_seed(k + 1)
+    for R in (0, 1, 7, 121):
+        for inter in (1, 7, 8, 9, 17):
+            for threads in (1, 3):
+                _gate_up_case(gen, inter, k, R, threads)
+
+
+def test_more_threads_than_panels_and_a_smaller_team_than_asked():
+    gen = torch.Generator().manual_seed(99)
+    for threads in (2, 4, 9):
+        _gemm_case(gen, 1, 40, 13, threads, accumulate=True, bias=True, note="n=1")
+        _gemm_case(gen, 17, 40, 9, threads, accumulate=False, bias=True, note="2 panels")
+        _gate_up_case(gen, 3, 40, 9, threads, note="one gate/up panel")
+    with _dynamic_team():
+        for threads in (3, 9, 33):
+            _gemm_case(gen, 73, 300, 19, threads, accumulate=True, bias=True, note="dynamic team")
+            _gate_up_case(gen, 41, 300, 19, threads, note="dynamic team")
+
+
+def test_zero_rows_write_nothing():
+    gen = torch.Generator().manual_seed(3)
+    for threads in (1, 2):
+        _gemm_case(gen, 20, 30, 0, threads, accumulate=True, bias=True)
+        _gate_up_case(gen, 9, 30, 0, threads)
+
+
+# ---- 2. non-finite values stay where they belong ----------------------------------------
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_a_non_finite_activation_row_stays_in_its_row(value):
+    gen = torch.Generator().manual_seed(5)
+    n, k, R = 21, 300, 13  # a partial panel: padded weight rows meet the inf (0 * inf = NaN, discarded)
+    W, b = _ints(gen, n, k), _ints(gen, n)
+    P = _pack(W)
+    X = _ints(gen, R, k)
+    X[4, 17] = value
+    X[9, :] = value
+    Y = _Guarded(R, n, n + 3, SENT)
+    LIB.weft_gemm_packed(P.data_ptr(), b.data_ptr(), X.data_ptr(), k, Y.ptr(), Y.ld, n, k, R, 0, 2)
+    want = X.double() @ W.double().T + b.double()
+    clean = [r for r in range(R) if r not in (4, 9)]
+    assert torch.equal(Y.body()[clean].double(), want[clean])
+    assert not torch.isfinite(Y.body()[9]).any()
+    assert Y.untouched_outside(), "a discarded padded lane was written"
+    # gate / up: the same, with a partial interleaved panel
+    inter = 11
+    GU = _ints(gen, 2 * inter, k, lo=-1, hi=2)
+    Xg = _ints(gen, R, k, lo=-1, hi=2)
+    Xg[2, 0] = value
+    A = _Guarded(R, inter, inter + 5, SENT)
+    Pg = _pack_gu(GU)  # held: a temporary's data_ptr() dangles
+    LIB.weft_gate_up_packed(Pg.data_ptr(), Xg.data_ptr(), k, A.ptr(), A.ld, inter, k, R, 2)
+    ref = F.silu(Xg.double() @ GU[:inter].double().T) * (Xg.double() @ GU[inter:].double().T)
+    rows = [r for r in range(R) if r != 2]
+    torch.testing.assert_close(A.body()[rows].double(), ref[rows], rtol=2e-6, atol=2e-6)
+    assert A.untouched_outside(), "a discarded padded lane of act was written"
+
+
+@pytest.mark.parametrize("value", [NAN, INF])
+def test_a_non_finite_weight_row_stays_in_its_column(value):
+    gen = torch.Generator().manual_seed(6)
+    n, k, R = 37, 260, 9
+    W = _ints(gen, n, k)
+    W[17, 3] = value  # second panel, first lane
+    W[36, 259] = value  # the last (partial) panel, last column of the last column block
+    X = _ints(gen, R, k, lo=1, hi=3)  # positive: an inf weight gives inf, never inf - inf
+    Y = torch.full((R, n), SENT)
+    P = _pack(W)
+    LIB.weft_gemm_packed(P.data_ptr(), None, X.data_ptr(), k, Y.data_ptr(), n, n, k, R, 0, 3)
+    want = X.double() @ W.double().T
+    cols = [c for c in range(n) if c not in (17, 36)]
+    assert torch.equal(Y[:, cols].double(), want[:, cols])
+    assert not torch.isfinite(Y[:, [17, 36]]).any()
+    # a gate row and (another) up row
+    inter = 13
+    GU = _ints(gen, 2 * inter, k, lo=-1, hi=2)
+    GU[5, 7] = value  # gate 5
+    GU[inter + 12, 100] = value  # up 12 (the partial panel)
+    A = torch.full((R, inter), SENT)
+    Pg = _pack_gu(GU)
+    LIB.weft_gate_up_packed(Pg.data_ptr(), X.data_ptr(), k, A.data_ptr(), inter, inter, k, R, 2)
+    ref = F.silu(X.double() @ GU[:inter].double().T) * (X.double() @ GU[inter:].double().T)
+    cols = [c for c in range(inter) if c not in (5, 12)]
+    torch.testing.assert_close(A[:, cols].double(), ref[:, cols], rtol=2e-6, atol=2e-6)
+
+
+# ---- 3. a row's result depends on nothing but its row -----------------------------------
+
+@pytest.mark.parametrize("k", [37, 300, 1000])  # 1000: block_rows 60, so 130 rows are 3 row blocks
+def test_a_row_is_bitwise_the_same_alone_among_others_and_for_any_thread_count(k):
+    gen = torch.Generator().manual_seed(k)
+    n, inter = 45, 19
+    W, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    GU = torch.randn(2 * inter, k, generator=gen)
+    P, Pg = _pack(W), _pack_gu(GU)
+    probe = torch.randn(k, generator=gen)
+
+    def run(R: int, at: int, threads: int, gap: int):
+        X = torch.randn(R, k + gap, generator=gen)
+        X[at, :k] = probe
+        Y, A = torch.empty(R, n), torch.empty(R, inter)
+        LIB.weft_gemm_packed(P.data_ptr(), b.data_ptr(), X.data_ptr(), k + gap, Y.data_ptr(), n, n, k, R, 0, threads)
+        LIB.weft_gate_up_packed(Pg.data_ptr(), X.data_ptr(), k + gap, A.data_ptr(), inter, inter, k, R, threads)
+        return Y[at].clone(), A[at].clone()
+
+    y1, a1 = run(1, 0, 1, 0)
+    for R, at in ((2, 1), (7, 6), (17, 0), (17, 8), (17, 16), (130, 65), (130, 129), (241, 120), (241, 240)):
+        for threads in (1, 2, 3):
+            y, a = run(R, at, threads, 3 if threads == 2 else 0)
+            assert torch.equal(y, y1), f"gemm row {at} of {R}, threads={threads}"
+            assert torch.equal(a, a1), f"gate_up row {at} of {R}, threads={threads}"
+
+
+# ---- 4. nothing read or written past the operands (guard pages, subprocess) -------------
+
+GUARD_SCRIPT = textwrap.dedent("""
+    import ctypes, mmap
+    import torch
+    import torch.nn.functional as F
+    from services.executor.model.native import library
+    lib = library.load()
+    libc = ctypes.CDLL(None)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    PAGE, keep = mmap.PAGESIZE, []
+
+    def guarded(values, at_end):
+        values = values.reshape(-1)
+        nbytes = values.numel() * 4
+        pages = (nbytes + PAGE - 1) // PAGE + 1
+        mm = mmap.mmap(-1, pages * PAGE)
+        keep.append(mm)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        guard = base + (pages - 1) * PAGE if at_end else base
+        assert libc.mprotect(guard, PAGE, 0) == 0
+        offset = (pages - 1) * PAGE - nbytes if at_end else PAGE
+        t = torch.frombuffer(mm, dtype=torch.float32, count=values.numel(), offset=offset)
+        t.copy_(values)
+        return t
+
+    def pack(W, gate_up):
+        n, k = W.shape
+        if gate_up:
+            P = torch.empty(((n // 2 + 7) // 8) * k * 16)
+            lib.weft_pack_gate_up(W.data_ptr(), n // 2, k, P.data_ptr())
+        else:
+            P = torch.empty(((n + 15) // 16) * k * 16)
+            lib.weft_pack_panels(W.data_ptr(), n, k, P.data_ptr())
+        return P
+
+    g = torch.Generator().manual_seed(0)
+    ints = lambda *s: torch.randint(-3, 4, s, generator=g).float()
+    wrong, done = [], 0
+    for at_end in (True, False):
+        for T in (1, 2):
+            for k in (1, 5, 256, 257):
+                for n in (1, 7, 8, 9, 16, 17, 24):
+                    W = ints(n, k)
+                    P = guarded(pack(W, False), at_end)
+                    b = guarded(ints(n), at_end)
+                    Pg = guarded(pack(ints(2 * n, k), True), at_end)
+                    for R in (1, 7, 13):
+                        X = guarded(ints(R, k), at_end)
+                        for acc in (0, 1):
+                            Y0 = ints(R, n)
+                            Y = guarded(Y0, at_end)
+                            lib.weft_gemm_packed(P.data_ptr(), b.data_ptr(), X.data_ptr(), k, Y.data_ptr(), n, n,
+                                                 k, R, acc, T)
+                            want = X.view(R, k).double() @ W.double().T + b.double() + (Y0.double() if acc else 0)
+                            if not torch.equal(Y.view(R, n).double(), want):
+                                wrong.append(("gemm", at_end, T, n, k, R, acc))
+                        A = guarded(torch.zeros(R * n), at_end)
+                        lib.weft_gate_up_packed(Pg.data_ptr(), X.data_ptr(), k, A.data_ptr(), n, n, k, R, T)
+                        if not torch.isfinite(A).all():
+                            wrong.append(("gate_up", at_end, T, n, k, R))
+                        done += 1
+    print("DONE", done, "WRONG", wrong)
+""")
+
+
+def _child(script: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_no_packed_kernel_touches_memory_past_its_operands():
+    """Masked loads / stores (the bias's and Y's second half when n % 16 <= 8, act's tail)
+    reach past the operand's last float: a masked-out lane must not fault even when the
+    page there is PROT_NONE; the packed weights' prefetch past their end is a hint."""
+    proc = _child(GUARD_SCRIPT)
+    assert proc.returncode == 0, f"child died ({proc.returncode}): {proc.stderr[-2000:]}"
+    assert "DONE 336 WRONG []" in proc.stdout, proc.stdout[-2000:]
+
+
+# ---- 5. PackedLinear and a hostile caller -----------------------------------------------
+
+def _refuses_or_is_right(make, x, want) -> None:
+    try:
+        lin = make()
+    except (ValueError, TypeError) as exc:  # a clear refusal is fine
+        assert str(exc)
+        return
+    got = lin(x)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_fp64_weight_is_refused_or_served_correctly():
+    gen = torch.Generator().manual_seed(1)
+    w, b, x = torch.randn(20, 12, generator=gen), torch.randn(20, generator=gen), torch.randn(5, 12, generator=gen)
+    want = F.linear(x.double(), w.double(), b.double())
+    _refuses_or_is_right(lambda: PackedLinear(w.double(), b, LIB), x, want)
+
+
+def test_an_fp16_bias_is_refused_or_served_correctly():
+    gen = torch.Generator().manual_seed(2)
+    w, b, x = torch.randn(20, 12, generator=gen), torch.randn(20, generator=gen), torch.randn(5, 12, generator=gen)
+    want = F.linear(x.double(), w.double(), b.half().double())
+    _refuses_or_is_right(lambda: make_linear(w, b.half(), True, packed_lib=LIB), x, want)
+
+
+BF16_SCRIPT = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from services.executor.model.native import library
+    from services.executor.model.linear import PackedLinear
+    lib = library.load()
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    x = torch.randn(3, 64, generator=g)
+    try:
+        lin = PackedLinear(w, None, lib)
+    except (ValueError, TypeError) as exc:
+        print("REFUSED", exc)
+    else:
+        got = lin(x)
+        want = F.linear(x.double(), w.double())
+        print("RIGHT" if torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2) else "WRONG")
+""")
+
+
+def test_a_bf16_weight_is_refused_or_served_correctly_in_a_child():
+    proc = _child(BF16_SCRIPT)
+    assert proc.returncode == 0, f"child died ({proc.returncode}): {proc.stderr[-1500:]}"
+    assert "REFUSED" in proc.stdout or "RIGHT" in proc.stdout, proc.stdout
+
+
+def test_silu_mul_of_a_gate_up_with_a_bias_adds_the_bias():
+    gen = torch.Generator().manual_seed(7)
+    inter, k = 9, 16
+    gu, b, x = torch.randn(2 * inter, k, generator=gen), torch.randn(2 * inter, generator=gen), torch.randn(4, k,
+                                                                                                        generator=gen)
+    want = Linear(gu, b).silu_mul(x)
+    torch.testing.assert_close(PackedLinear(gu, b, LIB, gate_up=True).silu_mul(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_no_columns_give_the_bias_and_a_zero_activation():
+    gen = torch.Generator().manual_seed(8)
+    n, R, inter = 32, 4, 16  # two panels: thread 1's worker stack keeps the previous call's acc
+    b = torch.randn(n, generator=gen)
+    bad = []
+    for k in (5, 0, 5, 0):
+        W, X = torch.randn(n, k, generator=gen), torch.randn(R, k, generator=gen) * 100
+        Y = torch.full((R, n), SENT)
+        P = _pack(W)
+        LIB.weft_gemm_packed(P.data_ptr(), b.data_ptr(), X.data_ptr(), max(k, 1), Y.data_ptr(), n, n, k, R,
+                             0, 2)
+        if k == 0 and not torch.equal(Y, b.expand(R, n)):
+            bad.append(("gemm", (Y != b).sum().item()))
+        GU = torch.randn(2 * inter, k, generator=gen)
+        A = torch.full((R, inter), SENT)
+        Pg = _pack_gu(GU)
+        LIB.weft_gate_up_packed(Pg.data_ptr(), X.data_ptr(), max(k, 1), A.data_ptr(), inter, inter, k, R, 2)
+        if k == 0 and not torch.equal(A, torch.zeros(R, inter)):
+            bad.append(("gate_up", (A != 0).sum().item()))
+    assert not bad, bad
+
+
+def test_a_packed_linear_with_no_input_features_gives_the_bias():
+    b = torch.randn(20, generator=torch.Generator().manual_seed(12))
+    lin = PackedLinear(torch.empty(20, 0), b, LIB)
+    torch.testing.assert_close(lin(torch.empty(3, 0)), F.linear(torch.empty(3, 0), torch.empty(20, 0), b))
+
+
+def test_a_non_contiguous_bias_and_a_non_contiguous_weight_are_served():
+    gen = torch.Generator().manual_seed(9)
+    wt = torch.randn(12, 40, generator=gen).t()  # [40, 12] view, not contiguous
+    b = torch.randn(80, generator=gen)[::2]  # stride 2
+    x = torch.randn(7, 12, generator=gen)
+    lin = PackedLinear(wt, b, LIB)
+    torch.testing.assert_close(lin(x), F.linear(x, wt, b), rtol=1e-5, atol=1e-5)
+
+
+def test_wrong_inputs_raise_instead_of_reading_garbage():
+    gen = torch.Generator().manual_seed(10)
+    w, b = torch.randn(20, 12, generator=gen), torch.randn(20, generator=gen)
+    lin, gu = PackedLinear(w, b, LIB), PackedLinear(torch.randn(20, 12, generator=gen), None, LIB, gate_up=True)
+    for bad in (torch.randn(3, 8), torch.randn(2, 6), torch.randn(5, 13), torch.randn(4, 3, 8)):  # wrong width
+        with pytest.raises(RuntimeError):
+            lin(bad)
+        with pytest.raises(RuntimeError):
+            gu.silu_mul(bad)
+    for x in (torch.randn(3, 12, dtype=torch.float64), torch.randn(3, 12).bfloat16(),
+              torch.ones(3, 12, dtype=torch.int64)):
+        for call in (lin, gu.silu_mul):
+            try:
+                got = call(x)
+            except RuntimeError:
+                continue  # torch's own dtype error, as the plain Linear gives
+            want = Linear(w, b)(x.float()) if call is lin else Linear(gu.plain_weight).silu_mul(x.float())
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    # a 1-D input is one row
+    x1 = torch.randn(12, generator=gen)
+    torch.testing.assert_close(lin(x1), F.linear(x1, w, b), rtol=1e-5, atol=1e-5)
+    assert gu.silu_mul(x1).shape == (10,)
+
+
+def test_documented_a_weight_changed_after_packing_is_seen_by_the_plain_paths_only():
+    """Documents (does not require): PackedLinear snapshots the weight at construction. The
+    caller's tensor stays its plain_weight (the native steps of <= 6 rows and a gate_up's
+    __call__ read it), so an in-place edit afterwards (a LoRA merge, a hot reload) changes
+    those and not the packed products: the native step would then disagree with itself
+    between 6 and 7 rows. Repack (build a new PackedLinear) after editing weights."""
+    gen = torch.Generator().manual_seed(11)
+    w, x = torch.randn(20, 12, generator=gen), torch.randn(3, 12, generator=gen)
+    lin = PackedLinear(w, None, LIB)
+    before = lin(x)
+    w.mul_(2)
+    assert lin.plain_weight.data_ptr() == w.data_ptr()
+    assert torch.equal(lin(x), before)  # the packed copy did not follow
+    torch.testing.assert_close(F.linear(x, lin.plain_weight), 2 * before, rtol=1e-5, atol=1e-5)
+
+
+# ---- 6. the switch, the model and the native multi-row step -----------------------------
+
+def test_weft_packed_gemm_spellings():
+    for off in ("0", " off ", "FALSE", "No", "false\n"):
+        assert not packed_usable(LIB, {"WEFT_PACKED_GEMM": off}), repr(off)
+    for on in ("1", "", "yes", "2", "on"):
+        assert packed_usable(LIB, {"WEFT_PACKED_GEMM": on}), repr(on)
+    assert packed_usable(LIB, {}) and not packed_usable(None, {})
+
+
+def _odd_model(monkeypatch, packed: bool, inter: int, seed: int = 4) -> LlamaModel:
+    monkeypatch.setenv("WEFT_PACKED_GEMM", "1" if packed else "0")
+    config = ModelConfig.from_dict({**model_config_dict("tiny", "llama"), "hidden_size": 72, "head_dim": 18,
+                                    "intermediate_size": inter, "vocab_size": 1022})
+    return LlamaModel(config, random_weights(config, seed=seed), backend_class("torch"), native_decode=True)
+
+
+BS, NB = 4, 192  # 64 rows of 3..13 tokens need ~150 blocks
+
+
+def _decode_inputs(model, R: int, gen):
+    lens = [3 + (7 * r) % 11 for r in range(R)]
+    width = max(-(-n // BS) for n in lens)
+    perm = iter(torch.randperm(NB, generator=gen).tolist())
+    table = torch.zeros((R, width), dtype=torch.int32)
+    for r, n in enumerate(lens):
+        table[r, :-(-n // BS)] = torch.tensor([next(perm) for _ in range(-(-n // BS))], dtype=torch.int32)
+    slots = torch.tensor([int(table[r, (n - 1) // BS]) * BS + (n - 1) % BS for r, n in enumerate(lens)])
+    positions = torch.tensor([n - 1 for n in lens])
+    tokens = torch.randint(0, model.lm_head.out_features, (R,), generator=gen)
+    caches = [torch.randn(2, NB, BS, model.num_kv_heads, model.head_dim, generator=gen)
+              for _ in range(model.num_layers)]
+    return tokens, positions, slots, table, lens, caches
+
+
+def _native_rows(model, inputs, R: int | None = None):
+    tokens, positions, slots, table, lens, caches = inputs
+    R = R or len(lens)
+    caches = [c.clone() for c in caches]
+    dec = model.native_decoder(caches)
+    out = dec.step_rows(tokens[:R].contiguous(), positions[:R].contiguous(), slots[:R].contiguous(),
+                        table[:R].contiguous(), torch.tensor(lens[:R], dtype=torch.int32), tuple(lens[:R]))
+    return out, caches, dec
+
+
+@pytest.mark.parametrize("inter", [131, 5])
+def test_native_rows_with_packed_copies_on_an_odd_intermediate(monkeypatch, inter):
+    model = _odd_model(monkeypatch, True, inter)
+    assert all(isinstance(getattr(lw, name), PackedLinear) for lw in model.layers
+               for name in ("qkv", "o", "gate_up", "down"))
+    threads = torch.get_num_threads()
+    try:
+        for R in (7, 13, 64):
+            gen = torch.Generator().manual_seed(R + inter)
+            inputs = _decode_inputs(model, R, gen)
+            tokens, positions, slots, table, lens, caches = inputs
+            ref_caches = [c.clone() for c in caches]
+            expected = model.compute_logits(model.forward(tokens, positions, ref_caches,
+                                                          AttentionMetadata.decode_only(slots, table, lens)))
+            runs = []
+            for t in (1, 2, 3):
+                torch.set_num_threads(t)
+                logits, new_caches, dec = _native_rows(model, inputs)
+                assert dec._struct.gate_up_p and dec._struct.lm_head_p  # the packed copies were handed over
+                runs.append((logits, new_caches))
+            torch.set_num_threads(threads)
+            logits, new_caches = runs[0]
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4, msg=lambda m: f"R={R}: {m}")
+            for a, b in zip(new_caches, ref_caches):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            for t, (other, other_caches) in enumerate(runs[1:], start=2):
+                assert torch.equal(other, logits), f"R={R}: threads={t} logits differ bitwise from threads=1"
+                assert all(torch.equal(a, b) for a, b in zip(other_caches, new_caches))
+            # a row's logits do not depend on the other rows of a wide (> 6 rows) step
+            if R > 7:
+                alone7, _, _ = _native_rows(model, inputs, R=7)
+                assert torch.equal(alone7, logits[:7]), f"R={R}: the first 7 rows differ from a 7-row step"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_native_wide_step_packed_and_unpacked_agree(monkeypatch):
+    on, off = _odd_model(monkeypatch, True, 131), _odd_model(monkeypatch, False, 131)
+    assert isinstance(off.layers[0].gate_up, OneDnnLinear)
+    gen = torch.Generator().manual_seed(21)
+    inputs = _decode_inputs(on, 40, gen)
+    a, ca, da = _native_rows(on, inputs)
+    b, cb, db = _native_rows(off, inputs)
+    assert da._struct.qkv_p and not db._struct.qkv_p
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for x, y in zip(ca, cb):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def _engine_greedy(path, monkeypatch, packed: str, prompts, sizes: list[int]) -> list[list[int]]:
+    from services.executor.engine.config import EngineConfig
+    from services.executor.engine.engine import LLMEngine
+    from services.executor.engine.sampling_params import SamplingParams
+
+    monkeypatch.setenv("WEFT_NATIVE_DECODE", "1")
+    monkeypatch.setenv("WEFT_PACKED_GEMM", packed)
+    engine = LLMEngine(path, EngineConfig(block_size=4, num_kv_blocks=128, enable_prefix_caching=True))
+    assert engine.runner.native is not None
+    assert isinstance(engine.model.layers[0].gate_up, PackedLinear) is (packed == "1")
+    step_rows = engine.runner.native.step_rows
+    monkeypatch.setattr(engine.runner.native, "step_rows", lambda ids, *a: sizes.append(ids.shape[0]) or
+                        step_rows(ids, *a))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=6 + i, temperature=0.0, ignore_eos=True))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_engine_greedy_tokens_are_the_same_with_the_packed_gemm_on_and_off(monkeypatch, tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "ckpt", "tiny", "qwen2", seed=6)
+    prefix = [5, 9, 200, 31, 7, 12, 90, 4]
+    prompts = [prefix + [i] for i in range(9)] + [[44, 3, 900], [6] * 11, [17] * 3, list(range(40, 63))]
+    sizes_on: list[int] = []
+    on = _engine_greedy(path, monkeypatch, "1", prompts, sizes_on)
+    off = _engine_greedy(path, monkeypatch, "0", prompts, [])
+    assert on == off
+    assert max(sizes_on) == len(prompts) and any(s >= 12 for s in sizes_on), sizes_on  # wide steps ran
