@@ -27,8 +27,15 @@
 #include "llama_step.h"
 
 #define MR 6     /* activation rows per register tile */
+#ifndef MC_MAX
 #define MC_MAX 120 /* activation rows per block at most (a multiple of MR) */
+#endif
+#ifndef KC
 #define KC 256   /* columns per block: the panel's slice is 16 KiB */
+#endif
+#ifndef BLOCK_FLOATS
+#define BLOCK_FLOATS 65536 /* floats of X a row block holds at most (256 KiB, in L2) */
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 int weft_gemm_packed_available(void) { return 1; }
@@ -82,7 +89,7 @@ static inline int imax0(int a) { return a > 0 ? a : 0; }
 /* The rows of a block: at most MC_MAX, and few enough that the block's k columns of X stay
  * in L2 (~256 KiB) while the thread's panels pass; a multiple of MR. */
 static inline int block_rows(int k) {
-    int mc = (65536 / (k > 0 ? k : 1)) / MR * MR;
+    int mc = (BLOCK_FLOATS / (k > 0 ? k : 1)) / MR * MR;
     return mc < MR ? MR : mc > MC_MAX ? MC_MAX : mc;
 }
 
