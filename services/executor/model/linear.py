@@ -127,13 +127,14 @@ class PackedLinear(Linear):
         dtypes or devices, no input features (the product is the bias)."""
         return x.dtype != torch.float32 or x.device.type != "cpu" or self.in_features == 0
 
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> contiguous [rows, in]
+        x2 = x.reshape(-1, self.in_features)
+        return x2 if x2.is_contiguous() else x2.contiguous()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up or self._torch_route(x):
             return F.linear(x, self.plain_weight, self.bias)
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
+        shape, x2 = x.shape, self._rows(x)
         rows = x2.shape[0]
         y = torch.empty((rows, self.out_features), dtype=torch.float32)
         if rows:
@@ -145,10 +146,7 @@ class PackedLinear(Linear):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         if not self._gate_up or self.bias is not None or self._torch_route(x):  # (the kernel adds no bias)
             return super().silu_mul(x)
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
+        shape, x2 = x.shape, self._rows(x)
         rows, inter = x2.shape[0], self.out_features // 2
         act = torch.empty((rows, inter), dtype=torch.float32)
         if rows:
