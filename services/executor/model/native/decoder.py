@@ -83,7 +83,8 @@ class NativeDecoder:
         # decode steps of many rows read those; else NULL and they read the plain weights
         packed = {f"{name}_p": [getattr(getattr(lw, name), "packed", None) for lw in layers]
                   for name in ("qkv", "o", "gate_up", "down")}
-        if not all(t is not None for ts in packed.values() for t in ts):
+        if not all(t is not None for ts in packed.values() for t in ts) or not all(
+                getattr(lw.gate_up, "_gate_up", False) for lw in layers):  # gate_up's panels interleaved
             packed = {}
         lm_head_p = getattr(model.lm_head, "packed", None) if packed else None
         self._keep = [model.embed, model.final_norm, model.lm_head.plain_weight, model.cos, model.sin, per_layer,
