@@ -176,16 +176,35 @@ def _exact_rows_case(shim, gen, n: int, k: int, R: int, threads: int, accumulate
 
 
 # what every guard-page subprocess starts with
-GUARD_PREAMBLE = textwrap.dedent("""
+GUARD_PAGES = textwrap.dedent("""
     import ctypes, mmap, sys
     import torch
+    libc = ctypes.CDLL(None)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    PAGE, keep = mmap.PAGESIZE, []
+
+    def guarded(values, at_end):
+        # a float tensor ending right before a PROT_NONE page (at_end) or starting right
+        # after one; values.numel() == 0 gives None
+        values = values.reshape(-1)
+        nbytes = values.numel() * 4
+        pages = (nbytes + PAGE - 1) // PAGE + 1
+        mm = mmap.mmap(-1, pages * PAGE)
+        keep.append(mm)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        guard = base + (pages - 1) * PAGE if at_end else base
+        assert libc.mprotect(guard, PAGE, 0) == 0
+        offset = (pages - 1) * PAGE - nbytes if at_end else PAGE
+        t = torch.frombuffer(mm, dtype=torch.float32, count=values.numel(), offset=offset) if nbytes else None
+        if t is not None:
+            t.copy_(values)
+        return t
+""")  # the start of a guard-page script: ``guarded`` (scripts may define their own, typed)
+GUARD_PREAMBLE = GUARD_PAGES + textwrap.dedent("""
     from services.executor.model.native import library
     from tests.adversarial.native_kernel_shim import _declare_shim
     lib = library.load()
     shim = _declare_shim(ctypes.CDLL(sys.argv[1]))
-    libc = ctypes.CDLL(None)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    PAGE, keep = mmap.PAGESIZE, []
 """)
 
 

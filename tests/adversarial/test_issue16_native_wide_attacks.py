@@ -289,23 +289,6 @@ def test_a_smaller_team_than_asked_still_covers_every_wide_row(shim):
 # ---- 4. no read past either end ----------------------------------------------------------
 
 GUARD_PAGE_SCRIPT = GUARD_PREAMBLE + textwrap.dedent("""
-    def guarded(values, at_end):
-        # a float tensor ending right before a PROT_NONE page (at_end) or starting right
-        # after one; values.numel() == 0 gets a valid pointer too
-        values = values.reshape(-1)
-        nbytes = values.numel() * 4
-        pages = (nbytes + PAGE - 1) // PAGE + 1
-        mm = mmap.mmap(-1, pages * PAGE)
-        keep.append(mm)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        guard = base + (pages - 1) * PAGE if at_end else base
-        assert libc.mprotect(guard, PAGE, 0) == 0
-        offset = (pages - 1) * PAGE - nbytes if at_end else PAGE
-        t = torch.frombuffer(mm, dtype=torch.float32, count=values.numel(), offset=offset) if nbytes else None
-        if t is not None:
-            t.copy_(values)
-        return t
-
     g = torch.Generator().manual_seed(0)
     ints = lambda *s: torch.randint(-3, 4, s, generator=g).float()
     wrong, done = [], 0

@@ -51,7 +51,7 @@ from services.executor.model.config import ModelConfig
 from services.executor.model.linear import Linear, OneDnnLinear, PackedLinear, make_linear, packed_usable
 from services.executor.model.llama import LlamaModel
 from services.executor.model.native import library
-from tests.adversarial.native_kernel_shim import NAN, INF, SENT, pytestmark as _native_only
+from tests.adversarial.native_kernel_shim import GUARD_PAGES, INF, NAN, SENT, pytestmark as _native_only
 from tests.adversarial.test_issue16_native_streams_steps import _dynamic_team
 from weft.testing.tiny_model import make_tiny_checkpoint, model_config_dict, random_weights
 
@@ -285,29 +285,9 @@ def test_a_row_is_bitwise_the_same_alone_among_others_and_for_any_thread_count(k
 
 # ---- 4. nothing read or written past the operands (guard pages, subprocess) -------------
 
-GUARD_SCRIPT = textwrap.dedent("""
-    import ctypes, mmap
-    import torch
-    import torch.nn.functional as F
+GUARD_SCRIPT = GUARD_PAGES + textwrap.dedent("""
     from services.executor.model.native import library
     lib = library.load()
-    libc = ctypes.CDLL(None)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    PAGE, keep = mmap.PAGESIZE, []
-
-    def guarded(values, at_end):
-        values = values.reshape(-1)
-        nbytes = values.numel() * 4
-        pages = (nbytes + PAGE - 1) // PAGE + 1
-        mm = mmap.mmap(-1, pages * PAGE)
-        keep.append(mm)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        guard = base + (pages - 1) * PAGE if at_end else base
-        assert libc.mprotect(guard, PAGE, 0) == 0
-        offset = (pages - 1) * PAGE - nbytes if at_end else PAGE
-        t = torch.frombuffer(mm, dtype=torch.float32, count=values.numel(), offset=offset)
-        t.copy_(values)
-        return t
 
     def pack(W, gate_up):
         n, k = W.shape
