@@ -1,8 +1,9 @@
 """native/gemm.c's packed GEMM (model/linear.py's PackedLinear): the product, bias,
 residual add and fused silu(gate) * up match a float64 reference for every row count and
 for output counts that leave a partial panel; odd inputs (3-D, strided, empty, no bias)
-are served; a model on an AVX2 CPU takes it for every projection and hands the packed
-copies to the native multi-row decode step, and ``WEFT_PACKED_GEMM=0`` keeps oneDNN."""
+are served; a row's bits do not depend on its call's row count; a model on an AVX2 CPU
+takes it for every projection and hands the packed copies to the native multi-row decode
+step, and ``WEFT_PACKED_GEMM=0`` keeps oneDNN."""
 from __future__ import annotations
 
 import pytest
@@ -38,6 +39,19 @@ def test_the_product_matches_float64_for_every_row_and_output_count(rows, out_fe
         y = PackedLinear(w, bias, LIB)(x)
         assert y.shape == (rows, out_features) and y.dtype == torch.float32
         torch.testing.assert_close(y.double(), _reference(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [63, 64, 65, 200, 256, 257, 600])
+def test_a_row_has_the_same_bits_in_a_decode_step_and_in_a_prefill(k):
+    # a few-row block runs 64 columns at a time, a many-row block 256 (gemm.c's
+    # column_block): each output is still one left-to-right sum, so a row's bits match
+    gen = torch.Generator().manual_seed(k)
+    w, x = torch.randn(40, k, generator=gen), torch.randn(130, k, generator=gen)
+    lin, gate_up = PackedLinear(w, None, LIB), PackedLinear(w, None, LIB, gate_up=True)
+    many, many_act = lin(x), gate_up.silu_mul(x)
+    for rows in (slice(0, 1), slice(3, 19), slice(100, 130)):
+        assert torch.equal(lin(x[rows]), many[rows]), rows
+        assert torch.equal(gate_up.silu_mul(x[rows]), many_act[rows]), rows
 
 
 @pytest.mark.parametrize("rows", [3, 16, 130])

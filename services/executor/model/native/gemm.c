@@ -33,6 +33,12 @@
 #ifndef KC
 #define KC 256   /* columns per block: the panel's slice is 16 KiB */
 #endif
+#ifndef KC_FEW
+#define KC_FEW 64 /* columns per block when the row block is a decode step's few rows */
+#endif
+#ifndef FEW_ROWS
+#define FEW_ROWS 48 /* row blocks of at most this many rows take KC_FEW */
+#endif
 #ifndef BLOCK_FLOATS
 #define BLOCK_FLOATS 65536 /* floats of X a row block holds at most (256 KiB, in L2) */
 #endif
@@ -93,18 +99,27 @@ static inline int block_rows(int k) {
     return mc < MR ? MR : mc > MC_MAX ? MC_MAX : mc;
 }
 
+/* Columns per block for a row block of mc rows. Few rows (a decode step) stream their
+ * weights from DRAM once per call: a short block keeps the rows' slice of X, the panel's
+ * slice and the prefetched next slice together in L1 (16 rows x 256 columns of X alone
+ * are 16 KiB). Many rows (a prefill) reuse each panel from cache, where a long block
+ * spends less on carrying the accumulators. Sums run left to right whatever the block, so
+ * the choice changes no bit. */
+static inline int column_block(int mc) { return mc <= FEW_ROWS ? KC_FEW : KC; }
+
 /* acc[r][j] = X[m0 + r, :] . P[pn][:][j] for r < mc (<= MC_MAX), j < 16: one panel of one
  * block, in KC-column blocks and 6-row passes. nextp: the panel after it in this thread's
  * range (prefetched during the last column block), or NULL. */
 static void panel_block(const float *p, const float *nextp, const float *X, int ldx, int m0, int mc, int k,
                         float acc[][PACK_NR]) {
+    const int KC_ = column_block(mc);
     const int passes = (mc + MR - 1) / MR;
     if (k <= 0) { /* no columns: every sum is 0 (the loop below would leave acc as it was) */
         memset(acc, 0, (size_t)mc * sizeof *acc);
         return;
     }
-    for (int k0 = 0; k0 < k; k0 += KC) {
-        const int kc = imin(KC, k - k0);
+    for (int k0 = 0; k0 < k; k0 += KC_) {
+        const int kc = imin(KC_, k - k0);
         const float *pf = k0 + kc < k ? p + (size_t)(k0 + kc) * PACK_NR : nextp;
         for (int q = 0; q < passes; q++) {
             const int r0 = q * mc / passes, mr = (q + 1) * mc / passes - r0; /* near-equal, <= MR */
