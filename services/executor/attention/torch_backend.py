@@ -40,7 +40,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, block_size)
-        self._prefill(q[nd:], kv_cache, meta, block_size, out[nd:])
+        self._prefill(q[nd:], k[nd:], v[nd:], kv_cache, meta, block_size, out[nd:])
         return out
 
     def _gather(self, kv_cache: torch.Tensor | QuantizedKVCache, block_tables: torch.Tensor,
@@ -85,14 +85,23 @@ class TorchAttentionBackend(AttentionBackend):
         return o.view(b, self.num_heads, self.head_dim)
 
     def _prefill(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, block_size: int, out: torch.Tensor
+        self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor,
+        meta: AttentionMetadata, block_size: int, out: torch.Tensor
     ) -> None:
         start = 0
         gqa = self.num_heads != self.num_kv_heads
+        # a cache that holds the keys as written (not int8, not another dtype)
+        exact = not isinstance(kv_cache, QuantizedKVCache) and kv_cache.dtype == k_new.dtype
         for i, (qlen, ctx) in enumerate(zip(meta.prefill_query_lens_host, meta.prefill_context_lens_host)):
             seq_len = ctx + qlen
-            k, v = self._gather(kv_cache, meta.prefill_block_tables[i : i + 1], -(-seq_len // block_size))
-            k, v = k[:, :, :seq_len], v[:, :, :seq_len]
+            if ctx == 0 and exact:
+                # A chunk with nothing cached before it attends to exactly the keys and values
+                # it just wrote: read them from the projection, not back through the blocks.
+                k = k_new[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, kvh, qlen, d]
+                v = v_new[start : start + qlen].transpose(0, 1).unsqueeze(0)
+            else:  # (an int8 cache attends to its dequantised copy, as its decodes will)
+                k, v = self._gather(kv_cache, meta.prefill_block_tables[i : i + 1], -(-seq_len // block_size))
+                k, v = k[:, :, :seq_len], v[:, :, :seq_len]
             qi = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, h, qlen, d]
             if ctx == 0:
                 o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)

@@ -53,6 +53,11 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         return F.linear(x, self.weight, self.bias)
 
+    def add_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # out [rows, out] += self(x)
+        """The residual add ``out += x @ W.T + b``, in place in ``out``: the same sum as
+        ``out + self(x)`` (the product rounds first, then the add)."""
+        return out.add_(self(x))
+
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out // 2]
         """For gate_up (gate rows, then up rows): ``silu(x @ gate.T) * (x @ up.T)``."""
         gate_up = self(x)
@@ -142,6 +147,19 @@ class PackedLinear(Linear):
                                        x2.data_ptr(), self.in_features, y.data_ptr(), self.out_features,
                                        self.out_features, self.in_features, rows, 0, torch.get_num_threads())
         return y.view(*shape[:-1], self.out_features)
+
+    def add_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The kernel's own epilogue adds the finished product to ``out`` (one pass, no
+        temporary): the same two roundings as ``out + self(x)``."""
+        if (self._gate_up or self._torch_route(x) or out.dtype != torch.float32 or out.device.type != "cpu"
+                or not out.is_contiguous() or out.shape != (*x.shape[:-1], self.out_features)):
+            return super().add_into(x, out)
+        x2 = self._rows(x)
+        if x2.shape[0]:
+            self._lib.weft_gemm_packed(self.packed.data_ptr(), self.bias.data_ptr() if self.bias is not None else None,
+                                       x2.data_ptr(), self.in_features, out.data_ptr(), self.out_features,
+                                       self.out_features, self.in_features, x2.shape[0], 1, torch.get_num_threads())
+        return out
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         if not self._gate_up or self.bias is not None or self._torch_route(x):  # (the kernel adds no bias)

@@ -63,6 +63,29 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) ->
     return x.mul_(cos).add_(rot)
 
 
+class _NativeRows:
+    """RMSNorm and RoPE of one forward pass through native/rows.c: one C call over all rows
+    each (torch's F.rms_norm is six passes over [rows, hidden]; its RoPE a copy and three).
+    RoPE is bit-identical to apply_rope_; RMSNorm equal to fp32 rounding."""
+
+    __slots__ = ("_lib", "_model", "_positions", "_threads")
+
+    def __init__(self, model: LlamaModel, positions: torch.Tensor) -> None:
+        self._lib, self._model, self._positions = model._native_lib, model, positions
+        self._threads = torch.get_num_threads()
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> new [n, hidden]
+        y = torch.empty_like(x)
+        self._lib.weft_rms_norm_rows(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1],
+                                     self._model.eps, self._threads)
+        return y
+
+    def rope_(self, qkv: torch.Tensor, heads: int) -> None:  # the first `heads` heads of each contiguous row
+        m = self._model
+        self._lib.weft_rope_rows(qkv.data_ptr(), qkv.shape[1], self._positions.data_ptr(), m.cos.data_ptr(),
+                                 m.sin_signed.data_ptr(), heads, m.head_dim, qkv.shape[0], self._threads)
+
+
 class LlamaModel:
     """Forward pass of a decoder-only Llama-family model. Holds no per-request state."""
 
@@ -179,24 +202,43 @@ class LlamaModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
         n = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)  # [n, hidden]
-        cos = self.cos[positions].unsqueeze(1)  # [n, 1, d]
-        sin = self.sin_signed[positions].unsqueeze(1)
+        h = F.embedding(input_ids, self.embed)  # [n, hidden], this pass's own: the residual adds go into it
         k_end = self.q_dim + self.kv_dim
         heads = self.num_heads + self.num_kv_heads
+        rows = self._row_ops(positions)  # native RMSNorm and RoPE, or None: torch's
+        tables = None if rows else self._rope_tables(positions)
         for lw, kv_cache in zip(self.layers, kv_caches):
-            x = rms_norm(h, lw.input_norm, self.eps)
+            x = rows.norm(h, lw.input_norm) if rows else rms_norm(h, lw.input_norm, self.eps)
             qkv = lw.qkv(x)  # [n, q_dim + 2 * kv_dim]
             # q and k heads rotate together, in place in the projection's output
-            qk = apply_rope_(qkv[:, :k_end].view(n, heads, self.head_dim), cos, sin)
+            qk = qkv[:, :k_end].view(n, heads, self.head_dim)
+            if rows and qkv.is_contiguous():
+                rows.rope_(qkv, heads)
+            else:
+                tables = tables or self._rope_tables(positions)
+                apply_rope_(qk, *tables)
             q = qk[:, : self.num_heads]
             k = qk[:, self.num_heads :]
             v = qkv[:, k_end:].view(n, self.num_kv_heads, self.head_dim)
             o = self.attn.forward(q, k, v, kv_cache, meta)  # [n, heads, d]
-            h = h + lw.o(o.view(n, self.q_dim))
-            x = rms_norm(h, lw.post_norm, self.eps)
-            h = h + lw.down(lw.gate_up.silu_mul(x))  # silu(gate) * up: [n, intermediate]
-        return rms_norm(h, self.final_norm, self.eps)
+            lw.o.add_into(o.view(n, self.q_dim), h)  # h += o W^T, in place
+            x = rows.norm(h, lw.post_norm) if rows else rms_norm(h, lw.post_norm, self.eps)
+            lw.down.add_into(lw.gate_up.silu_mul(x), h)  # silu(gate) * up: [n, intermediate]
+        return rows.norm(h, self.final_norm) if rows else rms_norm(h, self.final_norm, self.eps)
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin_signed rows of these positions, each [n, 1, d] (apply_rope_'s)."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+
+    def _row_ops(self, positions: torch.Tensor) -> _NativeRows | None:
+        """The native RMSNorm and RoPE over this pass's rows (native/rows.c), or None: no
+        native library, or positions the tables do not hold (torch's indexing says so)."""
+        if self._native_lib is None or positions.dtype != torch.int64 or not positions.numel():
+            return None
+        lo, hi = torch.aminmax(positions)
+        if int(lo) < 0 or int(hi) >= self.cos.shape[0]:
+            return None
+        return _NativeRows(self, positions.contiguous())
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] fp32

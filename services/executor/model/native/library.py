@@ -1,7 +1,7 @@
 """Build, cache and load the native decode library (``decode.c``: one sequence,
 ``decode_batch.c``: several; ``llama_step.h`` what both share; ``argmax.c``: greedy
-sampling; ``gemm.c``: the packed AVX2 GEMM of prefills and wide decode steps), or say why
-not.
+sampling; ``gemm.c``: the packed AVX2 GEMM of prefills and wide decode steps; ``rows.c``:
+RMSNorm and RoPE over a prefill's rows), or say why not.
 
 The C sources are compiled at first use with the system C compiler into
 ``$WEFT_CACHE_DIR/native/`` (default ``~/.cache/weft/native/``), named by a hash of the
@@ -31,7 +31,7 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "decode_batch.c", "argmax.c", "gemm.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "decode_batch.c", "argmax.c", "gemm.c", "rows.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("llama_step.h", "gemm_packed.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _BUILD_TIMEOUT_S = 120
@@ -115,6 +115,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.weft_gemm_packed.restype = None
     lib.weft_gate_up_packed.argtypes = [p, p, i32, p, i32, i32, i32, i32, i32]
     lib.weft_gate_up_packed.restype = None
+    lib.weft_rms_norm_rows.argtypes = [p, p, p, i32, i32, ctypes.c_float, i32]
+    lib.weft_rms_norm_rows.restype = None
+    lib.weft_rope_rows.argtypes = [p, i32, p, p, p, i32, i32, i32, i32]
+    lib.weft_rope_rows.restype = None
     return lib
 
 
