@@ -152,7 +152,9 @@ class PackedLinear(Linear):
         """The kernel's own epilogue adds the finished product to ``out`` (one pass, no
         temporary): the same two roundings as ``out + self(x)``."""
         if (self._gate_up or self._torch_route(x) or out.dtype != torch.float32 or out.device.type != "cpu"
-                or not out.is_contiguous() or out.shape != (*x.shape[:-1], self.out_features)):
+                or not out.is_contiguous() or out.shape != (*x.shape[:-1], self.out_features)
+                or x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()):
+            # (x in out's memory: the kernel would read inputs it has already overwritten)
             return super().add_into(x, out)
         x2 = self._rows(x)
         if x2.shape[0]:

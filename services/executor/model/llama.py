@@ -205,7 +205,9 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)  # [n, hidden], this pass's own: the residual adds go into it
         k_end = self.q_dim + self.kv_dim
         heads = self.num_heads + self.num_kv_heads
-        rows = self._row_ops(positions)  # native RMSNorm and RoPE, or None: torch's
+        # native RMSNorm and RoPE, or None: torch's (which also serves, or refuses, positions
+        # that are not one per token: the C loop reads positions[r] for every row r)
+        rows = self._row_ops(positions) if positions.shape == (n,) else None
         tables = None if rows else self._rope_tables(positions)
         for lw, kv_cache in zip(self.layers, kv_caches):
             x = rows.norm(h, lw.input_norm) if rows else rms_norm(h, lw.input_norm, self.eps)
