@@ -16,7 +16,8 @@
  *
  * Loop order: rows in blocks of at most MC (the block of X stays in L2 while the panels
  * pass), then the thread's panels, then KC columns at a time (a 16 KiB slice of the panel
- * and the 6 rows' slice of X stay in L1), then 6-row passes. A pass's accumulators start
+ * and the 6 rows' slice of X stay in L1; KC_FEW for a decode step's few rows:
+ * column_block), then 6-row passes. A pass's accumulators start
  * from where the previous column block left them (a per-panel buffer of the block's rows,
  * in L1), so every output is still one left-to-right sum over all k columns in fp32: a
  * row's result depends neither on the other rows of its call nor on the thread count.
