@@ -218,7 +218,8 @@ def test_positions_that_are_not_one_per_token_are_left_to_torch():
         from services.executor.model.config import ModelConfig
         from services.executor.model.llama import LlamaModel
         from services.executor.attention.selector import backend_class
-                from weft.testing.tiny_model import model_config_dict, random_weights
+        from tests.adversarial.test_issue16_prefill_forward_attacks import _prefill_meta
+        from weft.testing.tiny_model import model_config_dict, random_weights
         config = ModelConfig.from_dict({**model_config_dict("tiny", "llama"), "num_hidden_layers": 1})
         model = LlamaModel(config, random_weights(config, seed=4), backend_class("torch"), native_decode=True)
         assert model._native_lib is not None
