@@ -19,7 +19,11 @@ What is attacked (every case deterministic; nothing here repeats test_packed_gem
 4. Reads / writes past the end (subprocess, guard pages): X, bias, Y, act and the packed
    weights each ending right before (or starting right after) a PROT_NONE page, with n and
    inter that leave a fully masked second half (the masked loads / stores of gemm.c).
-5.-6. PackedLinear, the switch, no columns (k = 0) and the model:
+5. The few-row column blocks (2ccad7f: 64 columns for row blocks of <= 48 rows, 256
+   beyond): exact products at k = 63..193 around the 64-column blocks, row counts around
+   FEW_ROWS (48 / 49), a many-row call whose last row block is a few-row one; a row's bits
+   across 1 / 48 / 49 / 109 / 130-row calls, gemm and gate_up.
+6.-7. PackedLinear, the switch, no columns (k = 0) and the model:
    test_issue16_packed_linear_attacks.py.
 """
 from __future__ import annotations
@@ -263,6 +267,49 @@ def test_a_row_is_bitwise_the_same_alone_among_others_and_for_any_thread_count(k
             y, a = run(R, at, threads, 3 if threads == 2 else 0)
             assert torch.equal(y, y1), f"gemm row {at} of {R}, threads={threads}"
             assert torch.equal(a, a1), f"gate_up row {at} of {R}, threads={threads}"
+
+
+# ---- the few-row column blocks (2ccad7f: 64 columns for row blocks of <= 48 rows) ------
+
+@pytest.mark.parametrize("k", [63, 64, 65, 127, 128, 129, 192, 193])
+def test_exact_products_around_the_few_row_column_blocks(k):
+    gen = torch.Generator().manual_seed(k)
+    i = 0
+    for R in (1, 5, 7, 47, 48, 49, 50):
+        for n in (3, 16, 33):
+            for threads in (1, 2, 3):
+                i += 1
+                _gemm_case(gen, n, k, R, threads, accumulate=bool(i % 2), bias=bool(i % 3))
+
+
+def test_exact_when_a_many_row_call_ends_in_a_few_row_block():
+    gen = torch.Generator().manual_seed(1000)
+    for R in (61, 108, 109, 120, 121):  # k = 1000: row blocks of 60, so 1..48 or 49..60 rows last
+        _gemm_case(gen, 17, 1000, R, 2, accumulate=True, bias=True)
+
+
+@pytest.mark.parametrize("k", [64, 129, 1000])
+def test_a_row_has_the_same_bits_on_either_side_of_few_rows(k):
+    gen = torch.Generator().manual_seed(k + 5)
+    n, inter = 35, 21
+    W, b, GU = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(2 * inter, k, generator=gen)
+    P = _pack(W)
+    Pg = torch.empty(((inter + 7) // 8) * k * 16)
+    LIB.weft_pack_gate_up(GU.data_ptr(), inter, k, Pg.data_ptr())
+    X = torch.randn(130, k, generator=gen)
+
+    def run(R: int, threads: int):
+        Y, A = torch.empty(R, n), torch.empty(R, inter)
+        LIB.weft_gemm_packed(P.data_ptr(), b.data_ptr(), X.data_ptr(), k, Y.data_ptr(), n, n, k, R, 0, threads)
+        LIB.weft_gate_up_packed(Pg.data_ptr(), X.data_ptr(), k, A.data_ptr(), inter, inter, k, R, threads)
+        return Y, A
+
+    ref_y, ref_a = run(130, 2)
+    for R in (1, 7, 47, 48, 49, 50, 109):
+        for threads in (1, 3):
+            y, a = run(R, threads)
+            assert torch.equal(y, ref_y[:R]), f"gemm: R={R} threads={threads}"
+            assert torch.equal(a, ref_a[:R]), f"gate_up: R={R} threads={threads}"
 
 
 # ---- 4. nothing read or written past the operands (guard pages, subprocess) -------------

@@ -3,8 +3,10 @@ PackedLinear given what a hostile caller gives (fp64 / bf16 weights, an fp16 bia
 a gate_up, a non-contiguous bias, wrong inputs, no input features, a weight changed after
 packing: documented, not required), the WEFT_PACKED_GEMM switch, and the model: the native
 multi-row step with packed copies on odd shapes against the torch forward, bitwise the same
-for threads 1..3 and for a row alone among 7, and an engine's greedy tokens the same with
-the packed GEMM on and off. The kernels themselves: test_issue16_packed_gemm_attacks.py.
+for threads 1..3 and for a row alone among 7, a decode step of 7..49 rows bitwise equal per
+row to the same rows of a 64-row step (across the few-row column blocks, 2ccad7f), and an
+engine's greedy tokens the same with the packed GEMM on and off. The kernels themselves:
+test_issue16_packed_gemm_attacks.py.
 AVX2 builds without AVX-512 only (module skip elsewhere).
 
 Found by the attack and fixed before this file was committed (the tests were strict xfails):
@@ -293,3 +295,13 @@ def test_engine_greedy_tokens_are_the_same_with_the_packed_gemm_on_and_off(monke
     off = _engine_greedy(path, monkeypatch, "0", prompts, [])
     assert on == off
     assert max(sizes_on) == len(prompts) and any(s >= 12 for s in sizes_on), sizes_on  # wide steps ran
+
+
+def test_a_decode_steps_rows_have_the_bits_of_the_same_rows_in_a_wider_step(monkeypatch):
+    model = _odd_model(monkeypatch, True, 131)
+    inputs = _decode_inputs(model, 64, torch.Generator().manual_seed(64))
+    wide, wide_caches, dec = _native_rows(model, inputs)
+    assert dec._struct.qkv_p, "the packed copies were not handed to the native step"
+    for R in (7, 8, 13, 47, 48, 49):
+        logits, caches, _ = _native_rows(model, inputs, R=R)
+        assert torch.equal(logits, wide[:R]), f"R={R}: rows differ from the 64-row step"

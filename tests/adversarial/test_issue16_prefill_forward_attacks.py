@@ -1,8 +1,9 @@
 """Issue 16, attacks on the prefill forward's neighbours of native/rows.c (a330e28:
 llama.py's _NativeRows / _row_ops / forward, Linear.add_into / PackedLinear.add_into,
-torch_backend's _prefill reading a fresh chunk's K/V from the projection) and on gemm.c's
-column_block (2ccad7f: 64-column blocks for row blocks of <= 48 rows). rows.c itself:
-test_issue16_native_prefill_rows_attacks.py.
+torch_backend's _prefill reading a fresh chunk's K/V from the projection). rows.c itself:
+test_issue16_native_prefill_rows_attacks.py; gemm.c's few-row column blocks (2ccad7f):
+test_issue16_packed_gemm_attacks.py (the kernels) and test_issue16_packed_linear_attacks.py
+(the decode step).
 
 What is attacked (every case deterministic; nothing here repeats test_native_rows.py):
 
@@ -21,10 +22,6 @@ What is attacked (every case deterministic; nothing here repeats test_native_row
    (A plain cache of another dtype than the activations is refused by index_copy_.)
 6. The engine: greedy tokens with the native rows on and off (chunked prefills included),
    and two identical prompts in one step giving what each gives alone.
-7. gemm.c: exact small-integer products at k = 63..129 around the 64-column blocks, row
-   counts around FEW_ROWS (48 / 49) and a last few-row block of a many-row call; a row's
-   bits across 1 / 48 / 49 / 130-row calls; a native decode step of 7..49 rows bitwise
-   equal per row to the same rows in a 64-row step.
 """
 from __future__ import annotations
 
@@ -46,13 +43,11 @@ from services.executor.model.linear import Linear, PackedLinear, packed_usable
 from services.executor.model.llama import LlamaModel, apply_rope_, rms_norm
 from services.executor.model import llama as llama_mod
 from services.executor.model.native import library
-from tests.adversarial.native_kernel_shim import NAN, SENT, pytestmark as _native_only
+from tests.adversarial.native_kernel_shim import NAN, pytestmark as _native_only
 from weft.testing.tiny_model import make_tiny_checkpoint, model_config_dict, random_weights
 
 LIB = library.load() if library.native_enabled() else None
 pytestmark = [_native_only, pytest.mark.skipif(LIB is None, reason="the native library did not build")]
-packed_only = pytest.mark.skipif(LIB is None or not packed_usable(LIB),
-                                 reason="the packed GEMM is built for AVX2 CPUs without AVX-512 only")
 ROOT = str(library.SOURCES[0].parents[4])
 
 
@@ -439,94 +434,3 @@ def test_two_identical_prompts_in_one_step_give_what_each_gives_alone(checkpoint
     alone = _engine_tokens(checkpoint, [prompt])
     assert together[0] == together[1] == alone[0]
     assert together[2] == _engine_tokens(checkpoint, [[8, 8, 8]])[0]
-
-
-# ---- 7. gemm.c's column blocks ----------------------------------------------------------
-
-def _ints(gen, *shape, lo=-3, hi=4) -> torch.Tensor:
-    return torch.randint(lo, hi, shape, generator=gen).float()
-
-
-def _pack(W: torch.Tensor) -> torch.Tensor:
-    n, k = W.shape
-    P = torch.full((((n + 15) // 16) * k * 16,), NAN)
-    LIB.weft_pack_panels(W.contiguous().data_ptr(), n, k, P.data_ptr())
-    return P
-
-
-def _exact(gen, n: int, k: int, R: int, threads: int, accumulate: bool, bias: bool) -> None:
-    W = _ints(gen, n, k)
-    P = _pack(W)
-    b = torch.cat([_ints(gen, n, lo=-9, hi=10), torch.full((16,), NAN)])
-    ldx, ldy = k + 3, n + 2
-    xbuf = torch.full((R * ldx + 32,), NAN)
-    X = xbuf[16:16 + R * ldx].view(R, ldx)
-    X[:, :k] = _ints(gen, R, k)
-    ybuf = torch.full((R * ldy + 32,), SENT)
-    Y = ybuf[16:16 + R * ldy].view(R, ldy)
-    Y0 = _ints(gen, R, n, lo=-50, hi=51)
-    Y[:, :n] = Y0
-    LIB.weft_gemm_packed(P.data_ptr(), b.data_ptr() if bias else None, X.data_ptr(), ldx, Y.data_ptr(), ldy, n, k,
-                         R, int(accumulate), threads)
-    want = X[:, :k].double() @ W.double().T + (b[:n].double() if bias else 0) + (Y0.double() if accumulate else 0)
-    where = f"n={n} k={k} R={R} threads={threads} acc={accumulate} bias={bias}"
-    got = Y[:, :n].double()
-    assert torch.equal(got, want), f"{where}: (row, out) {(got != want).nonzero().tolist()[:8]}"
-    assert (Y[:, n:] == SENT).all() and (ybuf[:16] == SENT).all() and (ybuf[16 + R * ldy:] == SENT).all(), where
-
-
-@packed_only
-@pytest.mark.parametrize("k", [63, 64, 65, 127, 128, 129, 192, 193])
-def test_exact_products_around_the_few_row_column_blocks(k):
-    gen = torch.Generator().manual_seed(k)
-    i = 0
-    for R in (1, 5, 7, 47, 48, 49, 50):
-        for n in (3, 16, 33):
-            for threads in (1, 2, 3):
-                i += 1
-                _exact(gen, n, k, R, threads, accumulate=bool(i % 2), bias=bool(i % 3))
-
-
-@packed_only
-def test_exact_when_a_many_row_call_ends_in_a_few_row_block():
-    gen = torch.Generator().manual_seed(1000)
-    for R in (61, 108, 109, 120, 121):  # k = 1000: row blocks of 60, so 1..48 or 49..60 rows last
-        _exact(gen, 17, 1000, R, 2, accumulate=True, bias=True)
-
-
-@packed_only
-@pytest.mark.parametrize("k", [64, 129, 1000])
-def test_a_row_has_the_same_bits_on_either_side_of_few_rows(k):
-    gen = torch.Generator().manual_seed(k + 5)
-    n, inter = 35, 21
-    W, b, GU = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(2 * inter, k, generator=gen)
-    P = _pack(W)
-    Pg = torch.empty(((inter + 7) // 8) * k * 16)
-    LIB.weft_pack_gate_up(GU.data_ptr(), inter, k, Pg.data_ptr())
-    X = torch.randn(130, k, generator=gen)
-
-    def run(R: int, threads: int):
-        Y, A = torch.empty(R, n), torch.empty(R, inter)
-        LIB.weft_gemm_packed(P.data_ptr(), b.data_ptr(), X.data_ptr(), k, Y.data_ptr(), n, n, k, R, 0, threads)
-        LIB.weft_gate_up_packed(Pg.data_ptr(), X.data_ptr(), k, A.data_ptr(), inter, inter, k, R, threads)
-        return Y, A
-
-    ref_y, ref_a = run(130, 2)
-    for R in (1, 7, 47, 48, 49, 50, 109):
-        for threads in (1, 3):
-            y, a = run(R, threads)
-            assert torch.equal(y, ref_y[:R]), f"gemm: R={R} threads={threads}"
-            assert torch.equal(a, ref_a[:R]), f"gate_up: R={R} threads={threads}"
-
-
-@packed_only
-def test_a_decode_steps_rows_have_the_bits_of_the_same_rows_in_a_wider_step(monkeypatch):
-    from tests.adversarial.test_issue16_packed_linear_attacks import _decode_inputs, _native_rows, _odd_model
-
-    model = _odd_model(monkeypatch, True, 131)
-    inputs = _decode_inputs(model, 64, torch.Generator().manual_seed(64))
-    wide, wide_caches, dec = _native_rows(model, inputs)
-    assert dec._struct.qkv_p, "the packed copies were not handed to the native step"
-    for R in (7, 8, 13, 47, 48, 49):
-        logits, caches, _ = _native_rows(model, inputs, R=R)
-        assert torch.equal(logits, wide[:R]), f"R={R}: rows differ from the 64-row step"
