@@ -44,6 +44,7 @@ from services.executor.model.llama import LlamaModel, apply_rope_, rms_norm
 from services.executor.model import llama as llama_mod
 from services.executor.model.native import library
 from tests.adversarial.native_kernel_shim import NAN, pytestmark as _native_only
+from tests.unit.executor.test_native_rows import _prefill_meta
 from weft.testing.tiny_model import make_tiny_checkpoint, model_config_dict, random_weights
 
 LIB = library.load() if library.native_enabled() else None
@@ -58,27 +59,6 @@ def _model(monkeypatch, packed: bool = True, dtype=torch.float32, native=True) -
     config = ModelConfig.from_dict({**model_config_dict("tiny", "llama"), "num_hidden_layers": 2})
     return LlamaModel(config, random_weights(config, seed=4), backend_class("torch"), dtype=dtype,
                       native_decode=native)
-
-
-def _prefill_meta(query_lens: list[int], context_lens: list[int], block_size: int):
-    """Prefill chunks, sequence i's blocks consecutive (its context's first), from block 1."""
-    seqs = [c + q for c, q in zip(context_lens, query_lens)]
-    per = [-(-s // block_size) for s in seqs]
-    width, tables, slots, first = max(per), [], [], 1
-    for ctx, s, b in zip(context_lens, seqs, per):
-        blocks = list(range(first, first + b))
-        tables.append(blocks + [0] * (width - b))
-        slots += [blocks[t // block_size] * block_size + t % block_size for t in range(ctx, s)]
-        first += b
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), num_decodes=0, decode_block_tables=torch.zeros((0, 1), dtype=torch.int32),
-        decode_seq_lens=i32([]), num_prefills=len(query_lens),
-        prefill_query_start_loc=i32([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
-        prefill_context_lens=i32(context_lens), prefill_seq_lens=i32(seqs),
-        prefill_block_tables=i32(tables), prefill_query_lens_host=tuple(query_lens),
-        prefill_context_lens_host=tuple(context_lens), decode_seq_lens_host=())
-    return meta, first
 
 
 def _old_forward(model: LlamaModel, ids, positions, caches, meta) -> torch.Tensor:
@@ -108,7 +88,7 @@ def _inputs(model: LlamaModel, seed: int = 1, last_positions: bool = False):
     positions = torch.cat([torch.arange(c, c + q) for c, q in zip(CTX, LENS)])
     if last_positions:  # the RoPE table's last rows (the attention does not look at positions)
         positions = model.cos.shape[0] - 1 - torch.arange(sum(LENS)) % 3
-    meta, blocks = _prefill_meta(LENS, CTX, 4)
+    meta, blocks = _prefill_meta(LENS, 4, CTX)
     caches = [torch.randn(2, blocks, 4, model.num_kv_heads, model.head_dim, generator=gen).to(model.dtype)
               for _ in model.layers]  # the cached context: whatever the cache holds
     return ids, positions, caches, meta
@@ -213,14 +193,14 @@ def test_positions_that_are_not_one_per_token_are_left_to_torch():
         from services.executor.model.config import ModelConfig
         from services.executor.model.llama import LlamaModel
         from services.executor.attention.selector import backend_class
-        from tests.adversarial.test_issue16_prefill_forward_attacks import _prefill_meta
+        from tests.unit.executor.test_native_rows import _prefill_meta
         from weft.testing.tiny_model import model_config_dict, random_weights
         config = ModelConfig.from_dict({**model_config_dict("tiny", "llama"), "num_hidden_layers": 1})
         model = LlamaModel(config, random_weights(config, seed=4), backend_class("torch"), native_decode=True)
         assert model._native_lib is not None
 
         def run(positions):
-            meta, blocks = _prefill_meta([3], [0], 4)
+            meta, blocks = _prefill_meta([3], 4)
             caches = [torch.zeros(2, blocks, 4, model.num_kv_heads, model.head_dim)]
             try:
                 return model.forward(torch.tensor([5, 6, 7]), positions, caches, meta)

@@ -88,23 +88,27 @@ def _model(monkeypatch, packed: bool = True) -> LlamaModel:
     return LlamaModel(config, random_weights(config, seed=4), backend_class("torch"), native_decode=True)
 
 
-def _prefill_meta(query_lens: list[int], block_size: int) -> tuple[AttentionMetadata, int]:
-    """Fresh prefills (nothing cached) laid out in consecutive blocks from block 1."""
-    per = [-(-n // block_size) for n in query_lens]
+def _prefill_meta(query_lens: list[int], block_size: int,
+                  context_lens: list[int] | None = None) -> tuple[AttentionMetadata, int]:
+    """Prefill chunks (nothing cached unless ``context_lens``), each sequence's blocks
+    consecutive from block 1, its context's first; also the number of blocks used."""
+    context_lens = context_lens or [0] * len(query_lens)
+    seqs = [c + q for c, q in zip(context_lens, query_lens)]
+    per = [-(-s // block_size) for s in seqs]
     width, tables, slots, first = max(per), [], [], 1
-    for n, b in zip(query_lens, per):
+    for ctx, s, b in zip(context_lens, seqs, per):
         blocks = list(range(first, first + b))
         tables.append(blocks + [0] * (width - b))
-        slots += [blocks[t // block_size] * block_size + t % block_size for t in range(n)]
+        slots += [blocks[t // block_size] * block_size + t % block_size for t in range(ctx, s)]
         first += b
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots), num_decodes=0, decode_block_tables=torch.zeros((0, 1), dtype=torch.int32),
         decode_seq_lens=i32([]), num_prefills=len(query_lens),
         prefill_query_start_loc=i32([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
-        prefill_context_lens=i32([0] * len(query_lens)), prefill_seq_lens=i32(query_lens),
+        prefill_context_lens=i32(context_lens), prefill_seq_lens=i32(seqs),
         prefill_block_tables=i32(tables), prefill_query_lens_host=tuple(query_lens),
-        prefill_context_lens_host=(0,) * len(query_lens), decode_seq_lens_host=())
+        prefill_context_lens_host=tuple(context_lens), decode_seq_lens_host=())
     return meta, first
 
 
