@@ -178,6 +178,22 @@ def put_and_get_a_block(mesh: Mesh) -> None:
         list(stub.GetBlocks(cachestore_pb2.GetBlocksRequest(block_hashes=[0xABCDEF, 0x123]), timeout=10))
 
 
+def overflow(mesh: Mesh) -> list[int]:
+    """Refusals by a full queue, not by a race: 8 long requests take the tenant's whole
+    share (2 run, 6 wait in the scheduler's queue), and only once the queue shows the 6 do
+    6 more arrive; each is refused (queue_full) while the 8 hold. A burst of 14 short ones
+    at once was refused only when the threads' requests landed within one ~25 ms request
+    of each other, which a loaded CI box once did not do. Returns every HTTP status."""
+    held_tokens = 300  # 8 + 300 tokens: 20 blocks each, two at a time in the 48-block pool
+    with ThreadPoolExecutor(14) as pool:
+        held = [pool.submit(complete, mesh, prompt(8, 700 + i), held_tokens) for i in range(8)]
+        while (value(mesh.scrape("scheduler")[1], "weft_queue_depth", service="scheduler") < 6
+               and not all(f.done() for f in held)):
+            pass
+        extra = [pool.submit(complete, mesh, prompt(8, 708 + i), 24) for i in range(6)]
+        return [f.result() for f in held + extra]
+
+
 def test_every_catalogue_metric_is_exported_and_live_ones_move_when_their_event_happens(mesh, before):
     peaks = {"queue": 0.0, "executor_queue": 0.0, "used": 0.0, "borrowed": 0.0, "rung": 0.0}
 
@@ -191,12 +207,12 @@ def test_every_catalogue_metric_is_exported_and_live_ones_move_when_their_event_
         peaks["borrowed"] = max(peaks["borrowed"], value(ex, "weft_kv_blocks", state="borrowed"))
 
     with ThreadPoolExecutor(1) as pool:
-        # 14 at once: 6 refused by the tenant cap (at first), 2 run, 6 queue; then two requests
+        # 8 long ones hold the tenant's share, then 6 more are refused (overflow()); then two requests
         # that outgrow the pool together (preemption); then a repeat (prefix hit). The pair
         # grows to 47 blocks each: they collide at ~24 blocks each, so the one preempted waits
         # in the executor's queue for the other's ~350 remaining steps. That wait is what the
         # sampled executor-queue gauge must see; a shorter one raced the scrapes.
-        load = pool.submit(lambda: (burst(mesh, [prompt(8, 700 + i) for i in range(14)], max_tokens=24),
+        load = pool.submit(lambda: (overflow(mesh),
                                     burst(mesh, [prompt(40, 800), prompt(40, 900)], max_tokens=700),
                                     complete(mesh, prompt(40, 850), 4) + complete(mesh, prompt(40, 850), 4)))
         while not load.done():
