@@ -11,13 +11,24 @@ time to first message is what loopback gRPC in Python costs on this machine, bel
 no service mesh of this shape can go; ``benchmarks/mesh_overhead.py`` runs it beside the
 mesh as the "gRPC floor" path.
 
+Each link of the chain is either a ``call`` (one gRPC call per request, as the mesh's
+hops are today) or a ``mux`` link: one long-lived bidirectional stream between the two
+processes that carries every request as a tagged frame and every message back the same
+way, so a request costs a message on an open stream instead of an HTTP/2 stream, its
+headers and its trailers. ``--links`` names them from the client inwards; given more
+than once, the chains run side by side in alternating rounds (ratios within one run).
+
     python -m benchmarks.grpc_floor --hops 3 --requests 300      # the floor alone
-    python -m benchmarks.grpc_floor serve [--upstream HOST:PORT]  # one hop (used by FloorChain)
+    python -m benchmarks.grpc_floor --links call,call,call --links call,mux,mux \\
+        --rounds 5 --out-dir benchmarks/results                  # per-call against mux links
+    python -m benchmarks.grpc_floor serve [--upstream HOST:PORT [--upstream-link mux]]
+                                                                 # one hop (used by FloorChain)
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import select
 import statistics
@@ -30,31 +41,164 @@ import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 METHOD = "/weft.bench.Floor/Generate"
+MUX_METHOD = "/weft.bench.Floor/Mux"
+LINKS = ("call", "mux")
 MESSAGE = b"t" * 40  # about one token chunk of the mesh's streams
 _same = lambda b: b  # noqa: E731  (bytes in, bytes out)
+# Mux frames. Request: id (4 bytes) + number of messages (4; 0 = cancel that id).
+# Response: id (4) + kind (1: MORE with a message after it, or END).
+MORE, END = b"\x00", b"\x01"
+_MUX_WINDOW = 64  # frames a hop's mux handler buffers before its producers wait
 
 
 def _request(num_messages: int) -> bytes:
     return num_messages.to_bytes(4, "big")
 
 
-async def serve(upstream: str | None, ready) -> None:
-    """One hop on a free loopback port: a relay to ``upstream``, or the leaf when None.
+class MuxUpstream:
+    """Requests over one long-lived bidirectional stream to ``address``: each ``stream(n)``
+    is a tagged frame on it and its messages come back tagged. The stream opens on first
+    use; when it ends (the peer died, the channel closed) every open request fails and
+    the next one opens a new stream."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self._open = self.channel.stream_stream(MUX_METHOD, request_serializer=_same, response_deserializer=_same)
+        self._ids = itertools.count(1)
+        self._routes: dict[bytes, asyncio.Queue] = {}
+        self._outbox: asyncio.Queue | None = None
+        self._pump: asyncio.Task | None = None
+
+    def _connect(self) -> asyncio.Queue:
+        if self._pump is None or self._pump.done():
+            outbox = self._outbox = asyncio.Queue()
+
+            async def frames():
+                while True:
+                    yield await outbox.get()
+
+            self._pump = asyncio.get_running_loop().create_task(self._read(self._open(frames())))
+        return self._outbox
+
+    async def _read(self, call) -> None:
+        try:
+            async for frame in call:
+                queue = self._routes.get(frame[:4])
+                if queue is not None:  # else: a cancelled request's late messages
+                    queue.put_nowait(frame)
+        except grpc.aio.AioRpcError:
+            pass  # the peer is gone or refused the stream: every open request fails below
+        finally:
+            routes, self._routes = self._routes, {}
+            for queue in routes.values():
+                queue.put_nowait(None)
+
+    async def stream(self, num_messages: int):
+        """Yields the ``num_messages`` messages of one request. RuntimeError when the mux
+        stream ends first; leaving early cancels the request upstream."""
+        outbox = self._connect()
+        rid = (next(self._ids) % (1 << 32)).to_bytes(4, "big")
+        queue = self._routes[rid] = asyncio.Queue()
+        outbox.put_nowait(rid + _request(num_messages))
+        done = False
+        try:
+            while True:
+                frame = await queue.get()
+                if frame is None:
+                    raise RuntimeError("mux stream to the next hop ended")
+                if frame[4:5] == END:
+                    done = True
+                    return
+                yield frame[5:]
+        finally:
+            if self._routes.pop(rid, None) is not None and not done:
+                outbox.put_nowait(rid + _request(0))
+
+    async def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+        await self.channel.close()
+
+
+def _mux_handler(source):
+    """A Mux servicer over ``source(n)`` (an async iterator of n messages): one task per
+    tagged request, frames back through one bounded queue, a 0-count frame cancels."""
+    async def mux(requests, context):
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue(_MUX_WINDOW)
+        tasks: dict[bytes, asyncio.Task] = {}
+        ending: list[asyncio.Task] = []  # puts the end-of-stream marker, once
+
+        def check_idle(_=None) -> None:
+            """The peer closed its side and every request has ended: end the stream."""
+            if reader.done() and not tasks and not ending:
+                ending.append(loop.create_task(out.put(None)))
+
+        async def serve_one(rid: bytes, n: int) -> None:
+            try:
+                async for message in source(n):
+                    await out.put(rid + MORE + message)
+                await out.put(rid + END)
+            finally:
+                if tasks.get(rid) is asyncio.current_task():
+                    del tasks[rid]
+                check_idle()
+
+        async def read() -> None:
+            async for frame in requests:
+                rid, n = frame[:4], int.from_bytes(frame[4:8], "big")
+                if n == 0:
+                    task = tasks.pop(rid, None)
+                    if task is not None:
+                        task.cancel()
+                else:
+                    tasks[rid] = loop.create_task(serve_one(rid, n))
+
+        reader = loop.create_task(read())
+        reader.add_done_callback(check_idle)
+        try:
+            while (frame := await out.get()) is not None:
+                yield frame
+        finally:
+            for task in (reader, *ending, *tasks.values()):
+                task.cancel()
+    return mux
+
+
+async def serve(upstream: str | None, ready, upstream_link: str = "call") -> None:
+    """One hop on a free loopback port: a relay to ``upstream`` over a ``call`` or ``mux``
+    link, or the leaf when None. Every hop serves both link kinds to the hop before it.
     ``ready(port)`` is called once it listens; serves until cancelled."""
+    if upstream_link not in LINKS:
+        raise ValueError(f"upstream_link must be one of {LINKS}, not {upstream_link!r}")
     server = grpc.aio.server()
+    mux_upstream = None
     if upstream is None:
-        async def generate(request: bytes, context):
-            for _ in range(int.from_bytes(request[:4], "big")):
+        async def source(n: int):
+            for _ in range(n):
                 yield MESSAGE
+    elif upstream_link == "mux":
+        mux_upstream = MuxUpstream(upstream)
+        source = mux_upstream.stream
     else:
         channel = grpc.aio.insecure_channel(upstream)
         call_upstream = channel.unary_stream(METHOD, request_serializer=_same, response_deserializer=_same)
 
-        async def generate(request: bytes, context):
-            async for message in call_upstream(request):
+        async def source(n: int):
+            async for message in call_upstream(_request(n)):
                 yield message
-    handler = grpc.unary_stream_rpc_method_handler(generate, request_deserializer=_same, response_serializer=_same)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("weft.bench.Floor", {"Generate": handler}),))
+
+    async def generate(request: bytes, context):
+        async for message in source(int.from_bytes(request[:4], "big")):
+            yield message
+
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(generate, request_deserializer=_same,
+                                                         response_serializer=_same),
+        "Mux": grpc.stream_stream_rpc_method_handler(_mux_handler(source), request_deserializer=_same,
+                                                     response_serializer=_same),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("weft.bench.Floor", handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     ready(port)
@@ -62,22 +206,30 @@ async def serve(upstream: str | None, ready) -> None:
         await server.wait_for_termination()
     finally:
         await server.stop(None)
+        if mux_upstream is not None:
+            await mux_upstream.close()
 
 
 class FloorChain:
     """``hops`` server processes chained on loopback; ``address`` is the first one's. A hop
-    that does not say its port within ``start_timeout_s`` fails the chain (all hops end)."""
+    that does not say its port within ``start_timeout_s`` fails the chain (all hops end).
+    ``links``: one kind per link from the client inwards (``links[0]`` is the client's,
+    ``links[i]`` the one into hop i); default every link a ``call``."""
 
-    def __init__(self, hops: int = 3, start_timeout_s: float = 60.0) -> None:
+    def __init__(self, hops: int = 3, start_timeout_s: float = 60.0, links: tuple[str, ...] | None = None) -> None:
         if hops < 1:
             raise ValueError("hops must be >= 1")
+        links = tuple(links) if links is not None else ("call",) * hops
+        if len(links) != hops or any(link not in LINKS for link in links):
+            raise ValueError(f"links must name {hops} of {LINKS}, got {links}")
+        self.links = links
         self.procs: list[subprocess.Popen] = []
         upstream = None
         try:
-            for _ in range(hops):  # leaf first, then each relay in front of the last
+            for hop in reversed(range(hops)):  # leaf first, then each relay in front of the last
                 argv = [sys.executable, "-m", "benchmarks.grpc_floor", "serve"]
                 if upstream is not None:
-                    argv += ["--upstream", upstream]
+                    argv += ["--upstream", upstream, "--upstream-link", links[hop + 1]]
                 proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True,
                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
                 self.procs.append(proc)
@@ -102,19 +254,32 @@ class FloorChain:
 
 
 class FloorClient:
-    """Calls a chain as the benchmarks call the mesh: (start, [(arrival, n)], total)."""
+    """Calls a chain as the benchmarks call the mesh: (start, [(arrival, n)], total), over
+    a ``call`` link (a gRPC call per request) or a ``mux`` one (a frame on one stream)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, link: str = "call") -> None:
+        if link not in LINKS:
+            raise ValueError(f"link must be one of {LINKS}, not {link!r}")
+        self.link = link
         self.channel = grpc.aio.insecure_channel(address)
         self.call = self.channel.unary_stream(METHOD, request_serializer=_same, response_deserializer=_same)
+        self.mux = MuxUpstream(address) if link == "mux" else None
 
     async def run(self, num_messages: int, timeout_s: float) -> tuple[float, list[tuple[float, int]], int]:
         start, arrivals = time.perf_counter(), []
-        async for _ in self.call(_request(num_messages), timeout=timeout_s):
-            arrivals.append((time.perf_counter(), 1))
+        if self.mux is None:
+            async for _ in self.call(_request(num_messages), timeout=timeout_s):
+                arrivals.append((time.perf_counter(), 1))
+        else:
+            async def read():
+                async for _ in self.mux.stream(num_messages):
+                    arrivals.append((time.perf_counter(), 1))
+            await asyncio.wait_for(read(), timeout_s)
         return start, arrivals, len(arrivals)
 
     async def close(self) -> None:
+        if self.mux is not None:
+            await self.mux.close()
         await self.channel.close()
 
 
@@ -123,29 +288,119 @@ def parse_args(argv=None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command")
     s = sub.add_parser("serve", help="run one hop; prints 'PORT <n>' once it listens")
     s.add_argument("--upstream", default=None, help="HOST:PORT of the next hop; none: this hop is the leaf")
-    p.add_argument("--hops", type=int, default=3, help="server processes in the chain (default: 3, as the mesh)")
-    p.add_argument("--requests", type=int, default=300, help="timed requests (default: 300)")
+    s.add_argument("--upstream-link", default="call", choices=LINKS,
+                   help="how this hop reaches --upstream: a gRPC call per request, or frames on one "
+                        "long-lived stream (default: call)")
+    p.add_argument("--hops", type=int, default=3, help="server processes in the chain when no --links is "
+                                                        "given, every link a call (default: 3, as the mesh)")
+    p.add_argument("--links", action="append", default=None, metavar="KIND,KIND,...",
+                   help="one chain: a link kind (call or mux) per hop, from the client inwards, e.g. "
+                        "call,mux,mux; repeat to compare chains in alternating rounds (default: call x --hops)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds; each runs every chain once, in alternating "
+                                                         "order (default: 1)")
+    p.add_argument("--requests", type=int, default=300, help="timed requests per chain and round (default: 300)")
     p.add_argument("--messages", type=int, default=32, help="messages streamed per request (default: 32)")
-    p.add_argument("--warmup", type=int, default=30, help="untimed requests first (default: 30)")
+    p.add_argument("--warmup", type=int, default=30, help="untimed requests per chain first (default: 30)")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="write grpc_floor.md and grpc_floor.png here (default: print the table only)")
     args = p.parse_args(argv)
-    if args.command is None and (args.hops < 1 or args.requests < 1 or args.messages < 1):
-        p.error("need --hops, --requests and --messages >= 1")
+    if args.command is None:
+        if args.hops < 1 or args.requests < 1 or args.messages < 1 or args.rounds < 1 or args.warmup < 0:
+            p.error("need --hops, --requests, --messages and --rounds >= 1 and --warmup >= 0")
+        chains = []
+        for text in args.links or [",".join(["call"] * args.hops)]:
+            chain = tuple(part.strip() for part in text.split(","))
+            if not all(part in LINKS for part in chain):
+                p.error(f"--links {text!r}: each link must be one of {', '.join(LINKS)}")
+            if chain in chains:
+                p.error(f"--links {text!r} given twice")
+            chains.append(chain)
+        args.chains = chains
     return args
 
 
-async def measure(args) -> list[float]:
-    chain = FloorChain(args.hops)
-    client = FloorClient(chain.address)
+async def measure(args) -> dict[tuple[str, ...], list[list[float]]]:
+    """Time to first message (ms) per chain, one list per round; chains alternate order
+    each round, every chain warmed up first."""
+    from tqdm.auto import tqdm
+
+    chains, clients = [], {}
     try:
-        ttft = []
-        for i in range(args.warmup + args.requests):
-            start, arrivals, _ = await client.run(args.messages, 30.0)
-            if i >= args.warmup:
-                ttft.append((arrivals[0][0] - start) * 1000)
-        return ttft
+        for links in args.chains:
+            chain = await asyncio.to_thread(FloorChain, len(links), 60.0, links)
+            chains.append(chain)
+            clients[links] = FloorClient(chain.address, links[0])
+        out: dict[tuple[str, ...], list[list[float]]] = {links: [] for links in args.chains}
+        total = len(args.chains) * (args.warmup + args.rounds * args.requests)
+        with tqdm(total=total, desc="grpc floor", unit="req") as bar:
+            for links, client in clients.items():
+                for _ in range(args.warmup):
+                    await client.run(args.messages, 30.0)
+                    bar.update()
+            for rnd in range(args.rounds):
+                order = list(clients.items())
+                for links, client in order if rnd % 2 == 0 else order[::-1]:
+                    ttft = []
+                    for _ in range(args.requests):
+                        start, arrivals, _ = await client.run(args.messages, 30.0)
+                        ttft.append((arrivals[0][0] - start) * 1000)
+                        bar.update()
+                    out[links].append(ttft)
+        return out
     finally:
-        await client.close()
-        chain.stop()
+        for client in clients.values():
+            await client.close()
+        for chain in chains:
+            chain.stop()
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def report(args, results: dict[tuple[str, ...], list[list[float]]]) -> str:
+    """The markdown table: per chain, p50 (median of the rounds' p50s, with their range),
+    pooled p99, and each chain's p50 against the first chain's in the same round."""
+    from benchmarks.report import write_markdown
+
+    base = args.chains[0]
+    rows = []
+    for links, rounds in results.items():
+        p50s = [statistics.median(r) for r in rounds]
+        ratios = [statistics.median(b) / statistics.median(r) for b, r in zip(results[base], rounds)]
+        pooled = [v for r in rounds for v in r]
+        rows.append([" → ".join(links), f"{statistics.median(p50s):.2f} ({min(p50s):.2f}–{max(p50s):.2f})",
+                     f"{_p(pooled, 99):.2f}",
+                     "—" if links == base else f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})"])
+    head = (f"{args.rounds} round(s) of {args.requests} requests per chain, {args.messages} messages each, "
+            f"chains in alternating order, {args.warmup} warm-up requests each; loopback, one process per hop, "
+            f"{os.cpu_count()} CPUs. A `call` link is one gRPC call per request; a `mux` link carries every "
+            "request as a frame on one long-lived bidirectional stream.")
+    table = write_markdown(["links, client inwards", "time to first message p50 ms", "p99 ms",
+                            f"speed-up vs {' → '.join(base)} (same round)"], rows)
+    return f"# gRPC transport floor\n\n{head}\n\n{table}\n"
+
+
+def plot(path: Path, results: dict[tuple[str, ...], list[list[float]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [" → ".join(links) for links in results]
+    for i, rounds in enumerate(results.values()):
+        p50s = [statistics.median(r) for r in rounds]
+        ax.scatter([i] * len(p50s), p50s, color="grey", s=12, zorder=3)
+        ax.bar(i, statistics.median(p50s), 0.6)
+        ax.annotate(f"{statistics.median(p50s):.2f}", (i, statistics.median(p50s)), ha="center", va="bottom")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("time to first message p50 (ms)")
+    ax.set_title("gRPC transport floor: one call per request vs multiplexed links")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -154,14 +409,17 @@ def main(argv=None) -> int:
         def ready(port: int) -> None:
             print(f"PORT {port}", flush=True)
         try:
-            asyncio.run(serve(args.upstream, ready))
+            asyncio.run(serve(args.upstream, ready, args.upstream_link))
         except KeyboardInterrupt:
             pass
         return 0
-    ttft = asyncio.run(measure(args))
-    ordered = sorted(ttft)
-    print(f"{args.hops} hops, {args.requests} requests: time to first message p50 {statistics.median(ttft):.2f} ms, "
-          f"p99 {ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]:.2f} ms")
+    results = asyncio.run(measure(args))
+    text = report(args, results)
+    print(text)
+    if args.out_dir is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "grpc_floor.md").write_text(text)
+        plot(args.out_dir / "grpc_floor.png", results)
     return 0
 
 

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from benchmarks import mesh_overhead_report as mesh_overhead
+from benchmarks import grpc_floor
 from benchmarks.grpc_floor import METHOD, FloorChain, FloorClient, _request, _same, parse_args
 
 
@@ -79,3 +80,67 @@ def test_the_report_splits_the_added_ttft_into_the_floor_and_weft_s_own_work():
     table = mesh_overhead.against_floor(rounds)
     assert "| 16 | mesh gRPC | +5.00 (+5.00–+5.00) | 2.50 (2.50–2.50) | +2.50 (+2.50–+2.50) |" in table
     assert "| 16 | mesh HTTP | +5.50 (+5.50–+5.50) | 2.50 (2.50–2.50) | +3.00 (+3.00–+3.00) |" in table
+
+
+@pytest.mark.parametrize("links", [("call", "mux", "mux"), ("mux", "mux", "mux"), ("mux", "call", "mux")])
+def test_multiplexed_links_give_each_of_many_concurrent_requests_exactly_its_own_messages(links):
+    chain = FloorChain(3, links=links)
+    try:
+        async def main():
+            client = FloorClient(chain.address, links[0])
+            try:
+                counts = [1 + (7 * i) % 23 for i in range(24)]
+                results = await asyncio.gather(*(client.run(n, 30.0) for n in counts))
+                assert [total for _, _, total in results] == counts
+                if client.mux is not None:  # a request left early is cancelled; the link serves on
+                    stream = client.mux.stream(100_000)
+                    assert await anext(stream) == grpc_floor.MESSAGE
+                    await stream.aclose()
+                assert (await client.run(5, 30.0))[2] == 5
+            finally:
+                await client.close()
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        chain.stop()
+
+
+def test_a_mux_link_whose_peer_died_fails_its_requests_instead_of_hanging():
+    chain = FloorChain(1)
+    try:
+        async def main():
+            client = FloorClient(chain.address, "mux")
+            try:
+                assert (await client.run(3, 30.0))[2] == 3
+                chain.stop()
+                with pytest.raises((RuntimeError, grpc.aio.AioRpcError)):
+                    await client.run(3, 30.0)
+            finally:
+                await client.close()
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        chain.stop()
+
+
+def test_links_are_checked_where_they_are_given():
+    with pytest.raises(ValueError, match="links"):
+        FloorChain(2, links=("call",))
+    with pytest.raises(ValueError, match="links"):
+        FloorChain(1, links=("carrier-pigeon",))
+    with pytest.raises(ValueError, match="link"):
+        FloorClient("127.0.0.1:1", "udp")
+    for bad in (["--links", "call,udp"], ["--links", "call", "--links", "call"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    args = parse_args(["--hops", "2"])
+    assert args.chains == [("call", "call")]
+    assert parse_args(["--links", "call,mux,mux", "--links", "mux"]).chains == [("call", "mux", "mux"), ("mux",)]
+
+
+def test_the_floor_report_compares_each_chain_with_the_first_in_the_same_round():
+    args = parse_args(["--links", "call,call", "--links", "call,mux", "--rounds", "2", "--requests", "3"])
+    results = {("call", "call"): [[2.0, 2.0, 2.0], [4.0, 4.0, 4.0]], ("call", "mux"): [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]}
+    text = grpc_floor.report(args, results)
+    assert "| call → call | 3.00 (2.00–4.00) | 4.00 | — |" in text
+    assert "| call → mux | 1.00 (1.00–1.00) | 1.00 | 3.00× (2.00–4.00) |" in text
