@@ -7,11 +7,24 @@ twice after the preempted request's prompt is prefilled again.
 Four greedy requests of 24-token prompts (2 blocks of 16) each grow to 24 + 56 = 80 tokens
 (5 blocks); twelve blocks hold all four prompts but not their growth, so the tight
 executor must preempt; the roomy one (1024 blocks) never does.
+
+Preemption needs three of the four decoding at once, so they must reach the engine together,
+not by luck: four threads with a channel each once ran one after another on a loaded CI box
+(a request takes ~25 ms) and nothing was preempted. So the executor is stopped (SIGSTOP)
+while the four calls go out on one connection, each seen in the kernel's receive queue of
+the stopped executor's end before the next is sent, and only then resumed (SIGCONT): it
+reads all four at once, and its engine admits them within a few steps of each other. That
+is enough: the prompts' 8 blocks leave room for all four, which then outgrow the pool
+together; three admitted at once always preempt, and four admitted at even intervals still
+do up to 14 steps apart (the engine driven step by step in-process). The freeze lasts
+milliseconds, and no scheduler watches these executors' heartbeats anyway.
 """
 from __future__ import annotations
 
+import os
 import random
 import re
+import signal
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +32,7 @@ import grpc
 import pytest
 
 from tests.integration.conftest import nats_server  # noqa: F401  (a fixture)
-from tests.integration.conftest import free_port, processes  # noqa: F401  (a fixture)
+from tests.integration.conftest import ServiceProcess, free_port, processes, wait_for  # noqa: F401  (a fixture)
 from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
 ATOL = 1e-4  # the same fp32 model; batch composition differs between the two runs
@@ -31,29 +44,60 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(10, 1000) for _ in range(24)] for _ in range(NUM_REQUESTS)]
 
 
-def _generate(address: str, i: int, prompt: list[int]) -> dict:
+def _request(i: int, prompt: list[int]) -> executor_pb2.ExecuteRequest:
     sampling = common_pb2.SamplingParams(max_tokens=56, temperature=0.0, ignore_eos=True, logprobs=True,
                                          top_logprobs=2, prompt_logprobs=2)
+    return executor_pb2.ExecuteRequest(request_id=f"pressure-{i}", prompt_token_ids=prompt, sampling=sampling)
+
+
+def _collect(stream) -> dict:
     got = {"tokens": [], "logprobs": [], "top": [], "prompt": [], "prompt_top": [], "prompt_chunks": 0}
-    with grpc.insecure_channel(address) as channel:
-        stream = executor_pb2_grpc.ExecutorStub(channel).Generate(executor_pb2.ExecuteRequest(
-            request_id=f"pressure-{i}", prompt_token_ids=prompt, sampling=sampling), timeout=300)
-        for chunk in stream:
-            got["tokens"] += chunk.token_ids_delta
-            got["logprobs"] += chunk.logprobs_delta
-            got["top"] += [list(t.token_ids) for t in chunk.top_logprobs_delta]
-            if chunk.prompt_logprobs or chunk.prompt_top_logprobs:
-                got["prompt_chunks"] += 1
-                got["prompt"] = list(chunk.prompt_logprobs)
-                got["prompt_top"] = [(list(t.token_ids), list(t.logprobs)) for t in chunk.prompt_top_logprobs]
-            finish = chunk.finish_reason
+    for chunk in stream:
+        got["tokens"] += chunk.token_ids_delta
+        got["logprobs"] += chunk.logprobs_delta
+        got["top"] += [list(t.token_ids) for t in chunk.top_logprobs_delta]
+        if chunk.prompt_logprobs or chunk.prompt_top_logprobs:
+            got["prompt_chunks"] += 1
+            got["prompt"] = list(chunk.prompt_logprobs)
+            got["prompt_top"] = [(list(t.token_ids), list(t.logprobs)) for t in chunk.prompt_top_logprobs]
+        finish = chunk.finish_reason
     got["finish"] = finish
     return got
 
 
-def _run(address: str) -> list[dict]:
-    with ThreadPoolExecutor(NUM_REQUESTS) as pool:  # concurrent, so they share (and fight over) the pool
-        return list(pool.map(lambda ip: _generate(address, *ip), enumerate(_prompts())))
+def _unread_bytes(port: int) -> list[int]:
+    """The receive queue (bytes not yet read) of each established connection whose server
+    end is ``port``, from the kernel's socket tables: what a stopped server has been sent."""
+    queues = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        for _, local, _, state, tx_rx, *_ in rows:
+            if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:  # 01: ESTABLISHED
+                queues.append(int(tx_rx.split(":")[1], 16))
+    return queues
+
+
+def _run(executor: ServiceProcess) -> list[dict]:
+    """The four requests, all sent to the executor before it reads any (the module's docstring)."""
+    port, pid = executor.port, executor.process.pid
+    with grpc.insecure_channel(executor.address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        # The connection's setup frames read: from here on its receive queue grows only by the calls.
+        wait_for(lambda: _unread_bytes(port) == [0], 30, "one idle connection to the executor")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            streams = []
+            for i, prompt in enumerate(_prompts()):
+                unread = sum(_unread_bytes(port))
+                streams.append(stub.Generate(_request(i, prompt), timeout=300))
+                wait_for(lambda unread=unread: sum(_unread_bytes(port)) > unread, 10,
+                         f"request {i} to reach the stopped executor", interval_s=0.001)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with ThreadPoolExecutor(NUM_REQUESTS) as pool:  # read at once: they share (and fight over) the pool
+            return list(pool.map(_collect, streams))
 
 
 def _preemptions(metrics_port: int, executor: str) -> float:
@@ -72,7 +116,7 @@ def test_prompt_logprobs_under_kv_pressure_equal_an_unpressured_run(processes, n
                             "--metrics-port", str(ports["roomy"]), name="roomy", timeout_s=90)
     tight = processes.start("executor", *common, "--num-kv-blocks", "12", "--name", "tight",
                             "--metrics-port", str(ports["tight"]), name="tight", timeout_s=90)
-    expected, pressured = _run(roomy.address), _run(tight.address)
+    expected, pressured = _run(roomy), _run(tight)
     assert _preemptions(ports["roomy"], "roomy") == 0
     assert _preemptions(ports["tight"], "tight") > 0, "the tight pool never preempted: the test proves nothing"
     for want, got in zip(expected, pressured):
