@@ -13,13 +13,16 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,7 @@ import pytest
 
 from services.cachestore.blocks import checksum
 from services.mesh import metric_catalogue as catalogue
+from tests.integration.conftest import wait_for
 from tests.integration.launched_mesh import launched_mesh
 from weft.launcher.mesh_state import MeshState, read_state
 from weft.testing.tiny_model import make_tiny_checkpoint
@@ -37,6 +41,11 @@ from weft.v1 import cachestore_pb2, cachestore_pb2_grpc
 ROOT = Path(__file__).resolve().parents[2]
 NUM_KV_BLOCKS = 48
 MAX_IN_FLIGHT = 2
+# The longest a test keeps the executor frozen (SIGSTOP, `frozen` below). The scheduler
+# drops an executor silent for over 3 heartbeats (1 s apart) that then fails a 1 s health
+# probe, and the last heartbeat may be 1 s old when the freeze starts: 2 s stays clear
+# of that. (A freeze lasts 20-150 ms here, with two CPU hogs on a 2-core box.)
+FREEZE_LIMIT_S = 2.0
 
 
 @dataclass
@@ -77,13 +86,72 @@ def complete(mesh: Mesh, prompt: list[int], max_tokens: int, rid: str | None = N
     return status
 
 
-def burst(mesh: Mesh, prompts: list[list[int]], max_tokens: int) -> list[int]:
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: complete(mesh, p, max_tokens), prompts))
-
-
 def prompt(n: int, start: int) -> list[int]:
     return [(start + 7 * i) % 1000 + 3 for i in range(n)]
+
+
+def chaos(mesh: Mesh, action: str, name: str) -> None:
+    state = read_state(mesh.state_dir)
+    status, reply = http_json(f"http://127.0.0.1:{state.control_port}/chaos", {"action": action, "name": name},
+                              {"x-weft-control-token": state.control_token})
+    assert status == 200, reply
+
+
+Until = Callable[[Callable[[], object], str], None]
+
+
+@contextmanager
+def frozen(mesh: Mesh, name: str = "executor-0") -> Iterator[Until]:
+    """``name`` paused (``weft chaos pause``: SIGSTOP) for the body, resumed after it even
+    when it fails. A frozen executor starts nothing and finishes nothing, so what must
+    hold together (requests queued at once, requests in one batch, a queue kept full) is
+    set up while it is frozen, whatever the timing of the test's threads, and released at
+    once. Yields ``until(cond, what)``: poll ``cond`` (a state the body can see, never a
+    time) and fail, so resume, once the freeze has lasted ``FREEZE_LIMIT_S``, before the
+    scheduler could take the silence for a death."""
+    chaos(mesh, "pause", name)
+    deadline = time.monotonic() + FREEZE_LIMIT_S
+
+    def until(cond: Callable[[], object], what: str) -> None:
+        wait_for(cond, max(0.0, deadline - time.monotonic()), f"{what} (executor frozen)", interval_s=0.005)
+
+    try:
+        yield until
+    finally:
+        chaos(mesh, "resume", name)
+
+
+def queued(mesh: Mesh) -> float:
+    """Requests waiting in the scheduler's queue for an in-flight slot."""
+    return value(mesh.scrape("scheduler")[1], "weft_queue_depth", service="scheduler")
+
+
+def refused(mesh: Mesh) -> float:
+    """Requests the scheduler refused because a queue (here the tenant's share) was full."""
+    return value(mesh.scrape("scheduler")[1], "weft_admission_rejections_total", reason="queue_full")
+
+
+def placed(mesh: Mesh) -> float:
+    """Requests the scheduler has placed so far: it records each one's priority
+    (``weft_scheduler_priority``) as it places it, right before it calls the executor,
+    with no wait in between."""
+    return value(mesh.scrape("scheduler")[1], "weft_scheduler_priority_count")
+
+
+def together(mesh: Mesh, prompts: list[list[int]], max_tokens: int) -> list[int]:
+    """Requests the executor takes up together (at most ``MAX_IN_FLIGHT``: the rest would
+    queue at the scheduler, not be placed): sent while it is frozen, released once the
+    scheduler has placed them all, each then already on its way to it. Sent at once from
+    threads alone, one of ~0.2-0.7 s could be well on, or done, before the next reached the
+    executor on a loaded box. The freeze is overhead for each (before the executor's
+    spans), not queueing: all are admitted at once. Returns their HTTP statuses."""
+    assert len(prompts) <= MAX_IN_FLIGHT
+    placed_before = placed(mesh)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        with frozen(mesh) as until:
+            sent = [pool.submit(complete, mesh, p, max_tokens) for p in prompts]
+            until(lambda: placed(mesh) - placed_before >= len(prompts), f"the {len(prompts)} requests placed")
+        return [f.result() for f in sent]
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +206,19 @@ def test_a_requests_timeline_is_complete_and_ordered_across_services(mesh, befor
 
 
 def test_verdict_names_queueing_when_the_scheduler_queue_is_saturated(mesh, before):
+    """8 requests at 2 in flight: 6 wait for a slot, and the slowest waits longest. They
+    arrive while the executor is frozen, so the 2 admitted cannot finish and free a slot
+    before the other 6 are in the queue; it is released once the queue shows all 6. As a
+    burst of threads alone, 8 requests of ~25 ms queued only when the threads overlapped,
+    which a loaded box need not do (then nothing queued and the verdict named another
+    part). The freeze itself is queueing for the 6 and overhead (before the executor's
+    spans) for the 2 admitted: it adds to the tail's queueing more than to the median's."""
     t0 = time.time()
-    statuses = burst(mesh, [prompt(8, 100 + i) for i in range(8)], max_tokens=16)
+    with ThreadPoolExecutor(8) as pool:
+        with frozen(mesh) as until:
+            sent = [pool.submit(complete, mesh, prompt(8, 100 + i), 16) for i in range(8)]
+            until(lambda: queued(mesh) >= 8 - MAX_IN_FLIGHT, "6 of the 8 requests queued at the scheduler")
+        statuses = [f.result() for f in sent]
     assert statuses == [200] * 8
     _, verdict = http_json(f"{mesh.http}/v1/weft/verdict?window_s={time.time() - t0:.3f}")
     assert verdict["num_requests"] == 8
@@ -156,8 +235,10 @@ def test_a_saturated_pool_shows_as_kv_contention(mesh, before):
     # long it waited is a timing: the attribution only has to name KV, not queueing.
     # That the verdict *names* KV contention when the tail paid it is asserted on
     # synthetic timelines in tests/unit/router/test_p99_attribution.py.
+    # The two collide only if they run together (else neither is preempted and
+    # kv_contention is 0 for both): together() has the executor take both up at once.
     t0 = time.time()
-    assert burst(mesh, [prompt(20, 300), prompt(20, 500)], max_tokens=400) == [200, 200]
+    assert together(mesh, [prompt(20, 300), prompt(20, 500)], max_tokens=400) == [200, 200]
     _, verdict = http_json(f"{mesh.http}/v1/weft/verdict?window_s={time.time() - t0:.3f}")
     assert verdict["num_requests"] == 2
     tail, base = verdict["tail_ms"], verdict["baseline_ms"]
@@ -183,14 +264,19 @@ def overflow(mesh: Mesh) -> list[int]:
     share (2 run, 6 wait in the scheduler's queue), and only once the queue shows the 6 do
     6 more arrive; each is refused (queue_full) while the 8 hold. A burst of 14 short ones
     at once was refused only when the threads' requests landed within one ~25 ms request
-    of each other, which a loaded CI box once did not do. Returns every HTTP status."""
+    of each other, which a loaded CI box once did not do. The 8 hold because the executor
+    is frozen until 6 refusals are counted: held only by their length (300 tokens), the 8
+    threads' requests could also miss each other on a box loaded enough (nothing queued,
+    then nothing refused: seen once with two CPU hogs on a 2-core box). The router retries
+    a refused request, so one may still get in after the release. Returns every HTTP status."""
     held_tokens = 300  # 8 + 300 tokens: 20 blocks each, two at a time in the 48-block pool
     with ThreadPoolExecutor(14) as pool:
-        held = [pool.submit(complete, mesh, prompt(8, 700 + i), held_tokens) for i in range(8)]
-        while (value(mesh.scrape("scheduler")[1], "weft_queue_depth", service="scheduler") < 6
-               and not all(f.done() for f in held)):
-            pass
-        extra = [pool.submit(complete, mesh, prompt(8, 708 + i), 24) for i in range(6)]
+        with frozen(mesh) as until:
+            held = [pool.submit(complete, mesh, prompt(8, 700 + i), held_tokens) for i in range(8)]
+            until(lambda: queued(mesh) >= 8 - MAX_IN_FLIGHT, "6 of the 8 held requests queued at the scheduler")
+            refused_before = refused(mesh)
+            extra = [pool.submit(complete, mesh, prompt(8, 708 + i), 24) for i in range(6)]
+            until(lambda: refused(mesh) - refused_before >= 6, "6 refusals of the extra requests")
         return [f.result() for f in held + extra]
 
 
@@ -211,9 +297,12 @@ def test_every_catalogue_metric_is_exported_and_live_ones_move_when_their_event_
         # that outgrow the pool together (preemption); then a repeat (prefix hit). The pair
         # grows to 47 blocks each: they collide at ~24 blocks each, so the one preempted waits
         # in the executor's queue for the other's ~350 remaining steps. That wait is what the
-        # sampled executor-queue gauge must see; a shorter one raced the scrapes.
+        # sampled executor-queue gauge must see; a shorter one raced the scrapes. So the pair
+        # starts together (together(): the later of two sent as a burst once collided late,
+        # or not at all, on a loaded box). While the executor is frozen (overflow(), together())
+        # watch() waits on its scrape, which is answered once it is released.
         load = pool.submit(lambda: (overflow(mesh),
-                                    burst(mesh, [prompt(40, 800), prompt(40, 900)], max_tokens=700),
+                                    together(mesh, [prompt(40, 800), prompt(40, 900)], max_tokens=700),
                                     complete(mesh, prompt(40, 850), 4) + complete(mesh, prompt(40, 850), 4)))
         while not load.done():
             watch()
@@ -290,27 +379,29 @@ def weft(mesh: Mesh, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def chaos(mesh: Mesh, action: str, name: str) -> None:
-    state = read_state(mesh.state_dir)
-    status, reply = http_json(f"http://127.0.0.1:{state.control_port}/chaos", {"action": action, "name": name},
-                              {"x-weft-control-token": state.control_token})
-    assert status == 200, reply
-
-
 def test_a_killed_executor_mid_stream_counts_a_migration_and_shows_in_the_timeline(mesh, before):
     """Runs last: a second executor joins, and the one serving a 700-token stream is
-    killed once the stream has started; the rest comes from the other one."""
+    killed once the stream has started; the rest comes from the other one. It is stopped
+    (SIGSTOP, from here) as soon as the response's headers are in, which come with the
+    first chunk, and only then killed through the launcher: a kill's round trip through
+    the launcher is time the stream goes on, and the whole stream (~0.2-0.7 s) could end
+    before it on a loaded box, with nothing to migrate. Stopped, it makes no token more
+    than those of the first chunk's way here (a few ms); killed, its stream breaks."""
     scaled = weft(mesh, "scale", "executor=2")
     assert scaled.returncode == 0, scaled.stderr
+    pids = {inst.name: inst.pid for inst in read_state(mesh.state_dir).by_service("executor")}
     conn = http.client.HTTPConnection("127.0.0.1", urllib.parse.urlparse(mesh.http).port, timeout=120)
     body = {"model": "tiny", "prompt": prompt(20, 970), "max_tokens": 700, "temperature": 0, "ignore_eos": True,
             "stream": True}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
                                                               "x-request-id": "obs-migrated-1"})
     resp = conn.getresponse()
-    assert resp.status == 200 and resp.readline().startswith(b"data: ")
     serving = resp.getheader("x-weft-executor")
-    chaos(mesh, "kill", serving)
+    if resp.status == 200 and serving in pids:
+        os.kill(pids[serving], signal.SIGSTOP)
+    assert resp.status == 200 and serving in pids, (resp.status, serving, sorted(pids))
+    assert resp.readline().startswith(b"data: ")
+    chaos(mesh, "kill", serving)  # SIGKILL works on a stopped process; the launcher knows it on purpose
     events = [line for line in resp.read().decode().splitlines() if line.startswith("data: ")]
     conn.close()
     assert events[-1] == "data: [DONE]"
