@@ -16,6 +16,8 @@ mesh whole.
 """
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +33,25 @@ from tests.chaos.chaos_mesh import (
 from tests.integration.conftest import wait_for
 from tests.integration.launched_mesh import launched_mesh
 from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+
+def freeze_mid_stream(mesh: Mesh, outcomes: list[Outcome], name: str | None = None) -> str:
+    """SIGSTOP a service that still has a stream to serve, at once, and return its name.
+
+    ``under_load`` disturbs once every stream has 5 tokens, but the six clients start at
+    different times (each opens its own channel), so on a loaded box the early streams can be
+    far along or done by then; the launcher's chaos action (an HTTP round trip) lands later
+    still. A direct SIGSTOP right after checking for an unfinished stream stops the service
+    with that stream mid-generation, whatever the chaos action then takes to arrive. ``name``
+    None: the executor serving the most unfinished streams (a scheduler serves them all)."""
+    pids = {i.name: i.pid for i in mesh.state.instances}  # read first: the freeze follows the check at once
+    unfinished = [o for o in outcomes if not o.num_terminal_states and o.executors]
+    if not unfinished:
+        pytest.fail(f"every stream ended before the disturbance: {[(len(o.tokens), o.error) for o in outcomes]}")
+    name = name or busiest_executor(unfinished)  # no migration yet: executors[0] serves it now
+    os.kill(pids[name], signal.SIGSTOP)
+    return name
+
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_model_dir) -> Mesh:
@@ -51,7 +72,10 @@ def test_executor_lost_mid_stream_streams_migrate_with_identical_greedy_output(m
     t_disturb = [0.0]
 
     def disturb(outcomes):
-        victim.append(busiest_executor(outcomes))
+        # Frozen first, so that its streams are still unfinished when it is killed or paused;
+        # then the chaos action under test: a kill SIGKILLs the stopped process (the launcher
+        # reaps it, as before), a pause SIGSTOPs it again (no change); resumed below.
+        victim.append(freeze_mid_stream(mesh, outcomes))
         t_disturb[0] = time.monotonic()
         mesh.chaos_now(how, victim[0])
 
@@ -84,8 +108,13 @@ def test_scheduler_lost_mid_stream_streams_continue_with_identical_greedy_output
 
     def disturb(outcomes):
         t0 = time.monotonic()
-        mesh.chaos_now(how, "scheduler")
         try:
+            # Frozen first, so that streams are still unfinished when it is killed or paused
+            # (freeze_mid_stream); then the chaos action under test: a kill SIGKILLs the
+            # stopped process (the launcher reaps it and restarts it below), a pause SIGSTOPs
+            # it again (no change; resumed below). Inside the try: it is brought back whatever fails.
+            freeze_mid_stream(mesh, outcomes, "scheduler")
+            mesh.chaos_now(how, "scheduler")
             # The router notices (the call broke, or the scheduler went silent and failed its
             # health probe) and re-issues streams while the scheduler is still away.
             wait_for(lambda: mesh.num_router_continuations() > before, 30, "the router to continue a stream")
