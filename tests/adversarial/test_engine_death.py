@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -115,12 +116,26 @@ def _run_faulty_executor() -> None:
     from services.executor.engine.engine import LLMEngine
 
     real_step = LLMEngine.step
+    held_since: list[float] = []
 
     def step(self):
-        if any(seq.prompt_token_ids[:len(TRIGGER)] == TRIGGER for seq in self.requests.values()):
+        seqs = list(self.requests.values())
+        if any(seq.prompt_token_ids[:len(TRIGGER)] == TRIGGER for seq in seqs):
             if fault == "die":
                 raise SystemExit("injected: the engine thread ends")
             threading.Event().wait()  # injected: wedged for good
+        if seqs and all(seq.output_token_ids for seq in seqs):
+            # The test sends the poisoned request only after the normal stream's first chunk;
+            # on a loaded box the normal stream could decode all its tokens before that request
+            # arrives and finish instead of failing with the engine. So once it has a token, it
+            # is held (no step, no token) until the poisoned request is added: the thread goes
+            # back to its inbox between these empty steps, so the add is applied meanwhile.
+            if not held_since:
+                held_since.append(time.monotonic())
+            if time.monotonic() - held_since[0] > DEADLINE_S:
+                raise RuntimeError(f"injected hold: no poisoned request within {DEADLINE_S}s")
+            time.sleep(0.01)  # a poll's pace, not a timing the test relies on
+            return []
         return real_step(self)
 
     LLMEngine.step = step

@@ -68,9 +68,17 @@ def test_two_concurrent_tasks_get_the_same_tokens_as_llm_generate(checkpoint, ma
     ae = make_async_engine()
 
     async def main():
-        return await asyncio.wait_for(
-            asyncio.gather(*(_collect(ae, f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS))), DEADLINE_S
-        )
+        # LLM.generate adds both prompts before its first step, and the batch's shape can
+        # change the numbers: so both adds go in behind a parked engine thread, which applies
+        # them together (it drains its inbox before stepping) and steps them as one batch.
+        release = await _hold_engine_thread(ae)
+        try:
+            tasks = [asyncio.ensure_future(_collect(ae, f"r{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)]
+            await asyncio.sleep(0)  # one yield: each task runs up to awaiting its add's acceptance
+            assert ae._inbox.qsize() == len(PROMPTS), "the adds are not all queued behind the parked thread"
+        finally:
+            release.set()
+        return await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
 
     assert asyncio.run(main()) == expected
 
