@@ -112,8 +112,8 @@ def test_minilm_at_the_shipped_threshold_separates_the_labelled_set():
                                     lambda ids: tok.decode(ids, skip_special_tokens=True))
     pairs = json.loads(PAIRS.read_text())["pairs"]
     assert len(pairs) >= 40
-    decisions = [detector.decide(tok(p["context"], add_special_tokens=False)["input_ids"],
-                                 tok(p["turn"], add_special_tokens=False)["input_ids"]) for p in pairs]
+    decisions = [detector.decide(tok.encode(p["context"], add_special_tokens=False),
+                                 tok.encode(p["turn"], add_special_tokens=False)) for p in pairs]
     assert all(d.signal in ("embedding", "none") for d in decisions)
     flagged = [d.shifted for d in decisions]
     labels = [p["shift"] for p in pairs]
