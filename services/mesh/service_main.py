@@ -10,6 +10,8 @@ own status.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import sys
 from collections.abc import Callable, Coroutine
 
@@ -30,3 +32,21 @@ def run_service(main: Callable[[], Coroutine], service: str, config_errors: tupl
                                              error_type=type(exc).__name__, exit_status=EXIT_CONFIG)
         print(f"{service}: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
+    _exit_without_teardown(0)
+
+
+def _exit_without_teardown(status: int) -> None:
+    """End a service whose ``main()`` has drained and closed everything it owns, skipping
+    the interpreter's teardown: with torch, OpenMP and gRPC loaded that teardown is ~0.7–0.9 s
+    of native finalisation after the last line of Python (py-spy: no Python frame left),
+    paid on every stop, restart and scale-down. Nothing is lost by skipping it: each
+    service's ``main()`` returns only after its servers stopped, its engine thread joined
+    and its NATS connection closed; files are written through context managers; the
+    default executor was shut down by ``asyncio.run``. Logs and stdio are flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to keep
+            pass
+    os._exit(status)
