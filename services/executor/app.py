@@ -15,6 +15,7 @@ even if that drain hangs.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import signal
 import sys
@@ -166,6 +167,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     log.info("executor_ready", executor=name, port=port, model_id=engine.model_id, num_kv_blocks=engine.num_blocks,
              serves_rung=config.resolved_serves_rung)
     watchdog.start()
+    warm_grammar_import()
     try:
         await grpc_server.serve_until_signal()
     finally:
@@ -193,3 +195,21 @@ def _exit_backstop(after_s: float) -> None:
     timer = threading.Timer(after_s, hard_exit)
     timer.daemon = True
     timer.start()
+
+
+def warm_grammar_import() -> threading.Thread:
+    """Import the constrained-decoding package (xgrammar, which imports transformers: ~1.1 s
+    of CPU) on a daemon thread once the executor serves, instead of before it may: the
+    executor is ready that much sooner after a start, a restart or a scale-up, and the first
+    constrained request does not pay the import on the engine thread (``LLMEngine.grammars``
+    imports it on first use; a request that comes before the warm-up is done waits on the
+    same import lock). A failure is logged; that request then reports it."""
+    def run() -> None:
+        try:
+            importlib.import_module("services.executor.grammar")
+        except Exception as e:  # noqa: BLE001 - a broken xgrammar must not take the executor down
+            log.warning("grammar_import_failed", error=f"{type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=run, name="weft-grammar-warm", daemon=True)
+    thread.start()
+    return thread

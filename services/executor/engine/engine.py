@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -21,7 +22,6 @@ from services.shared.vocabulary import DEFAULT_PARTITION
 from services.executor.model.checkpoint import load_state_dict
 from services.executor.engine.config import EngineConfig
 from services.executor.errors import InvalidRequestError
-from services.executor.grammar import GrammarCache, GrammarLimits, GrammarState, load_tokenizer_info
 from services.executor.policy.kv_compress import CompressPolicy, choose_victims
 from services.executor.kv.manager import KVCacheManager
 from services.executor.model.llama import LlamaModel
@@ -32,6 +32,9 @@ from services.executor.engine.sampling_params import SamplingParams
 from services.executor.kv.pinning import PinTable
 from services.executor.engine.sequence import NO_SESSION, FinishReason, Sequence, SessionOptions
 from services.executor.engine.step_trace import StepTrace
+
+if TYPE_CHECKING:  # imported on first use (LLMEngine.grammars): xgrammar's import is ~1.1 s
+    from services.executor.grammar import GrammarCache, GrammarState
 
 log = structlog.get_logger(__name__)
 
@@ -181,7 +184,12 @@ class LLMEngine:
     @property
     def grammars(self) -> GrammarCache:
         """The compiled-grammar cache, made on first use (reading the tokenizer costs
-        ~0.1 s, not worth paying for an engine that never sees a grammar)."""
+        ~0.1 s, not worth paying for an engine that never sees a grammar). The grammar
+        package itself is imported here, not at module load: xgrammar pulls in
+        transformers, ~1.1 s of an executor's ~3.2 s import (the executor process warms it
+        in a background thread once it is ready: services/executor/app.py)."""
+        from services.executor.grammar import GrammarCache, GrammarLimits, load_tokenizer_info
+
         if self._grammars is None:
             c = self.config
             try:
@@ -204,6 +212,8 @@ class LLMEngine:
                                       f"{resumed} is more than the prompt's {len(prompt)} tokens")
         if params.grammar is None:
             return None
+        from services.executor.grammar import GrammarState
+
         state = GrammarState(self.grammars.get(params.grammar), request_id)
         rejected = state.replay(prompt[len(prompt) - resumed:]) if resumed else None
         if rejected is not None:
