@@ -68,8 +68,12 @@ class BertEncoder:
         from safetensors.torch import load_file
 
         config = BertConfig.from_dir(model_dir)
-        weights = {k.removeprefix("bert."): v for k, v in load_file(str(model_dir / "model.safetensors")).items()}
-        return cls(config, weights)
+        path = model_dir / "model.safetensors"
+        try:
+            tensors = load_file(str(path))
+        except Exception as e:  # noqa: BLE001 - safetensors' errors name neither file nor cause's place
+            raise ValueError(f"{path}: cannot read the embedding model's weights: {type(e).__name__}: {e}") from None
+        return cls(config, {k.removeprefix("bert."): v for k, v in tensors.items()})
 
     def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         return F.layer_norm(x, (self.config.hidden_size,), self.w[prefix + ".weight"], self.w[prefix + ".bias"],
@@ -108,7 +112,11 @@ class WordPieceTokenizer:
     def __init__(self, model_dir: Path, max_tokens: int) -> None:
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        path = model_dir / "tokenizer.json"
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception ("os error 2", a JSON offset)
+            raise ValueError(f"{path}: cannot read the embedding model's tokenizer: {e}") from None
         pad_id = self._tok.token_to_id("[PAD]")
         if pad_id is None:
             raise ValueError(f"{model_dir}/tokenizer.json has no [PAD] token")

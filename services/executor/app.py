@@ -15,7 +15,6 @@ even if that drain hangs.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import os
 import signal
 import sys
@@ -201,14 +200,18 @@ def warm_grammar_import() -> threading.Thread:
     """Import the constrained-decoding package (xgrammar, which imports transformers: ~1.1 s
     of CPU) on a daemon thread once the executor serves, instead of before it may: the
     executor is ready that much sooner after a start, a restart or a scale-up, and the first
-    constrained request does not pay the import on the engine thread (``LLMEngine.grammars``
+    constrained request does not pay the import on the engine thread (``grammar_package``
     imports it on first use; a request that comes before the warm-up is done waits on the
-    same import lock). A failure is logged; that request then reports it."""
+    same import lock). A failure is logged once and remembered; constrained requests are
+    then refused naming it."""
+    from services.executor.engine.engine import grammar_package
+    from services.executor.errors import InvalidRequestError
+
     def run() -> None:
         try:
-            importlib.import_module("services.executor.grammar")
-        except Exception as e:  # noqa: BLE001 - a broken xgrammar must not take the executor down
-            log.warning("grammar_import_failed", error=f"{type(e).__name__}: {e}")
+            grammar_package()
+        except InvalidRequestError:
+            pass  # grammar_package logged it; requests will say it
 
     thread = threading.Thread(target=run, name="weft-grammar-warm", daemon=True)
     thread.start()

@@ -38,6 +38,26 @@ if TYPE_CHECKING:  # imported on first use (LLMEngine.grammars): xgrammar's impo
 
 log = structlog.get_logger(__name__)
 
+_grammar_import_error: str | None = None
+
+
+def grammar_package():
+    """``services.executor.grammar``, imported on first use (``LLMEngine.grammars``, or the
+    executor's warm-up thread once it serves). A failed import (a missing or broken xgrammar
+    wheel, its native library refusing to load) is remembered: Python would retry it, and
+    every constrained request would re-run xgrammar's and transformers' imports (~1 s) on
+    the engine thread. Each constrained request is then refused naming the cause, and
+    unconstrained requests are served as before."""
+    global _grammar_import_error
+    if _grammar_import_error is None:
+        try:
+            import services.executor.grammar as package
+            return package
+        except Exception as e:  # noqa: BLE001 - ImportError, or OSError from a native library
+            _grammar_import_error = f"this executor cannot constrain output: xgrammar did not load ({type(e).__name__}: {e})"
+            log.error("grammar_import_failed", error=f"{type(e).__name__}: {e}")
+    raise InvalidRequestError("grammar", _grammar_import_error)
+
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -188,9 +208,10 @@ class LLMEngine:
         package itself is imported here, not at module load: xgrammar pulls in
         transformers, ~1.1 s of an executor's ~3.2 s import (the executor process warms it
         in a background thread once it is ready: services/executor/app.py)."""
-        from services.executor.grammar import GrammarCache, GrammarLimits, load_tokenizer_info
-
         if self._grammars is None:
+            grammar = grammar_package()
+            GrammarCache, GrammarLimits, load_tokenizer_info = (  # noqa: N806 - the package's classes
+                grammar.GrammarCache, grammar.GrammarLimits, grammar.load_tokenizer_info)
             c = self.config
             try:
                 info = load_tokenizer_info(self.model_dir, self.model_config.vocab_size,
@@ -212,9 +233,7 @@ class LLMEngine:
                                       f"{resumed} is more than the prompt's {len(prompt)} tokens")
         if params.grammar is None:
             return None
-        from services.executor.grammar import GrammarState
-
-        state = GrammarState(self.grammars.get(params.grammar), request_id)
+        state = grammar_package().GrammarState(self.grammars.get(params.grammar), request_id)
         rejected = state.replay(prompt[len(prompt) - resumed:]) if resumed else None
         if rejected is not None:
             raise InvalidRequestError(
