@@ -118,13 +118,16 @@ def _executor_stats(state: MeshState) -> dict[str, executor_pb2.GetStatsResponse
 
 
 def _executor_gauges(state: MeshState) -> dict[str, dict[str, float]]:
-    names = ("weft_asyncio_tasks", "weft_executor_streams_running", "weft_executor_engine_requests")
+    names = ("weft_asyncio_tasks", "weft_executor_streams_running", "weft_executor_engine_requests",
+             "weft_settings_version")
     gauges = {}
     for inst in state.by_service("executor"):
         url = f"http://127.0.0.1:{inst.ports['executor_metrics_port']}/metrics"
         with urllib.request.urlopen(url, timeout=5) as resp:
             lines = resp.read().decode().splitlines()
-        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in lines if line.startswith(names)}
+        # each of these has one series per executor (weft_settings_version{service="executor"})
+        values = {line.split(" ")[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+                  for line in lines if line.startswith(names)}
         gauges[inst.name] = {n: values[n] for n in names}
     return gauges
 
@@ -143,6 +146,11 @@ def test_a_storm_of_early_disconnects_leaves_every_executor_serving_and_idle(tmp
     with launched_mesh(tmp_path, tiny_model_dir, 2, ENV) as (_, state):
         port = state.instance("router").ports["router_http_port"]
         _wait_until_each_executor_serves(port, rng, "both executors to serve before the storm")
+        # The baseline counts asyncio tasks, so it waits for the live-settings document too: its
+        # first arrival (a republish, ~1-2 s after an executor serves) starts the document
+        # inbox's task, which then stays (services/mesh/document_inbox.py).
+        wait_for(lambda: all(g["weft_settings_version"] > 0 for g in _executor_gauges(state).values()), RECOVERY_S,
+                 "every executor to run the mesh's live-settings document")
         baseline = wait_for(lambda: _idle(_idle_snapshot(state)), RECOVERY_S, "an idle mesh before the storm")
 
         assert asyncio.run(_storm(port, seed=rng.randrange(1 << 30))) == NUM_REQUESTS

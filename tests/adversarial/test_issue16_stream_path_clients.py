@@ -75,6 +75,18 @@ class _Mesh:
             out[inst.name] = tuple(float(line.split(" ")[1]) for line in lines if line.startswith(GAUGES))
         return out
 
+    def settings_versions(self) -> list[float]:
+        """Every service's ``weft_settings_version`` (0 until its first live-settings document)."""
+        versions = []
+        for inst in self.state.instances:
+            port = next((v for k, v in inst.ports.items() if k.endswith("metrics_port")), None)
+            if port is None:
+                continue
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                versions += [float(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
+                             if line.startswith("weft_settings_version")]
+        return versions
+
     def log_count(self, service: str, event: str) -> int:
         path = self.state_dir / "logs" / f"{service}.log"
         return path.read_text(errors="replace").count(event) if path.exists() else 0
@@ -160,6 +172,10 @@ def _back_to_baseline(mesh: _Mesh, baseline: dict[str, tuple[float, ...]]) -> No
 
 
 def _idle_baseline(mesh: _Mesh) -> dict[str, tuple[float, ...]]:
+    # Tasks are counted, so first every live-settings document must have arrived: its first
+    # arrival starts a service's document-inbox task, which then stays (document_inbox.py).
+    wait_for(lambda: (v := mesh.settings_versions()) and all(x > 0 for x in v), RECOVERY_S,
+             "every service to run the mesh's live-settings document")
     return wait_for(lambda: (g := mesh.gauges()) and all(v[1:] in ((), (0.0, 0.0)) for v in g.values()) and g,
                     RECOVERY_S, "an idle mesh")
 
