@@ -282,11 +282,12 @@ def test_each_hostile_text_alone_equals_its_row_in_the_batch(ours):
         assert torch.allclose(ours.embed([text])[0], batched[i], atol=1e-5), i
 
 
-def test_ten_thousand_texts_in_one_call_equal_transformers(ours, reference):
-    texts = [f"q{i % 997}" if i % 3 else ("" if i % 2 else "\u200b") for i in range(10_000)]
+def test_two_thousand_texts_in_one_call_equal_transformers(ours, reference):
+    # 2,000 rather than 10,000: the batch path is the same, at a fifth of the suite's time (~24 s).
+    texts = [f"q{i % 997}" if i % 3 else ("" if i % 2 else "\u200b") for i in range(2_000)]
     got, counts = ours.embed_counted(texts)
-    assert got.shape == (10_000, 384) and torch.isfinite(got).all()
-    sample = list(range(0, 10_000, 37)) + [9_999]  # rows do not depend on their batch (test above)
+    assert got.shape == (2_000, 384) and torch.isfinite(got).all()
+    sample = list(range(0, 2_000, 7)) + [1_999]  # rows do not depend on their batch (test above)
     want, want_counts = _reference(reference, [texts[i] for i in sample])
     assert [counts[i] for i in sample] == want_counts
     assert torch.allclose(got[sample], want, atol=1e-5), (got[sample] - want).abs().max()
