@@ -32,10 +32,10 @@ def run_service(main: Callable[[], Coroutine], service: str, config_errors: tupl
                                              error_type=type(exc).__name__, exit_status=EXIT_CONFIG)
         print(f"{service}: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
-    _exit_without_teardown(0)
+    exit_without_teardown(0)
 
 
-def _exit_without_teardown(status: int) -> None:
+def exit_without_teardown(status: int) -> None:
     """End a service whose ``main()`` has drained and closed everything it owns, skipping
     the interpreter's teardown: with torch, OpenMP and gRPC loaded that teardown is ~0.7–0.9 s
     of native finalisation after the last line of Python (py-spy: no Python frame left),

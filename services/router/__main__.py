@@ -5,6 +5,7 @@ import asyncio
 
 from services.mesh.env_config import load_config
 from services.mesh.logging import configure_logging
+from services.mesh.service_main import exit_without_teardown
 from services.router.config import RouterConfig
 
 
@@ -17,6 +18,7 @@ def main(argv: list[str] | None = None) -> None:
         await RouterApp(config).run()  # built inside the loop: gRPC objects bind to it
 
     asyncio.run(run())
+    exit_without_teardown(0)  # drained and closed: skip the interpreter's teardown (service_main.py)
 
 
 if __name__ == "__main__":
