@@ -204,7 +204,7 @@ def warm_grammar_import() -> threading.Thread:
     imports it on first use; a request that comes before the warm-up is done waits on the
     same import lock). A failure is logged once and remembered; constrained requests are
     then refused naming it."""
-    from services.executor.engine.engine import grammar_package
+    from services.executor.engine.grammar_import import grammar_package
     from services.executor.errors import InvalidRequestError
 
     def run() -> None:

@@ -32,31 +32,12 @@ from services.executor.engine.sampling_params import SamplingParams
 from services.executor.kv.pinning import PinTable
 from services.executor.engine.sequence import NO_SESSION, FinishReason, Sequence, SessionOptions
 from services.executor.engine.step_trace import StepTrace
+from services.executor.engine.grammar_import import grammar_package
 
 if TYPE_CHECKING:  # imported on first use (LLMEngine.grammars): xgrammar's import is ~1.1 s
     from services.executor.grammar import GrammarCache, GrammarState
 
 log = structlog.get_logger(__name__)
-
-_grammar_import_error: str | None = None
-
-
-def grammar_package():
-    """``services.executor.grammar``, imported on first use (``LLMEngine.grammars``, or the
-    executor's warm-up thread once it serves). A failed import (a missing or broken xgrammar
-    wheel, its native library refusing to load) is remembered: Python would retry it, and
-    every constrained request would re-run xgrammar's and transformers' imports (~1 s) on
-    the engine thread. Each constrained request is then refused naming the cause, and
-    unconstrained requests are served as before."""
-    global _grammar_import_error
-    if _grammar_import_error is None:
-        try:
-            import services.executor.grammar as package
-            return package
-        except Exception as e:  # noqa: BLE001 - ImportError, or OSError from a native library
-            _grammar_import_error = f"this executor cannot constrain output: xgrammar did not load ({type(e).__name__}: {e})"
-            log.error("grammar_import_failed", error=f"{type(e).__name__}: {e}")
-    raise InvalidRequestError("grammar", _grammar_import_error)
 
 
 @dataclass(frozen=True)
