@@ -112,6 +112,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="device peak memory bandwidth in TB/s; default: looked up by device name")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the Hugging Face transformers generate baseline")
+    p.add_argument("--no-eager", action="store_true",
+                   help="skip the eager run (the same engine without cuda_graphs)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="after the rounds, profile one run of the graphs engine per batch size "
+                        "(cProfile, by own time) into this file")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed rounds per run after its warm-up, in rotating order; the median is "
+                        "reported with the range; default 3")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
     p.add_argument("--out", type=Path, default=None,
                    help="also write the Markdown section to this file (it is always printed)")
@@ -124,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dtype = "float32"
         if args.model_dir == p.get_default("model_dir"):
             args.model_dir = Path(tempfile.gettempdir()) / "weft-bench-llama-smoke"
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.max_tokens < 2:
         p.error("--max-tokens must be >= 2 (decode time is full minus prefill)")
     return args
@@ -206,14 +216,13 @@ def engine_options(args, torch, device: str, max_batch: int) -> dict:
     return options
 
 
-def measure(generate, batch: int, args, torch) -> dict:
-    """Time generate(prompts, max_tokens) -> token lists the prefill/full way described above."""
-    gen = torch.Generator().manual_seed(args.seed + batch)
+def measure(generate, batch: int, args, torch, gen) -> dict:
+    """One round: time generate(prompts, max_tokens) the prefill/full way described above,
+    on fresh prompts (no run gets an earlier one's prefix-cache hits)."""
     last: list[list[int]] = []
 
     def timed(max_tokens: int) -> float:
-        # Fresh prompts each run, so no run gets the previous one's prefix-cache hits. Ids
-        # start above the special tokens; the tokenizer's vocab matches the model's.
+        # Ids start above the special tokens; the tokenizer's vocab matches the model's.
         prompts = torch.randint(10, args.shape.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -226,7 +235,6 @@ def measure(generate, batch: int, args, torch) -> dict:
         last[:] = [prompts[0], outputs[0]]
         return elapsed
 
-    timed(2)  # warm-up: kernels compiled, allocator primed
     prefill_s = timed(1)
     full_s = timed(args.max_tokens)
     decode_s = max(full_s - prefill_s, 1e-9)
@@ -234,6 +242,29 @@ def measure(generate, batch: int, args, torch) -> dict:
             "decode_tps": batch * (args.max_tokens - 1) / decode_s,
             "step_ms": 1e3 * decode_s / (args.max_tokens - 1),
             "first_prompt": last[0], "first_output": last[1]}
+
+
+def measure_alternating(generators: dict, batch: int, args, torch, progress) -> dict[str, dict]:
+    """Each configuration warmed up once, then ``args.rounds`` rounds, the order rotated
+    every round so no configuration always runs first; per configuration the median round
+    (by decode tokens/s) with the range of decode tokens/s."""
+    gen = torch.Generator().manual_seed(args.seed + batch)
+    names = list(generators)
+    for name in names:  # warm-up: kernels compiled, allocator primed, graphs replayed once
+        generators[name]([[11] * args.prompt_len] * batch, 2)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(measure(generators[name], batch, args, torch, gen))
+            progress.update(1)
+    out = {}
+    for name, rs in runs.items():
+        rs.sort(key=lambda x: x["decode_tps"])
+        row = dict(rs[len(rs) // 2])
+        row["tps_range"] = (rs[0]["decode_tps"], rs[-1]["decode_tps"])
+        row["rounds"] = len(rs)
+        out[name] = row
+    return out
 
 
 def weft_generate(llm, SamplingParams):
@@ -253,31 +284,52 @@ def hf_generate(model, torch, device: str):
     return generate
 
 
-def greedy_agreement(weft_row: dict, hf_row: dict, weft_gen, hf_gen, max_tokens: int) -> str:
+def agreement(gen_a, gen_b, prompt: list[int], max_tokens: int) -> str:
     """Leading tokens on which both greedy continuations of the same prompt agree."""
-    prompt = weft_row["first_prompt"]
-    a, b = weft_gen([prompt], max_tokens)[0], hf_gen([prompt], max_tokens)[0]
+    a, b = gen_a([prompt], max_tokens)[0], gen_b([prompt], max_tokens)[0]
     same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return f"{same}/{max_tokens}"
 
 
+def profile_host(generate, batches: list[int], args) -> None:
+    """cProfile of one ``graphs`` run per batch size: where the host's time goes (the
+    functions with the most own time), written to ``args.profile``."""
+    import cProfile
+    import io
+    import pstats
+
+    out = io.StringIO()
+    for b in batches:
+        prompts = [[11 + i] * args.prompt_len for i in range(b)]
+        prof = cProfile.Profile()
+        start = time.perf_counter()
+        prof.runcall(generate, prompts, args.max_tokens)
+        out.write(f"== batch {b}: {time.perf_counter() - start:.3f} s under cProfile, "
+                  f"{args.max_tokens} tokens\n")
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    args.profile.parent.mkdir(parents=True, exist_ok=True)
+    args.profile.write_text(out.getvalue(), encoding="utf-8")
+
+
 def render(rows: list[dict], args, device_name: str, peak: float | None) -> str:
+    """``rows``: one per (batch, configuration), each the median round with its range."""
     from benchmarks.report import write_markdown
 
     weight_bytes = args.shape.num_parameters() * (2 if args.dtype != "float32" else 4)
     table = []
     for r in rows:
         gbps = weight_bytes / (r["step_ms"] / 1e3) / 1e9
-        hf = r.get("hf")
-        table.append([r["batch"], f"{r['decode_tps']:,.0f}", f"{r['step_ms']:.2f}", f"{gbps:,.0f}",
+        lo, hi = r["tps_range"]
+        base = r.get("vs")
+        table.append([r["batch"], r["config"], f"{r['decode_tps']:,.0f} ({lo:,.0f}-{hi:,.0f})",
+                      f"{r['step_ms']:.2f}", f"{gbps:,.0f}",
                       "n/a" if peak is None else f"{100 * gbps / (peak * 1e3):.0f} %",
                       f"{r['prefill_s']:.2f}", f"{r['full_s']:.2f}",
-                      "not run" if hf is None else f"{hf['decode_tps']:,.0f}",
-                      "n/a" if hf is None else f"{r['decode_tps'] / hf['decode_tps']:.2f}x",
-                      r.get("agreement", "n/a")])
-    headers = ["batch", "decode tok/s", "ms / step", "weight GB/s", "% of peak",
-               "prefill run s", "full run s", "HF generate tok/s", "Weft / HF",
-               "greedy agreement"]
+                      "" if base is None else ", ".join(f"{r['decode_tps'] / b['decode_tps']:.2f}x {n}"
+                                                         for n, b in base.items()),
+                      r.get("agreement", "")])
+    headers = ["batch", "run", "decode tok/s, median (range)", "ms / step", "weight GB/s", "% of peak",
+               "prefill run s", "full run s", "ratio (same rounds)", "greedy agreement"]
     s = args.shape
     return "\n".join([
         "## End-to-end decode (weft.LLM)",
@@ -289,7 +341,12 @@ def render(rows: list[dict], args, device_name: str, peak: float | None) -> str:
         f"{f', compress budget {args.kv_compress_budget_blocks} blocks' if args.kv_compress_budget_blocks else ''}, "
         f"attention back end `{args.attention_backend}`, block {args.block_size}; "
         f"{args.prompt_len}-token prompts, {args.max_tokens} new tokens, greedy, EOS ignored. "
-        "Weight GB/s = weight bytes / decode step time (KV reads not counted).",
+        f"Runs: `graphs` is Weft with `cuda_graphs=True` (decode steps replayed from CUDA graphs), "
+        f"`eager` the same engine without, `hf` transformers `generate` (static batch, same "
+        f"checkpoint and dtype). After one warm-up each, {args.rounds} rounds in rotating order; "
+        "the median round is shown, with the range of decode tokens/s; ratios are of medians. "
+        "Weight GB/s = weight bytes / decode step time (KV reads not counted). Greedy agreement: "
+        "leading tokens of the first prompt equal to the `graphs` run's.",
         "",
         write_markdown(headers, table),
         "",
@@ -315,19 +372,30 @@ def main(argv: list[str] | None = None) -> int:
     write_checkpoint(args.model_dir, args.shape, args.dtype, args.seed)
 
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(str(args.model_dir), **engine_options(args, torch, device, max(batches)))
-    weft_gen = weft_generate(llm, SamplingParams)
-    rows = [measure(weft_gen, b, args, torch) for b in tqdm(batches, desc="weft decode", unit="batch")]
+    options = engine_options(args, torch, device, max(batches))
+    generators = {"graphs": weft_generate(LLM(str(args.model_dir), cuda_graphs=True, **options), SamplingParams)}
+    if not args.no_eager:
+        generators["eager"] = weft_generate(LLM(str(args.model_dir), **options), SamplingParams)
     if not args.no_baseline:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(
             str(args.model_dir), dtype=getattr(torch, args.dtype)).to(device).eval()
-        hf_gen = hf_generate(model, torch, device)
-        for row in tqdm(rows, desc="HF generate baseline", unit="batch"):
-            row["hf"] = measure(hf_gen, row["batch"], args, torch)
-        rows[0]["agreement"] = greedy_agreement(rows[0], rows[0]["hf"], weft_gen, hf_gen, args.max_tokens)
-        del model
+        generators["hf"] = hf_generate(model, torch, device)
+    rows = []
+    with tqdm(total=len(batches) * args.rounds * len(generators), desc="decode rounds", unit="run") as bar:
+        for b in batches:
+            got = measure_alternating(generators, b, args, torch, bar)
+            for name, row in got.items():
+                row["config"] = name
+                if name == "graphs":
+                    row["vs"] = {n: r for n, r in got.items() if n != "graphs"}
+                elif b == batches[0]:  # one prompt's agreement, on the first batch size only
+                    row["agreement"] = agreement(generators["graphs"], generators[name],
+                                                 got["graphs"]["first_prompt"], args.max_tokens)
+                rows.append(row)
+    if args.profile is not None:
+        profile_host(generators["graphs"], batches, args)
     text = render(rows, args, device_name, peak)
     print(text)
     if args.out is not None:

@@ -3,7 +3,10 @@
 # earlier one failed:
 #   1. python -m pytest -q tests/kernels                     (kernels compiled for the GPU)
 #   2. benchmarks/gpu/bench_attention.py                     (paged decode bandwidth vs peak)
-#   3. benchmarks/gpu/bench_e2e.py                           (~1B Llama decode tokens/s via weft.LLM)
+#   3. benchmarks/gpu/bench_e2e.py                           (~1B Llama decode tokens/s via weft.LLM:
+#                                                             CUDA graphs vs eager vs transformers,
+#                                                             3 rotating rounds; a host profile)
+#   4. benchmarks/gpu/bench_e2e.py --kv-cache-dtype int8     (the same on the int8 KV cache, no HF)
 # Results, with the device and versions, go to benchmarks/results/gpu.md (and to $OUT
 # when the device runner sets it, with the logs). Exit status: 0 when every stage ran
 # and passed, 1 otherwise.
@@ -21,10 +24,10 @@ usage: benchmarks/gpu/run.sh [options]
                      (default: looked up by device name, e.g. H200 4.8)
   --skip-tests       skip stage 1 (pytest tests/kernels)
   --skip-attention   skip stage 2 (attention bandwidth benchmark)
-  --skip-e2e         skip stage 3 (end-to-end benchmark)
+  --skip-e2e         skip stages 3 and 4 (end-to-end benchmarks)
   --help             this text
 
-Stage time limits: tests 180 s, attention 100 s, end-to-end 170 s.
+Stage time limits: tests 150 s, attention 90 s, end-to-end 200 s, int8 end-to-end 100 s.
 EOF
 }
 
@@ -70,14 +73,17 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log to $WORK/NAME
 if [ "$RUN_TESTS" = 1 ]; then
   XDIST=()  # parallel workers compile the many kernel variants in parallel
   if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi
-  stage tests 180 "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" tests/kernels
+  stage tests 150 "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" tests/kernels
 fi
 if [ "$RUN_ATTENTION" = 1 ]; then
-  stage attention 100 "$PY" benchmarks/gpu/bench_attention.py "${PEAK_ARGS[@]}" --out "$WORK/attention.md"
+  stage attention 90 "$PY" benchmarks/gpu/bench_attention.py "${PEAK_ARGS[@]}" --out "$WORK/attention.md"
 fi
 if [ "$RUN_E2E" = 1 ]; then
   if "$PY" -c "import weft.llm" 2>"$WORK/e2e-import.log"; then
-    stage e2e 170 "$PY" benchmarks/gpu/bench_e2e.py "${PEAK_ARGS[@]}" --out "$WORK/e2e.md"
+    stage e2e 200 "$PY" benchmarks/gpu/bench_e2e.py "${PEAK_ARGS[@]}" --out "$WORK/e2e.md" \
+      --profile "$WORK/e2e-profile.txt"
+    stage e2e-int8 100 "$PY" benchmarks/gpu/bench_e2e.py "${PEAK_ARGS[@]}" --out "$WORK/e2e-int8.md" \
+      --kv-cache-dtype int8 --no-baseline
   else
     echo "e2e: not run, weft.llm does not import ($(tail -1 "$WORK/e2e-import.log")); see --wheels" \
       | tee -a "$WORK/summary.txt"
@@ -104,7 +110,7 @@ fi
   [ -f "$WORK/tests.log" ] && grep -E "passed|failed|error" "$WORK/tests.log" | tail -3
   echo '```'
   echo
-  for part in attention e2e; do
+  for part in attention e2e e2e-int8; do
     [ -f "$WORK/$part.md" ] && cat "$WORK/$part.md" && echo
   done
 } > "$RESULTS/gpu.md"
@@ -113,6 +119,6 @@ echo "=== wrote $RESULTS/gpu.md"
 cat "$RESULTS/gpu.md"
 if [ -n "${OUT:-}" ]; then
   cp "$RESULTS/gpu.md" "$OUT/" 2>/dev/null
-  for log in "$WORK"/*.log; do [ -f "$log" ] && cp "$log" "$OUT/"; done
+  for log in "$WORK"/*.log "$WORK"/e2e-profile.txt; do [ -f "$log" ] && cp "$log" "$OUT/"; done
 fi
 exit "$STATUS"

@@ -54,6 +54,14 @@ class EngineConfig:
         "(services/executor/model/native/, built with the system gcc at first use and cached; a failed "
         "build warns and keeps the torch path). Keeps a row-major copy of the projection weights beside "
         "oneDNN's packed ones. WEFT_NATIVE_DECODE=0 also turns it off.", default=True)
+    cuda_graphs: bool = option(
+        "Replay decode steps from CUDA graphs: an engine on CUDA with the triton attention back end "
+        "captures, at start, one graph per decode batch size bucket (1, 2, 4, then every multiple of 8 up "
+        "to max_num_seqs, at most 256) and runs every decode-only step of up to that size from it, one "
+        "launch for the whole forward pass instead of hundreds. Prefill steps, and steps that track "
+        "attention mass for KV compression, stay eager; a failed capture logs a warning and stays eager. "
+        "Off by default until it has been measured on a GPU (benchmarks/gpu/run.sh); ignored on a CPU.",
+        default=False)
     # Degradation-ladder mechanisms (a degraded executor profile; see docs/architecture.md).
     kv_cache_dtype: str = option(
         "KV cache storage (auto: the model dtype; int8: int8 with a scale per token and KV head, about "

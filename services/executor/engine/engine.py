@@ -113,6 +113,8 @@ class LLMEngine:
                               and config.kv_compress_policy == CompressPolicy.ATTENTION.value)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.kv_cache_dtype,
                                   track_block_scores)
+        if config.cuda_graphs:
+            self._capture_decode_graphs(track_block_scores)
         self.model_id = config.model_id or self.model_dir.name
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
@@ -125,6 +127,24 @@ class LLMEngine:
             block_size=config.block_size, attention=config.resolved_attention_backend,
             kv_compress_budget_blocks=config.kv_compress_budget_blocks,
         )
+
+    def _capture_decode_graphs(self, track_block_scores: bool) -> None:
+        """CUDA graphs for decode steps (cuda_graphs.py), where they apply. A failed capture
+        is logged and leaves the engine eager: slower, never wrong."""
+        why_not = ("not on a CUDA device" if self.model.device.type != "cuda"
+                   else "the attention back end is not triton" if self.model.attn.name != "triton"
+                   else "KV compression tracks attention mass" if track_block_scores else "")
+        if why_not:
+            log.info("cuda_graphs_not_used", reason=why_not)
+            return
+        max_blocks = -(-self.max_model_len // self.config.block_size)
+        try:
+            graphs = self.runner.capture_decode_graphs(self.config.max_num_seqs, max_blocks)
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager steps
+            self.runner.graphs = None
+            log.warning("cuda_graphs_unavailable", error=f"{type(exc).__name__}: {exc}")
+            return
+        log.info("cuda_graphs_captured", buckets=list(graphs.buckets), seconds=round(graphs.capture_s, 2))
 
     # -- requests ---------------------------------------------------------------
     def add_request(

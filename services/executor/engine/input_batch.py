@@ -164,10 +164,13 @@ class InputBatch:
         return self._step_table[:n]
 
     # -- the step ---------------------------------------------------------------
-    def prepare(self, plan: StepPlan) -> StepInputs:
+    def prepare(self, plan: StepPlan, on_device: bool = True) -> StepInputs:
         """The step's inputs (decodes first, then prefill chunks). Reads the sequences,
-        writes only this object's buffers; the previous step's views are overwritten."""
+        writes only this object's buffers; the previous step's views are overwritten.
+        ``on_device=False``: decode tensors stay host views even on a GPU (the CUDA graph
+        path copies them into its own static buffers; see ``token_rows``)."""
         bs = self.block_size
+        dev = self._on_device if on_device else _host
         items = plan.decodes + plan.prefills
         rows = [self._row_for(item.seq) for item in items]
         self._release_unused(rows)
@@ -211,15 +214,15 @@ class InputBatch:
         tables = self._tables(rows)
         start_loc, ctx, seq_lens = self._prefill_lens(q_lens, ctx_lens)
         meta = AttentionMetadata(
-            slot_mapping=self._on_device(self._tokens[2, :num_tokens]),
+            slot_mapping=dev(self._tokens[2, :num_tokens]),
             num_decodes=num_decodes,
-            decode_block_tables=self._on_device(tables[:num_decodes]),
-            decode_seq_lens=self._on_device(self._decode_lens[:num_decodes]),
+            decode_block_tables=dev(tables[:num_decodes]),
+            decode_seq_lens=dev(self._decode_lens[:num_decodes]),
             num_prefills=len(plan.prefills),
             prefill_query_start_loc=start_loc,
             prefill_context_lens=ctx,
             prefill_seq_lens=seq_lens,
-            prefill_block_tables=self._on_device(tables[num_decodes:]),
+            prefill_block_tables=dev(tables[num_decodes:]),
             prefill_query_lens_host=q_lens,
             prefill_context_lens_host=ctx_lens,
             decode_seq_lens_host=decode_lens,
@@ -228,8 +231,12 @@ class InputBatch:
         sample_rows: slice | list[int] = [row_starts[i] + items[i].num_new_tokens - 1 for i in sample]
         if sample_rows == list(range(len(sample_rows))):  # a decode-only batch: a view, no gather
             sample_rows = slice(0, len(sample_rows))
-        return StepInputs(self._on_device(self._tokens[0, :num_tokens]),
-                          self._on_device(self._tokens[1, :num_tokens]), meta, sample_rows, row_starts)
+        return StepInputs(dev(self._tokens[0, :num_tokens]), dev(self._tokens[1, :num_tokens]), meta,
+                          sample_rows, row_starts)
+
+    def token_rows(self, num_tokens: int) -> torch.Tensor:
+        """[3, num_tokens] int64 host view: the last step's ids, positions and slots."""
+        return self._tokens[:, :num_tokens]
 
     def _prefill_lens(self, q_lens: tuple[int, ...],
                       ctx_lens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -248,3 +255,7 @@ class InputBatch:
         if self.device.type == "cpu":
             return host
         return host.to(self.device)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t

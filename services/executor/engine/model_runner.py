@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from services.executor.attention.base import QuantizedKVCache
+from services.executor.engine.cuda_graphs import Capture, DecodeGraphs
 from services.executor.engine.input_batch import InputBatch, StepInputs
 from services.executor.engine.step_plan import StepPlan, StepResult
 from services.executor.model.llama import LlamaModel
@@ -52,6 +53,27 @@ class ModelRunner:
         # steps must report attention mass (only the torch back end computes it)
         self.native = (model.native_decoder(self.kv_caches)
                        if kv_cache_dtype != "int8" and not track_block_scores else None)
+        self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs (capture_decode_graphs)
+
+    def capture_decode_graphs(self, max_batch: int, max_blocks_per_seq: int, capture: Capture | None = None) -> DecodeGraphs:
+        """Capture decode-only steps of up to ``max_batch`` rows (cuda_graphs.py); from then
+        on such steps replay them. Needs a back end whose decode never reads host lengths
+        (triton) and no attention-mass tracking (a graph returns logits only). ``capture``:
+        how (default: CUDA graphs; tests pass ``eager_capture``)."""
+        if self.track_block_scores:
+            raise ValueError("decode graphs do not track attention mass (KV compression by attention)")
+        if self.model.attn.name != "triton":
+            raise ValueError(f"decode graphs need the triton attention back end, not {self.model.attn.name!r}")
+        graphs = DecodeGraphs(self.model, self.kv_caches, max_batch, max_blocks_per_seq)
+        graphs.capture(capture)
+        self.graphs = graphs
+        return graphs
+
+    def _graph_covers(self, plan: StepPlan) -> bool:
+        graphs = self.graphs
+        return (graphs is not None and not plan.prefills
+                and graphs.covers(len(plan.decodes), max(len(d.seq.blocks) for d in plan.decodes))
+                and all(d.samples for d in plan.decodes))
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
@@ -76,8 +98,16 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. Writes the new tokens' K/V into the cache; does not touch
         sequence state (the engine applies the result)."""
-        input_ids, positions, meta, sample_rows, row_starts = self._prepare(plan)
         items = plan.decodes + plan.prefills
+        if plan.decodes and self._graph_covers(plan):
+            # decodes only, each sampling: the captured forward (cuda_graphs.py), fed from
+            # the batch's host buffers straight into the graphs' static ones
+            meta = self.batch.prepare(plan, on_device=False).meta
+            w = max(len(d.seq.blocks) for d in plan.decodes)
+            logits = self.graphs.run(self.batch.token_rows(len(items)), meta.decode_seq_lens,
+                                     meta.decode_block_tables[:, :w])
+            return self._sample(items, logits, meta)
+        input_ids, positions, meta, sample_rows, row_starts = self._prepare(plan)
         native = self.native
         if (native is not None and not plan.prefills and native.covers(len(plan.decodes))
                 and all(item.samples for item in items)):
@@ -100,6 +130,11 @@ class ModelRunner:
             if not sampled:
                 return StepResult([], SampledTokens([], None), meta.block_scores)
             logits = self.model.compute_logits(hidden[sample_rows])  # [rows, vocab]
+        return self._sample(sampled, logits, meta)
+
+    def _sample(self, sampled: list, logits: torch.Tensor, meta) -> StepResult:
+        """The step's tokens from ``logits`` ([rows, vocab], one row per ``sampled`` item)."""
+        native = self.native
         seqs = [s.seq for s in sampled]
         if all(_is_plain(s) for s in seqs):  # one argmax, no per-row lists
             # the native argmax when the library is loaded (~0.05 ms where torch's took
