@@ -139,6 +139,19 @@ class DecodeGraphs:
         [n] and ``tables`` [n, w] may be host tensors. Returns logits [n, vocab], a view of
         the graph's output: read it before the next ``run``."""
         n, w = tokens.shape[1], tables.shape[1]
+        # checked before anything is copied: ``copy_`` would broadcast a short input over
+        # every row (a slot numbered by a token id, a length that is another row's)
+        if not self._graphs:
+            raise RuntimeError("decode graphs were not captured: call capture() first")
+        if tokens.dim() != 2 or tokens.shape[0] != 3:
+            raise ValueError(f"tokens must be [3, n] (ids, positions, slots), got {tuple(tokens.shape)}")
+        if seq_lens.shape != (n,) or tables.dim() != 2 or tables.shape[0] != n:
+            raise ValueError(f"seq_lens [{n}] and tables [{n}, w] must have one row per token column, got "
+                             f"{tuple(seq_lens.shape)} and {tuple(tables.shape)}")
+        if n > self.buckets[-1]:
+            raise ValueError(f"{n} rows: more than the largest captured bucket ({self.buckets[-1]})")
+        if w > self.max_blocks_per_seq:
+            raise ValueError(f"tables {w} blocks wide: wider than the captured width ({self.max_blocks_per_seq})")
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         replay, logits = self._graphs[b]
         self._tokens[:, :n].copy_(tokens, non_blocking=True)
