@@ -28,6 +28,23 @@ def _use_json(log_format: str) -> bool:
     return not sys.stderr.isatty()
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the time of the write. structlog's loggers
+    hold the file they were made with (and, cached on first use, keep it), so a stream
+    bound once outlives a swap of ``sys.stderr``: in tests, the capture stream of the test
+    that configured logging, closed when that test ends, and every later log line raised
+    ``ValueError: I/O operation on closed file``."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_STDERR = _CurrentStderr()  # one object: structlog keeps one lock per file
+
+
 def configure_logging(service: str, level: str = "info", log_format: str = "auto") -> None:
     """Configure structlog for this process. ``service`` is added to every line."""
     if level not in LOG_LEVELS:
@@ -58,7 +75,7 @@ def configure_logging(service: str, level: str = "info", log_format: str = "auto
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(getattr(stdlib_logging, level.upper())),
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=_STDERR),
         cache_logger_on_first_use=True,
     )
 
