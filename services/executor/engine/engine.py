@@ -26,6 +26,7 @@ from services.executor.policy.kv_compress import CompressPolicy, choose_victims
 from services.executor.kv.manager import KVCacheManager
 from services.executor.model.llama import LlamaModel
 from services.executor.model.config import ModelConfig
+from services.executor.engine.cuda_graphs import capture_or_stay_eager
 from services.executor.engine.model_runner import ModelRunner
 from services.executor.policy.preemption import make_preemption_policy
 from services.executor.engine.sampling_params import SamplingParams
@@ -129,22 +130,8 @@ class LLMEngine:
         )
 
     def _capture_decode_graphs(self, track_block_scores: bool) -> None:
-        """CUDA graphs for decode steps (cuda_graphs.py), where they apply. A failed capture
-        is logged and leaves the engine eager: slower, never wrong."""
-        why_not = ("not on a CUDA device" if self.model.device.type != "cuda"
-                   else "the attention back end is not triton" if self.model.attn.name != "triton"
-                   else "KV compression tracks attention mass" if track_block_scores else "")
-        if why_not:
-            log.info("cuda_graphs_not_used", reason=why_not)
-            return
         max_blocks = -(-self.max_model_len // self.config.block_size)
-        try:
-            graphs = self.runner.capture_decode_graphs(self.config.max_num_seqs, max_blocks)
-        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager steps
-            self.runner.graphs = None
-            log.warning("cuda_graphs_unavailable", error=f"{type(exc).__name__}: {exc}")
-            return
-        log.info("cuda_graphs_captured", buckets=list(graphs.buckets), seconds=round(graphs.capture_s, 2))
+        capture_or_stay_eager(self.runner, self.config.max_num_seqs, max_blocks, track_block_scores)
 
     # -- requests ---------------------------------------------------------------
     def add_request(
