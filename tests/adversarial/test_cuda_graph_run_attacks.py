@@ -164,7 +164,7 @@ def test_a_capture_failing_half_way_leaves_the_engine_eager_and_correct(tiny, mo
 
     monkeypatch.setattr(engine.runner, "capture_decode_graphs", capture_on_cpu)
     monkeypatch.setattr(engine.model, "device", torch.device("cuda"))
-    engine._capture_decode_graphs(track_block_scores=False)
+    engine._capture_decode_graphs()
 
     assert len(captured) == 1 and engine.runner.graphs is None
     assert engine.model.device.type == "cpu"

@@ -31,18 +31,10 @@ import bisect
 import time
 from collections.abc import Callable
 
-from typing import TYPE_CHECKING
-
-import structlog
 import torch
 
 from services.executor.attention.base import AttentionMetadata
 from services.executor.model.llama import LlamaModel
-
-if TYPE_CHECKING:
-    from services.executor.engine.model_runner import ModelRunner
-
-log = structlog.get_logger(__name__)
 
 # Largest bucket captured, whatever max_num_seqs says (vLLM's default capture limit is
 # 512; past a few hundred rows the launches are a small part of the step).
@@ -172,23 +164,3 @@ class DecodeGraphs:
         self.num_replays += 1
         return logits[:n]
 
-
-def capture_or_stay_eager(runner: ModelRunner, max_batch: int, max_blocks_per_seq: int,
-                          track_block_scores: bool) -> None:
-    """What an engine asked for ``cuda_graphs`` does at start: capture where graphs apply
-    (CUDA, the triton back end, no attention-mass tracking), else say why not. A failed
-    capture is logged and leaves the runner eager: slower, never wrong."""
-    model = runner.model
-    why_not = ("not on a CUDA device" if model.device.type != "cuda"
-               else "the attention back end is not triton" if model.attn.name != "triton"
-               else "KV compression tracks attention mass" if track_block_scores else "")
-    if why_not:
-        log.info("cuda_graphs_not_used", reason=why_not)
-        return
-    try:
-        graphs = runner.capture_decode_graphs(max_batch, max_blocks_per_seq)
-    except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager steps
-        runner.graphs = None
-        log.warning("cuda_graphs_unavailable", error=f"{type(exc).__name__}: {exc}")
-        return
-    log.info("cuda_graphs_captured", buckets=list(graphs.buckets), seconds=round(graphs.capture_s, 2))

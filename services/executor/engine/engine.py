@@ -26,7 +26,6 @@ from services.executor.policy.kv_compress import CompressPolicy, choose_victims
 from services.executor.kv.manager import KVCacheManager
 from services.executor.model.llama import LlamaModel
 from services.executor.model.config import ModelConfig
-from services.executor.engine.cuda_graphs import capture_or_stay_eager
 from services.executor.engine.model_runner import ModelRunner
 from services.executor.policy.preemption import make_preemption_policy
 from services.executor.engine.sampling_params import SamplingParams
@@ -115,7 +114,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.kv_cache_dtype,
                                   track_block_scores)
         if config.cuda_graphs:
-            self._capture_decode_graphs(track_block_scores)
+            self._capture_decode_graphs()
         self.model_id = config.model_id or self.model_dir.name
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
@@ -129,9 +128,9 @@ class LLMEngine:
             kv_compress_budget_blocks=config.kv_compress_budget_blocks,
         )
 
-    def _capture_decode_graphs(self, track_block_scores: bool) -> None:
+    def _capture_decode_graphs(self) -> None:
         max_blocks = -(-self.max_model_len // self.config.block_size)
-        capture_or_stay_eager(self.runner, self.config.max_num_seqs, max_blocks, track_block_scores)
+        self.runner.capture_decode_graphs_or_stay_eager(self.config.max_num_seqs, max_blocks)
 
     # -- requests ---------------------------------------------------------------
     def add_request(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import structlog
 import torch
 
 from services.executor.attention.base import QuantizedKVCache
@@ -21,6 +22,8 @@ from services.executor.model.llama import LlamaModel
 from services.executor.engine.sequence import Sequence
 from services.executor.model.logits_processors import TokenHistory, needs_history
 from services.executor.model.sampler import SampledTokens, is_plain_greedy, sample, sample_greedy
+
+log = structlog.get_logger(__name__)
 
 # Prompt positions turned into [rows, vocab] logits at a time (bounds the memory of a
 # long prompt's prompt logprobs: 256 x 49k fp32 = 50 MB).
@@ -68,6 +71,24 @@ class ModelRunner:
         graphs.capture(capture)
         self.graphs = graphs
         return graphs
+
+    def capture_decode_graphs_or_stay_eager(self, max_batch: int, max_blocks_per_seq: int) -> None:
+        """What an engine asked for ``cuda_graphs`` does at start: capture where graphs apply
+        (CUDA, the triton back end, no attention-mass tracking), else log why not. A failed
+        capture is logged and leaves the runner eager: slower, never wrong."""
+        why_not = ("not on a CUDA device" if self.model.device.type != "cuda"
+                   else "the attention back end is not triton" if self.model.attn.name != "triton"
+                   else "KV compression tracks attention mass" if self.track_block_scores else "")
+        if why_not:
+            log.info("cuda_graphs_not_used", reason=why_not)
+            return
+        try:
+            graphs = self.capture_decode_graphs(max_batch, max_blocks_per_seq)
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager steps
+            self.graphs = None
+            log.warning("cuda_graphs_unavailable", error=f"{type(exc).__name__}: {exc}")
+            return
+        log.info("cuda_graphs_captured", buckets=list(graphs.buckets), seconds=round(graphs.capture_s, 2))
 
     def _graph_covers(self, plan: StepPlan) -> bool:
         graphs = self.graphs
