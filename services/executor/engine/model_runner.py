@@ -14,7 +14,7 @@ import dataclasses
 import structlog
 import torch
 
-from services.executor.attention.base import QuantizedKVCache
+from services.executor.attention.base import AttentionMetadata, QuantizedKVCache
 from services.executor.engine.cuda_graphs import Capture, DecodeGraphs
 from services.executor.engine.input_batch import InputBatch, StepInputs
 from services.executor.engine.step_plan import StepPlan, StepResult
@@ -24,6 +24,14 @@ from services.executor.model.logits_processors import TokenHistory, needs_histor
 from services.executor.model.sampler import SampledTokens, is_plain_greedy, sample, sample_greedy
 
 log = structlog.get_logger(__name__)
+
+# A mixed step (decodes beside prefill chunks) runs its decodes natively and only its
+# chunks through the model once the decodes' contexts hold this many tokens in all. The
+# model's decode path gathers each row's whole context in every layer: beside a hop's
+# 112-token prefill, 8 SmolLM2 rows of 1,400 tokens took the step from ~540 ms to ~920 ms.
+# A second pass over the weights is not free, so small contexts stay in one pass: at 1-2
+# rows of 200 tokens the split was 0.82-1.03x (benchmarks/results/mixed_steps.md).
+NATIVE_MIXED_MIN_CONTEXT = 1024
 
 # Prompt positions turned into [rows, vocab] logits at a time (bounds the memory of a
 # long prompt's prompt logprobs: 256 x 49k fp32 = 50 MB).
@@ -57,6 +65,11 @@ class ModelRunner:
         self.native = (model.native_decoder(self.kv_caches)
                        if kv_cache_dtype != "int8" and not track_block_scores else None)
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs (capture_decode_graphs)
+        # a mixed step's decodes natively, its prefill chunks through the model, once the
+        # decodes hold this many context tokens in all (False: all through the model, the
+        # benchmark's baseline: benchmarks/mixed_steps.py)
+        self.native_mixed_steps = True
+        self.native_mixed_min_context = NATIVE_MIXED_MIN_CONTEXT
 
     def capture_decode_graphs(self, max_batch: int, max_blocks_per_seq: int, capture: Capture | None = None) -> DecodeGraphs:
         """Capture decode-only steps of up to ``max_batch`` rows (cuda_graphs.py); from then
@@ -129,32 +142,50 @@ class ModelRunner:
                                      meta.decode_block_tables[:, :w])
             return self._sample(items, logits, meta)
         input_ids, positions, meta, sample_rows, row_starts = self._prepare(plan)
-        native = self.native
-        if (native is not None and not plan.prefills and native.covers(len(plan.decodes))
-                and all(item.samples for item in items)):
-            # decodes only (each sampling): the whole step in one native call, decode.c for
-            # one row, decode_batch.c for several (fp32 KV and no attention-mass tracking
-            # were checked when self.native was made)
-            if len(items) == 1:
-                logits = native.step(int(input_ids[0]), int(positions[0]), int(meta.slot_mapping[0]),
-                                     meta.decode_block_tables[0], meta.decode_seq_lens_host[0])
-            else:
-                logits = native.step_rows(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
-                                          meta.decode_seq_lens, meta.decode_seq_lens_host)
-            sampled = items
-        else:
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-            for item, row in zip(items, row_starts):
-                if item.seq.params.prompt_logprobs is not None:
-                    self._record_prompt_logprobs(item.seq, item.num_new_tokens, hidden, row)
-            sampled = [s for s in items if s.samples]
-            if not sampled:
-                return StepResult([], SampledTokens([], None), meta.block_scores)
-            logits = self.model.compute_logits(hidden[sample_rows])  # [rows, vocab]
-        return self._sample(sampled, logits, meta)
+        nd = len(plan.decodes)
+        if not (self.native is not None and self.native.covers(nd) and all(d.samples for d in plan.decodes)
+                and (not plan.prefills or self.native_mixed_steps
+                     and sum(meta.decode_seq_lens_host) >= self.native_mixed_min_context)):
+            return self._sample(*self._forward(items, input_ids, positions, meta, sample_rows, row_starts), meta)
+        # The decodes (each sampling) in one native call: decode.c for one row,
+        # decode_batch.c for several (fp32 KV and no attention-mass tracking were checked
+        # when self.native was made).
+        logits = self._native_decodes(input_ids[:nd], positions[:nd], meta)
+        if not plan.prefills:
+            return self._sample(items, logits, meta)
+        # A mixed step: the prefill chunks go through the model on their own (see
+        # NATIVE_MIXED_MIN_CONTEXT).
+        starts = [r - nd for r in row_starts[nd:]]
+        rows = [r + item.num_new_tokens - 1 for item, r in zip(plan.prefills, starts) if item.samples]
+        sampled, prefill_logits = self._forward(plan.prefills, input_ids[nd:], positions[nd:],
+                                                _without_decodes(meta, nd), rows, starts)
+        return self._sample(plan.decodes + sampled, torch.cat([logits, prefill_logits]), meta)
+
+    def _native_decodes(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """[decodes, vocab] logits of the step's decode rows, from the native step."""
+        if meta.num_decodes == 1:
+            return self.native.step(int(input_ids[0]), int(positions[0]), int(meta.slot_mapping[0]),
+                                    meta.decode_block_tables[0], meta.decode_seq_lens_host[0])
+        return self.native.step_rows(input_ids, positions, meta.slot_mapping[:meta.num_decodes],
+                                     meta.decode_block_tables, meta.decode_seq_lens, meta.decode_seq_lens_host)
+
+    def _forward(self, items: list, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                 sample_rows, row_starts: list[int]) -> tuple[list, torch.Tensor]:
+        """The model's forward over ``items``' tokens: (the items that sample, their logits),
+        recording prompt logprobs on the way."""
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        for item, row in zip(items, row_starts):
+            if item.seq.params.prompt_logprobs is not None:
+                self._record_prompt_logprobs(item.seq, item.num_new_tokens, hidden, row)
+        sampled = [s for s in items if s.samples]
+        if not sampled:
+            return [], hidden.new_empty((0, self.model.config.vocab_size))
+        return sampled, self.model.compute_logits(hidden[sample_rows])  # [rows, vocab]
 
     def _sample(self, sampled: list, logits: torch.Tensor, meta) -> StepResult:
         """The step's tokens from ``logits`` ([rows, vocab], one row per ``sampled`` item)."""
+        if not sampled:
+            return StepResult([], SampledTokens([], None), meta.block_scores)
         native = self.native
         seqs = [s.seq for s in sampled]
         if all(_is_plain(s) for s in seqs):  # one argmax, no per-row lists
@@ -213,3 +244,10 @@ def _history(seq: Sequence) -> TokenHistory | None:
     if not needs_history(p):
         return None
     return TokenHistory.of(seq.all_token_ids, seq.num_prompt_tokens, p.resumed_output_tokens)
+
+
+def _without_decodes(meta: AttentionMetadata, num_decodes: int) -> AttentionMetadata:
+    """``meta`` for the step's prefill chunks alone (its tokens after the decodes')."""
+    return dataclasses.replace(meta, slot_mapping=meta.slot_mapping[num_decodes:], num_decodes=0,
+                               decode_block_tables=meta.decode_block_tables[:0],
+                               decode_seq_lens=meta.decode_seq_lens[:0], decode_seq_lens_host=())
