@@ -33,6 +33,7 @@ apply_executor_env()  # the executor's OpenMP settings, before torch loads
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from benchmarks.report import cpu_name  # noqa: E402
 from benchmarks.packed_gemm import alternate, ratio, summary  # noqa: E402
 from benchmarks.step_overhead import model_dir_for  # noqa: E402
 from services.executor.engine.config import EngineConfig  # noqa: E402
@@ -101,8 +102,7 @@ def write(args, cells: list[tuple]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "?")
+    cpu = cpu_name()
     argv = " ".join(shlex.quote(a) for a in sys.argv[1:])
     lines = [
         "# Mixed steps: decodes natively beside a hop's prefill",

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from benchmarks.native_batch import BLOCK_SIZE, engines_for  # noqa: E402
+from benchmarks.report import cpu_name  # noqa: E402
 from benchmarks.step_overhead import model_dir_for  # noqa: E402
 from services.executor.engine.config import EngineConfig  # noqa: E402
 from services.executor.engine.engine import LLMEngine  # noqa: E402
@@ -141,8 +142,7 @@ def write(args, gemm: list[tuple], steps: list[tuple]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "?")
+    cpu = cpu_name()
     lines = [
         "# Packed GEMM (native/gemm.c) against what it replaced",
         "",

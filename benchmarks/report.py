@@ -4,6 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("?" where there is none), for a result's header."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+
+
 def write_markdown(headers: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
