@@ -30,7 +30,8 @@ log = structlog.get_logger(__name__)
 # model's decode path gathers each row's whole context in every layer: beside a hop's
 # 112-token prefill, 8 SmolLM2 rows of 1,400 tokens took the step from ~540 ms to ~920 ms.
 # A second pass over the weights is not free, so small contexts stay in one pass: at 1-2
-# rows of 200 tokens the split was 0.82-1.03x (benchmarks/results/mixed_steps.md).
+# rows of 200 tokens the split gained nothing (medians 0.95-1.18x with wide ranges in
+# benchmarks/results/mixed_steps.md, 0.82-1.03x in an exploratory run).
 NATIVE_MIXED_MIN_CONTEXT = 1024
 
 # Prompt positions turned into [rows, vocab] logits at a time (bounds the memory of a
