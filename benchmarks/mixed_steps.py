@@ -109,7 +109,8 @@ def write(args, cells: list[tuple]) -> None:
         "",
         f"`python benchmarks/mixed_steps.py {argv}` on {cpu}, {args.threads} threads, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. One step prefilling a hop ({args.new_tokens} "
-        f"fresh tokens over a cached prefix of C tokens) while R requests of C tokens decode: the decodes through the native step and the prefill through the model (*native*, now), "
+        f"fresh tokens over a cached prefix of C tokens) while R requests of C tokens decode: the decodes "
+        "through the native step and the prefill through the model (*native*, now), "
         "or the whole step through the model (*model*, before). The two alternate in one process after a "
         "warm-up; median (min–max) over the rounds, ratios the median of the rounds' own ratios (higher: "
         "native faster). *decode only*: a step of the same R rows without the hop, for scale.",
