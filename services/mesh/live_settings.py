@@ -23,7 +23,8 @@ each republishing, so every document carries a stamp and the newest one wins eve
                                             the same second goes to the higher version,
                                             then to the larger writer id (a tie-break only)
 
-A service applies its section (``SettingsFollower``) only from a document newer than the
+A service that (re)connects asks for the document at once (``WANT_KIND``), so it does not
+serve a republish period on its start-up values. A service applies its section (``SettingsFollower``) only from a document newer than the
 one it runs, by swapping whole objects its owners hold, and reports the version it runs on
 the gauge ``weft_settings_version{service}``; one that refuses a section (a partition table
 larger than its pool) keeps the old one and its old version, so ``weft ps`` / ``weft top``
@@ -59,6 +60,11 @@ SETTINGS_VERSION = metrics.gauge("weft_settings_version",
                                  "Version of the live-settings document this service runs (docs/live_config.md).",
                                  ["service"])
 ROUTER_BUS_KIND = "routersettings"  # weft.routersettings.<router>: the whole document, keys included, routers only
+# weft.settingswant.<service>: a follower that has just (re)connected asks the routers for the
+# document now, instead of serving on its start-up values until the next periodic republish.
+# The body is empty and never read: an ask can only make a router publish sooner
+# (RouterLiveSettings answers at most once per ANSWER_GAP_S, however many ask).
+WANT_KIND = "settingswant"
 ROLES = ("tenant", "admin")
 # A stamp further ahead of a service's own clock than this was written by a clock that runs
 # fast (SettingsFollower.receive): it must not hold the service once that router is gone.
@@ -288,8 +294,20 @@ class SettingsFollower:
         SETTINGS_VERSION.labels(service).set(0)
 
     async def subscribe(self, bus) -> None:
+        """Follow ``bus``'s documents, and ask the routers for theirs on every connect (once
+        subscribed, so the answer cannot pass the subscription): a service that starts, or
+        comes back after a NATS outage, runs the document within a round trip, not after
+        the next periodic republish. Call before or after ``bus.start()``."""
         await bus.subscribe_documents(BUS_KIND, self.receive, screen=functools.partial(self.seal.admits, BUS_KIND),
                                       order=self.seal.sent_at)
+        bus.on_connect(functools.partial(self.ask, bus))
+        if bus.connected:
+            await self.ask(bus)
+
+    async def ask(self, bus) -> None:
+        """Ask the routers to publish the document now (``WANT_KIND``); dropped silently
+        while NATS is down (the next connect asks again)."""
+        await bus.publish_document(WANT_KIND, b"")
 
     async def receive(self, data: bytes) -> bool:
         """Apply a document from the bus. True when it was genuine (signed and well formed,

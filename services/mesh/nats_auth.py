@@ -6,12 +6,18 @@ with one user per *role* and an allow list per user (nats-server ``authorization
 
     role        publishes                                   subscribes
     executor    weft.heartbeat.>  weft.load.>  weft.kv.>     weft.settings.>
-    scheduler   nothing                                     weft.heartbeat.>  weft.load.>  weft.kv.>
+                weft.settingswant.>
+    scheduler   weft.settingswant.>                         weft.heartbeat.>  weft.load.>  weft.kv.>
                                                             weft.settings.>
     cachestore  weft.kv.<its name> (default ``cachestore``)  nothing
     router      weft.settings.>  (live settings)            weft.routersettings.>
-                weft.routersettings.>  (the whole document,
+                weft.routersettings.>  (the whole document,  weft.settingswant.>
                 keys included, for the other routers)
+
+``weft.settingswant`` is a follower asking the routers to publish the live settings now
+(it has just connected); its body is never read, and a router answers at most a few times
+a second however many ask, so the right to publish there is the right to make routers
+publish sooner, nothing more.
 
 Nothing uses request/reply, so no role gets ``_INBOX.>``. The bus (nats_bus.py) drops an
 event whose header names a source other than its subject's, so the right to publish on
@@ -66,6 +72,7 @@ MIN_PASSWORD_CHARS = 16
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("nats.conf")  # render_config(), checked in
 _EVENT_KINDS = ("heartbeat", "load", "kv")  # subjects weft.<kind>.<source> (subjects.subject)
 _SETTINGS_KIND = "settings"  # live_settings.BUS_KIND
+_WANT_KIND = "settingswant"  # live_settings.WANT_KIND
 
 
 def role_password_env(role: str) -> str:
@@ -92,11 +99,13 @@ def role_permissions(cachestore_sources: tuple[str, ...] = ("cachestore",)) -> d
     # Routers also share the whole document, API keys included, among themselves (the
     # newest wins across replicas): a subject no other role may read.
     routers = ("weft.routersettings.>",)
+    # A follower that has just connected asks for the document (its body is never read).
+    wants = (f"weft.{_WANT_KIND}.>",)
     return {
-        "executor": Permissions(publish=events, subscribe=settings),
-        "scheduler": Permissions(subscribe=events + settings),
+        "executor": Permissions(publish=events + wants, subscribe=settings),
+        "scheduler": Permissions(publish=wants, subscribe=events + settings),
         "cachestore": Permissions(publish=tuple(f"weft.kv.{name}" for name in cachestore_sources)),
-        "router": Permissions(publish=settings + routers, subscribe=routers),
+        "router": Permissions(publish=settings + routers, subscribe=routers + wants),
     }
 
 

@@ -3,7 +3,9 @@
     settings file ─┐                         ┌─▶ KeyStore.replace (this router's keys)
     keys file ─────┼─▶ RouterLiveSettings ───┤
     admin PATCH ───┘   (validate, version++)  └─▶ weft.settings.<source> on NATS (no keys),
-                                                  again every ``republish_s`` for late joiners
+                                                  again every ``republish_s``, and soon after
+                                                  a follower that connects asks for it
+                                                  (weft.settingswant: ``_on_want``)
 
 SIGHUP re-reads both files. A PATCH is written back to the files it changes (atomically:
 a temporary file renamed over the old one), so a later SIGHUP or restart keeps it; with
@@ -65,8 +67,8 @@ from pathlib import Path
 import structlog
 
 from services.mesh import mesh_auth
-from services.mesh.live_settings import (BUS_KIND, ROUTER_BUS_KIND, SETTINGS_VERSION, LiveDocument, SettingsError,
-                                        decode_bus_payload)
+from services.mesh.live_settings import (BUS_KIND, ROUTER_BUS_KIND, SETTINGS_VERSION, WANT_KIND, LiveDocument,
+                                        SettingsError, decode_bus_payload)
 from services.mesh.mesh_auth import MeshSecurity
 from services.mesh.rate_limited_log import RateLimitedLog
 from services.mesh.settings_signing import REFUSAL_LOG_INTERVAL_S, DocumentSeal, UnverifiedDocument
@@ -77,6 +79,11 @@ log = structlog.get_logger(__name__)
 SETTINGS_FILE_ENV = "WEFT_SETTINGS_FILE"
 NATS_URL_ENV = "WEFT_NATS_URL"
 REPUBLISH_ENV = "WEFT_SETTINGS_REPUBLISH_S"
+# A follower that connects asks for the document (live_settings.WANT_KIND); asks are answered
+# by one publish at most this often, so a flood of them (any executor's or scheduler's
+# credentials may send one) costs a few publishes a second, and a burst of services starting
+# together is answered by one.
+ANSWER_GAP_S = 0.25
 
 
 class VersionConflict(Exception):
@@ -168,6 +175,9 @@ class RouterLiveSettings:
             self.caught_up.set()  # no bus: no other router to hear
         self.bus = None
         self._republish: asyncio.Task | None = None
+        self._answer: asyncio.Task | None = None  # the publish that answers the asks heard so far
+        self._answered_at = -math.inf  # monotonic seconds of the last answer's publish
+        self.num_answers = 0
         SETTINGS_VERSION.labels("router").set(self.document.version)
 
     # -- changes ------------------------------------------------------------------------
@@ -306,8 +316,32 @@ class RouterLiveSettings:
             return False
         return True
 
+    async def _on_want(self, _data: bytes) -> bool:
+        """A follower has just connected and asks for the document (``WANT_KIND``). The
+        body is ignored, so the ask is always "genuine" to the inbox."""
+        self.publish_soon()
+        return True
+
+    def publish_soon(self) -> None:
+        """Publish the document soon: for a follower's ask, and when this router's own NATS
+        link comes back (a change made meanwhile reached nobody; a follower that came back
+        first asked into the void). One publish answers everything asked before it starts,
+        and such publishes are ``ANSWER_GAP_S`` apart. While listening at start nothing is
+        sent: the claim publishes."""
+        if self.listening or self._answer is not None or self.bus is None:
+            return  # the claim, or an answer not yet sent, covers this
+        delay = max(0.0, self._answered_at + ANSWER_GAP_S - time.monotonic())
+        self._answer = asyncio.get_running_loop().create_task(self._answer_after(delay), name="settings-answer")
+
+    async def _answer_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self._answer = None  # from here on, an ask is heard after this publish started: it gets its own
+        self._answered_at = time.monotonic()
+        self.num_answers += 1
+        await self.publish()
+
     async def start(self) -> None:
-        """Connect the bus (when configured), republish forever, reload on SIGHUP."""
+        """Connect the bus (when configured), republish forever, answer followers' asks, reload on SIGHUP."""
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         if not self.options.nats_url:
@@ -322,11 +356,14 @@ class RouterLiveSettings:
         await self.bus.subscribe_documents(ROUTER_BUS_KIND, self._on_router_document,
                                            screen=functools.partial(self.seal.admits, ROUTER_BUS_KIND),
                                            order=self.seal.sent_at)
+        await self.bus.subscribe_documents(WANT_KIND, self._on_want)
+        self.bus.on_connect(self.publish_soon)
         self._republish = asyncio.create_task(self._republish_forever(), name="settings-republish")
 
     async def stop(self) -> None:
-        if self._republish is not None:
-            self._republish.cancel()
+        for task in (self._republish, self._answer):
+            if task is not None:
+                task.cancel()
         if self.bus is not None:
             await self.bus.close()
 

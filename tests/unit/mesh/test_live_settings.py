@@ -165,7 +165,8 @@ def test_only_the_router_may_publish_the_settings_document_and_the_followers_rea
     publishers = {role for role, p in perms.items() if "weft.settings.>" in p.publish}
     assert publishers == {"router"}
     assert "weft.settings.>" in perms["scheduler"].subscribe and "weft.settings.>" in perms["executor"].subscribe
-    assert perms["router"].subscribe == ("weft.routersettings.>",) and not perms["cachestore"].subscribe
+    assert perms["router"].subscribe == ("weft.routersettings.>", "weft.settingswant.>")
+    assert not perms["cachestore"].subscribe
 
 
 def test_ps_and_top_flag_a_service_behind_the_newest_version():

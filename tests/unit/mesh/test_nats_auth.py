@@ -31,12 +31,16 @@ def test_only_executors_may_publish_heartbeats_load_and_kv_and_only_the_router_p
     assert publishers == {"executor"}
     assert perms["cachestore"].publish == ("weft.kv.cachestore",)
     assert perms["router"] == nats_auth.Permissions(publish=("weft.settings.>", "weft.routersettings.>"),
-                                                    subscribe=("weft.routersettings.>",))
+                                                    subscribe=("weft.routersettings.>", "weft.settingswant.>"))
     readers = {role for role, p in perms.items() if any(s.startswith("weft.routersettings") for s in p.subscribe)}
     assert readers == {"router"}  # the document with the keys reaches routers only
     assert set(perms["scheduler"].subscribe) == {"weft.heartbeat.>", "weft.load.>", "weft.kv.>", "weft.settings.>"}
-    settings_publishers = {role for role, p in perms.items() if any(s.startswith("weft.settings") for s in p.publish)}
+    settings_publishers = {role for role, p in perms.items() if any(s.startswith("weft.settings.") for s in p.publish)}
     assert settings_publishers == {"router"}
+    # the followers may only ask the routers to publish (live_settings.WANT_KIND)
+    askers = {role for role, p in perms.items() if "weft.settingswant.>" in p.publish}
+    assert askers == {"executor", "scheduler"}
+    assert perms["scheduler"].publish == ("weft.settingswant.>",)
 
 
 def test_config_names_passwords_by_variable_and_denies_everything_to_a_role_with_no_subjects():
