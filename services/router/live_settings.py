@@ -50,6 +50,7 @@ router), ``WEFT_SETTINGS_REPUBLISH_S`` (default 2).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
@@ -178,6 +179,7 @@ class RouterLiveSettings:
         self._answer: asyncio.Task | None = None  # the publish that answers the asks heard so far
         self._answered_at = -math.inf  # monotonic seconds of the last answer's publish
         self.num_answers = 0
+        self._stopping = False  # set by ``stop``: no new answer
         SETTINGS_VERSION.labels("router").set(self.document.version)
 
     # -- changes ------------------------------------------------------------------------
@@ -328,8 +330,8 @@ class RouterLiveSettings:
         first asked into the void). One publish answers everything asked before it starts,
         and such publishes are ``ANSWER_GAP_S`` apart. While listening at start nothing is
         sent: the claim publishes."""
-        if self.listening or self._answer is not None or self.bus is None:
-            return  # the claim, or an answer not yet sent, covers this
+        if self.listening or self._answer is not None or self.bus is None or self._stopping:
+            return  # the claim, or an answer not yet sent, covers this (or nothing is sent any more)
         delay = max(0.0, self._answered_at + ANSWER_GAP_S - time.monotonic())
         self._answer = asyncio.get_running_loop().create_task(self._answer_after(delay), name="settings-answer")
 
@@ -361,9 +363,16 @@ class RouterLiveSettings:
         self._republish = asyncio.create_task(self._republish_forever(), name="settings-republish")
 
     async def stop(self) -> None:
+        """Stop publishing, then close the bus. Asks still waiting in the inbox are handed
+        over while the bus closes: ``_stopping`` keeps them from starting an answer that
+        would outlive this call."""
+        self._stopping = True
         for task in (self._republish, self._answer):
             if task is not None:
                 task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._answer = None
         if self.bus is not None:
             await self.bus.close()
 

@@ -97,6 +97,9 @@ class _UnreachableBus:
     async def subscribe_documents(self, kind, handler, screen=None, order=None) -> None:
         self.handlers.append((kind, handler))
 
+    def on_connect(self, callback) -> None:
+        pass  # the router publishes on a reconnect; this test drives the first connect only
+
     async def wait_connected(self, timeout_s: float) -> bool:
         self.asked.set()
         try:
