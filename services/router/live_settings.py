@@ -85,6 +85,7 @@ REPUBLISH_ENV = "WEFT_SETTINGS_REPUBLISH_S"
 # credentials may send one) costs a few publishes a second, and a burst of services starting
 # together is answered by one.
 ANSWER_GAP_S = 0.25
+PUBLISH_ON_STOP_S = 2.0  # how long ``stop`` lets a change's publish in flight finish
 
 
 class VersionConflict(Exception):
@@ -179,7 +180,8 @@ class RouterLiveSettings:
         self._answer: asyncio.Task | None = None  # the publish that answers the asks heard so far
         self._answered_at = -math.inf  # monotonic seconds of the last answer's publish
         self.num_answers = 0
-        self._stopping = False  # set by ``stop``: no new answer
+        self._stopping = False  # set by ``stop``: no new answer or change publish
+        self._publishing: set[asyncio.Task] = set()  # a change's publishes in flight (``_commit``)
         SETTINGS_VERSION.labels("router").set(self.document.version)
 
     # -- changes ------------------------------------------------------------------------
@@ -272,8 +274,11 @@ class RouterLiveSettings:
         log.info("live_settings_changed", version=new.version, cause=cause, num_keys=len(new.keys),
                  writer=new.writer, updated_at=new.updated_at,
                  overrides={n: dict(v) for n, v in new.sections.items()})
-        if self.bus is not None and publish:
-            asyncio.get_running_loop().create_task(self.publish())
+        if self.bus is not None and publish and not self._stopping:
+            # held until done: the loop keeps only a weak reference to a task
+            task = asyncio.get_running_loop().create_task(self.publish(), name="settings-publish")
+            self._publishing.add(task)
+            task.add_done_callback(self._publishing.discard)
         return new
 
     def _persist(self, old: LiveDocument, new: LiveDocument) -> None:
@@ -363,11 +368,14 @@ class RouterLiveSettings:
         self._republish = asyncio.create_task(self._republish_forever(), name="settings-republish")
 
     async def stop(self) -> None:
-        """Stop publishing, then close the bus. Asks still waiting in the inbox are handed
-        over while the bus closes: ``_stopping`` keeps them from starting an answer that
-        would outlive this call."""
+        """Stop publishing, then close the bus. A change's publish already in flight may
+        finish (``PUBLISH_ON_STOP_S``); asks still waiting in the inbox are handed over
+        while the bus closes: ``_stopping`` keeps them from starting an answer that would
+        outlive this call."""
         self._stopping = True
-        for task in (self._republish, self._answer):
+        if self._publishing:  # a change made just before: let it reach the others (a publish is one write)
+            await asyncio.wait(set(self._publishing), timeout=PUBLISH_ON_STOP_S)
+        for task in (self._republish, self._answer, *self._publishing):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

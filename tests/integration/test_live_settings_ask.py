@@ -176,3 +176,29 @@ def test_the_cachestore_may_not_ask(tmp_path, nats_mesh):
             await conn.close()
 
     asyncio.run(scenario())
+
+
+def test_a_change_made_just_before_stop_is_published_and_nothing_is_left_running(tmp_path, nats_mesh):
+    """A PATCH's publish is a task of its own: ``stop()`` right after it lets it reach the
+    followers, then returns with none of the router's tasks left behind."""
+    server, passwords = nats_mesh
+
+    async def scenario() -> None:
+        live = await started_router(tmp_path, server.url)
+        sched, bus, applied = follower("scheduler", passwords, server.url)
+        try:
+            await sched.subscribe(bus)
+            await bus.start()
+            await until(lambda: applied == [{"policy": "fcfs"}], "the first document")
+            before = {t for t in asyncio.all_tasks() if not t.done()}
+            changed = live.patch({"scheduler": {"policy": "priority"}})
+            await live.stop()  # at once: the change's publish has not run yet
+            left = {t for t in asyncio.all_tasks() if not t.done()} - before
+            assert not {t.get_name() for t in left} & {"settings-publish", "settings-answer"}, left
+            await until(lambda: sched.version == changed.version, "the change to reach the scheduler")
+            assert applied[-1] == {"policy": "priority"}
+        finally:
+            await bus.close()
+            await live.stop()  # twice: harmless
+
+    asyncio.run(scenario())
