@@ -21,19 +21,13 @@ import nats
 import pytest
 
 from services.mesh import nats_auth
-from services.mesh.live_settings import BUS_KIND, ROUTER_BUS_KIND, WANT_KIND, SettingsFollower
-from services.mesh.mesh_auth import MeshSecurity
-from services.mesh.nats_bus import EventBus
+from services.mesh.live_settings import BUS_KIND, ROUTER_BUS_KIND, WANT_KIND
 from services.mesh.nats_server import NatsServer
 from services.mesh.settings_signing import DocumentSeal, UnverifiedDocument
-from services.router.auth import KeyStore
 from services.router import live_settings as router_live_settings
-from services.router.live_settings import ANSWER_GAP_S, LiveOptions, RouterLiveSettings
-from tests import waiting
-
-SECRET = "settings-ask-attacks-secret"
-REPUBLISH_S = 600.0  # never within a test
-until = functools.partial(waiting.until, deadline_s=30.0)
+from services.router.live_settings import ANSWER_GAP_S
+from tests.live_settings_bus import (SECRET, follower, make_router, nats_mesh,  # noqa: F401  (nats_mesh: a fixture)
+                                     started_router, until)
 
 # A hostile executor in its own process: it floods asks as fast as loopback carries them,
 # so the router's event loop does not pace the flood (as an in-process flooder would).
@@ -63,45 +57,6 @@ async def main(url, user, password, n_big, n_small, n_subjects, forever):
 
 asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8])))
 """
-
-
-@pytest.fixture
-def nats_mesh(tmp_path, monkeypatch):
-    passwords = nats_auth.random_passwords()
-    monkeypatch.setenv(nats_auth.USER_ENV, "router")
-    monkeypatch.setenv(nats_auth.PASSWORD_ENV, passwords["router"])
-    with NatsServer(log_path=tmp_path / "nats.log", passwords=passwords) as server:
-        yield server, passwords
-
-
-def make_router(tmp_path, url: str, writer: str = "r1", secret: str = SECRET,
-                clock=time.time, republish_s: float = REPUBLISH_S) -> RouterLiveSettings:
-    folder = tmp_path / writer
-    folder.mkdir(exist_ok=True)
-    settings_file = folder / "settings.json"
-    settings_file.write_text(json.dumps({"scheduler": {"policy": "fcfs"}}))
-    keys_file = folder / "keys.json"
-    keys_file.write_text(json.dumps({"sk-ops-admin-0001": {"tenant": "ops", "role": "admin"}}))
-    return RouterLiveSettings(KeyStore.from_file(keys_file), str(keys_file),
-                              LiveOptions(settings_file=str(settings_file), nats_url=url, republish_s=republish_s),
-                              writer=writer, clock=clock, security=MeshSecurity(secret=secret))
-
-
-async def started_router(tmp_path, url: str, writer: str = "r1", **kw) -> RouterLiveSettings:
-    """Claimed and published once (its own 900 s listen window is cut short by the test)."""
-    live = make_router(tmp_path, url, writer, **kw)
-    await live.start()
-    await until(lambda: live.bus.connected, f"router {writer} to connect")
-    live.claim()
-    await live.publish()
-    return live
-
-
-def follower(role: str, passwords: dict[str, str], url: str, secret: str = SECRET, name: str = ""):
-    applied: list[dict] = []
-    follow = SettingsFollower(role, role, applied.append, security=MeshSecurity(secret=secret))
-    bus = EventBus(url, name or f"{role}-1", auth=nats_auth.ClientAuth(role, passwords[role]))
-    return follow, bus, applied
 
 
 async def flood_process(server, passwords, n_big: int, n_small: int, n_subjects: int, forever: bool = False):

@@ -11,64 +11,12 @@ condition with a deadline."""
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import time
 
 import nats
-import pytest
 
-from services.mesh import nats_auth
-from services.mesh.live_settings import SettingsFollower
-from services.mesh.mesh_auth import MeshSecurity
-from services.mesh.nats_bus import EventBus
-from services.mesh.nats_server import NatsServer
-from services.router.auth import KeyStore
-from services.router.live_settings import ANSWER_GAP_S, LiveOptions, RouterLiveSettings
-from tests import waiting
-
-SECRET = "live-settings-ask-secret"
-REPUBLISH_S = 600.0  # never within a test: only an answer to an ask can deliver a document
-until = functools.partial(waiting.until, deadline_s=30.0)
-
-
-@pytest.fixture
-def nats_mesh(tmp_path, monkeypatch):
-    """A NATS server requiring the roles' logins; the router in this process logs in as
-    ``router`` (its bus reads the variables)."""
-    passwords = nats_auth.random_passwords()
-    monkeypatch.setenv(nats_auth.USER_ENV, "router")
-    monkeypatch.setenv(nats_auth.PASSWORD_ENV, passwords["router"])
-    with NatsServer(log_path=tmp_path / "nats.log", passwords=passwords) as server:
-        yield server, passwords
-
-
-def make_router(tmp_path, url: str) -> RouterLiveSettings:
-    settings_file = tmp_path / "settings.json"
-    settings_file.write_text(json.dumps({"scheduler": {"policy": "fcfs"}}))
-    keys_file = tmp_path / "keys.json"
-    keys_file.write_text(json.dumps({"sk-ops-admin-0001": {"tenant": "ops", "role": "admin"}}))
-    return RouterLiveSettings(KeyStore.from_file(keys_file), str(keys_file),
-                              LiveOptions(settings_file=str(settings_file), nats_url=url, republish_s=REPUBLISH_S),
-                              writer="r1", security=MeshSecurity(secret=SECRET))
-
-
-async def started_router(tmp_path, url: str) -> RouterLiveSettings:
-    """A router that has claimed its document and published it once (to nobody). Its own
-    listen window is 900 s: the test claims for it."""
-    live = make_router(tmp_path, url)
-    await live.start()
-    await until(lambda: live.bus.connected, "the router to connect")
-    live.claim()
-    await live.publish()
-    return live
-
-
-def follower(role: str, passwords: dict[str, str], url: str) -> tuple[SettingsFollower, EventBus, list[dict]]:
-    applied: list[dict] = []
-    follow = SettingsFollower(role, role, applied.append, security=MeshSecurity(secret=SECRET))
-    bus = EventBus(url, f"{role}-1", auth=nats_auth.ClientAuth(role, passwords[role]))
-    return follow, bus, applied
+from services.router.live_settings import ANSWER_GAP_S
+from tests.live_settings_bus import follower, nats_mesh, started_router, until  # noqa: F401  (nats_mesh: a fixture)
 
 
 def test_services_that_start_after_the_routers_last_publish_run_the_document_at_once(tmp_path, nats_mesh):
