@@ -6,8 +6,12 @@ while compiling), so a hostile grammar (a huge or deeply nested schema, an explo
 regex) costs the caller at most ``compile_timeout_s`` and then a clear
 ``InvalidRequestError``; the engine thread never waits on it forever. A compile past its
 deadline keeps its worker until xgrammar returns (native code cannot be interrupted; a
-daemon thread at least never holds up process exit); while ``compile_threads`` workers
-are held so, new compiles are refused at once (CapacityError) instead of piling up. Texts over ``max_grammar_bytes`` and
+daemon thread at least never holds up process exit). A compile that finds every worker
+busy waits for one within its own deadline (a client sending three new schemas at once
+to a two-worker executor gets all three); it is refused at once (CapacityError, which is
+RESOURCE_EXHAUSTED and is not remembered) only when every worker is held past its
+deadline, when ``MAX_WAITING`` compiles already wait, or when its deadline passes while
+it waits. Texts over ``max_grammar_bytes`` and
 JSON nested deeper than ``MAX_JSON_DEPTH`` are refused before any compile, and so are
 schemas whose ``pattern`` regexes would take seconds to compile (``pattern_cost.py``) or would
 write unescaped characters into a JSON string (``json_strings.py``, which also makes
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -36,6 +41,7 @@ from services.mesh import metrics
 
 log = structlog.get_logger(__name__)
 
+MAX_WAITING = 16  # compiles waiting for a free worker; more are refused at once
 MAX_JSON_DEPTH = 64  # nesting of a json_schema / structural_tag document (each schema level is ~2)
 COMPILE_SECONDS = metrics.histogram(
     "weft_executor_grammar_compile_seconds", "Wall time of one grammar compile (cache misses).", ["kind"],
@@ -65,11 +71,14 @@ class GrammarCache:
         self.limits = limits
         # xgrammar's own cache is off: this one is bounded, counted and holds failures.
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=limits.compile_threads, cache_enabled=False)
-        self.workers: set[threading.Thread] = set()  # compiles in flight, past their deadline included
+        self.workers: dict[threading.Thread, float] = {}  # compiles in flight -> their start (monotonic),
+        # past their deadline included
         self._entries: OrderedDict[tuple[str, str], xgr.CompiledGrammar | InvalidRequestError] = OrderedDict()
         self._inflight: dict[tuple[str, str], Future] = {}  # compiles running, by (kind, text)
         self._bytes = 0
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # notified when a worker leaves
+        self._waiting = 0  # compiles waiting on _freed
         self.num_compiles = 0
 
     @property
@@ -107,18 +116,34 @@ class GrammarCache:
     def _compiling(self, spec: GrammarSpec) -> Future:
         """The compile of ``spec`` in flight, started here unless one already is: the same
         grammar sent by many requests at once is compiled once (each did start its own,
-        and the busy workers refused the rest as if compiles had timed out)."""
+        and the busy workers refused the rest as if compiles had timed out). With every
+        worker busy it waits for one, up to ``compile_timeout_s``."""
         key = (spec.kind, spec.text)
+        limit = self.limits.compile_timeout_s
+        deadline = time.monotonic() + limit
         with self._lock:
-            future = self._inflight.get(key)
-            if future is not None:
-                return future
-            if len(self.workers) >= self.limits.compile_threads:
-                # transient (not cached): RESOURCE_EXHAUSTED, retry later
-                raise CapacityError(f"grammar.{spec.kind}: the grammar compilers are busy; retry shortly")
+            while True:
+                future = self._inflight.get(key)
+                if future is not None:
+                    return future
+                if len(self.workers) < self.limits.compile_threads:
+                    break
+                now = time.monotonic()
+                stuck = all(now - started >= limit for started in self.workers.values())
+                if stuck or now >= deadline or self._waiting >= MAX_WAITING:
+                    # transient (not cached): RESOURCE_EXHAUSTED, retry later
+                    raise CapacityError(f"grammar.{spec.kind}: the grammar compilers are busy; retry shortly")
+                # Wake by the earliest of: a worker leaving, this caller's deadline, or the
+                # moment the youngest busy worker passes its own (then all may be stuck).
+                youngest = max(self.workers.values())
+                self._waiting += 1
+                try:
+                    self._freed.wait(max(0.0, min(deadline, youngest + limit) - now))
+                finally:
+                    self._waiting -= 1
             future = Future()
             worker = threading.Thread(target=self._work, args=(spec, future), name="grammar-compile", daemon=True)
-            self.workers.add(worker)
+            self.workers[worker] = time.monotonic()
             self._inflight[key] = future
         worker.start()
         return future
@@ -144,8 +169,9 @@ class GrammarCache:
             future.set_exception(e)
         finally:
             with self._lock:
-                self.workers.discard(threading.current_thread())
+                self.workers.pop(threading.current_thread(), None)
                 self._inflight.pop(key, None)
+                self._freed.notify_all()
 
     def _compile_now(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         with COMPILE_SECONDS.labels(spec.kind).time():

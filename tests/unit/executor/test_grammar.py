@@ -168,6 +168,87 @@ def test_a_compile_past_its_deadline_is_refused_and_the_busy_compilers_refuse_ne
     cache.close()
 
 
+def _held_compiles(cache, monkeypatch):
+    """Compiles that start but finish only when the returned event is set."""
+    release, real = threading.Event(), cache._compile_now
+
+    def held(spec):
+        release.wait()
+        return real(spec)
+
+    monkeypatch.setattr(cache, "_compile_now", held)
+    return release
+
+
+def _in_thread(fn, *args):
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - read by the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_more_new_grammars_than_compilers_wait_for_a_free_one_instead_of_being_refused(info, monkeypatch):
+    # CI failure of stop 41: three new grammars at once on a two-worker executor got
+    # RESOURCE_EXHAUSTED for the third while the first two were still compiling.
+    from tests.integration.conftest import wait_for
+
+    cache = GrammarCache(info, GrammarLimits(compile_timeout_s=60, compile_threads=1))
+    release = _held_compiles(cache, monkeypatch)
+    first, first_out = _in_thread(cache.get, GrammarSpec("regex", "a+"))
+    wait_for(lambda: len(cache.workers) == 1, 30, "the first compile holding the only worker")
+    second, second_out = _in_thread(cache.get, GrammarSpec("regex", "b+"))
+    wait_for(lambda: cache._waiting == 1, 30, "the second compile waiting for a worker")
+    release.set()
+    first.join(30), second.join(30)
+    assert "error" not in first_out and "error" not in second_out, (first_out, second_out)
+    assert first_out["value"] is not None and second_out["value"] is not None
+    assert cache.num_compiles == 2 and not cache.workers and cache._waiting == 0
+    cache.close()
+
+
+def test_a_compile_still_waiting_for_a_worker_at_its_deadline_is_refused_as_busy_and_not_remembered(
+        info, monkeypatch):
+    from tests.integration.conftest import wait_for
+
+    cache = GrammarCache(info, GrammarLimits(compile_timeout_s=0.3, compile_threads=1))
+    release = _held_compiles(cache, monkeypatch)
+    first, first_out = _in_thread(cache.get, GrammarSpec("regex", "a+"))
+    wait_for(lambda: len(cache.workers) == 1, 30, "the first compile holding the only worker")
+    with pytest.raises(CapacityError, match=r"^grammar.regex: the grammar compilers are busy"):
+        cache.get(GrammarSpec("regex", "b+"))  # waits, the worker stays held past the deadline
+    release.set()
+    first.join(30)
+    wait_for(lambda: not cache.workers, 30, "the held worker leaving")
+    assert cache.get(GrammarSpec("regex", "b+")) is not None  # the refusal was not cached
+    cache.close()
+
+
+def test_no_more_than_max_waiting_compiles_wait_for_a_worker(info, monkeypatch):
+    from services.executor.grammar import compiler
+    from tests.integration.conftest import wait_for
+
+    monkeypatch.setattr(compiler, "MAX_WAITING", 1)
+    cache = GrammarCache(info, GrammarLimits(compile_timeout_s=60, compile_threads=1))
+    release = _held_compiles(cache, monkeypatch)
+    first, _ = _in_thread(cache.get, GrammarSpec("regex", "a+"))
+    wait_for(lambda: len(cache.workers) == 1, 30, "the first compile holding the only worker")
+    second, second_out = _in_thread(cache.get, GrammarSpec("regex", "b+"))
+    wait_for(lambda: cache._waiting == 1, 30, "the second compile waiting")
+    with pytest.raises(CapacityError, match="busy"):
+        cache.get(GrammarSpec("regex", "c+"))  # refused at once: the queue is full
+    release.set()
+    first.join(30), second.join(30)
+    assert second_out.get("value") is not None
+    cache.close()
+
+
 # -- GrammarState ------------------------------------------------------------------------
 def test_a_rejected_token_marks_the_state_failed_without_raising(cache, info):
     state = GrammarState(cache.get(DIGITS), "r1")
