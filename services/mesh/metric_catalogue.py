@@ -79,6 +79,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "Running requests preempted because the KV pool (or a partition quota) ran out.", "executor"),
     MetricSpec("weft_executor_queue_depth", "gauge", ("executor",),
                "Requests an executor holds but has not scheduled yet (waiting for KV or a slot).", "executor"),
+    # -- engine steps (executor): where its time goes, and what bounds it
+    MetricSpec("weft_executor_step_seconds", "histogram", ("executor", "kind"),
+               "Wall time of one engine step's forward and sampling (kind: decode = decode rows only, "
+               "prefill = prefill chunks only, mixed = both).", "executor", buckets=TOKEN_LATENCY_BUCKETS_S),
+    MetricSpec("weft_executor_step_tokens_total", "counter", ("executor", "kind"),
+               "Tokens engine steps computed (kind: decode = one per decode row, prefill = prompt chunk tokens).",
+               "executor"),
     # -- tiers: hit rates, demotion and promotion
     MetricSpec("weft_kv_lookup_tokens_total", "counter", ("tier", "result"),
                "Prompt tokens looked up in a KV tier, by result (hit, miss); active = executor prefix cache.",
@@ -214,6 +221,21 @@ def set_executor_queue_depth(executor: str, depth: int) -> None:
 def count_preemptions(executor: str, num: int) -> None:
     if num:
         metric("weft_kv_preemptions_total").labels(executor).inc(num)
+
+
+STEP_KINDS = ("decode", "prefill", "mixed")
+
+
+def observe_step(executor: str, num_decode_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
+    """One engine step that computed ``num_decode_tokens`` decode rows and
+    ``num_prefill_tokens`` prompt tokens in ``seconds``."""
+    kind = "mixed" if num_decode_tokens and num_prefill_tokens else "decode" if num_decode_tokens else "prefill"
+    metric("weft_executor_step_seconds").labels(executor, kind).observe(seconds)
+    tokens = metric("weft_executor_step_tokens_total")
+    if num_decode_tokens:
+        tokens.labels(executor, "decode").inc(num_decode_tokens)
+    if num_prefill_tokens:
+        tokens.labels(executor, "prefill").inc(num_prefill_tokens)
 
 
 def count_prefix_lookup(num_prompt_tokens: int, num_cached_tokens: int) -> None:

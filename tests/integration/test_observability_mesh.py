@@ -335,6 +335,9 @@ def test_every_catalogue_metric_is_exported_and_live_ones_move_when_their_event_
         "weft_session_pauses_total": moved("weft_session_pauses_total"),
         "weft_degradation_rung": peaks["rung"],
         "weft_kv_preemptions_total": moved("weft_kv_preemptions_total"),
+        "weft_executor_step_seconds": moved("weft_executor_step_seconds", kind="decode"),
+        "weft_executor_step_tokens_total": (moved("weft_executor_step_tokens_total", kind="prefill")
+                                            and moved("weft_executor_step_tokens_total", kind="decode")),
         "weft_kv_lookup_tokens_total": moved("weft_kv_lookup_tokens_total", tier="active", result="hit"),
         "weft_cachestore_tier_lookups_total": moved("weft_cachestore_tier_lookups_total", tier="sleeping",
                                                     result="hit"),

@@ -89,6 +89,8 @@ class StepTrace:
             else:
                 rec.queued_ns += step_ns
         catalogue.count_preemptions(self.executor, len(plan.preempted))
+        catalogue.observe_step(self.executor, len(plan.decodes), sum(i.num_new_tokens for i in plan.prefills),
+                               step_ns / 1e9)
         self._num_steps += 1
         if self._num_steps % self.update_gauges_every == 0 or plan.preempted:
             self.update_gauges(engine)

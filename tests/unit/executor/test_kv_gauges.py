@@ -91,3 +91,27 @@ def test_a_partition_whose_quota_is_removed_drops_to_zero(checkpoint):
     engine.pool.set_partitions([PartitionSpec("default", 0, 64)])  # the quota table no longer has gold
     engine.step_trace.update_gauges(engine)
     assert gauge(name, "gold", "reserved") == 0 and gauge(name, "gold", "used") == 0
+
+
+def _step_sample(name: str, executor: str, kind: str) -> float:
+    for family in catalogue.metric(name).collect():
+        for s in family.samples:
+            if s.labels.get("executor") == executor and s.labels.get("kind") == kind and (
+                    s.name.endswith("_count") or s.name.endswith("_total")):
+                return s.value
+    return 0.0
+
+
+def test_step_metrics_count_each_step_by_kind_and_every_token_it_computed(checkpoint):
+    engine = engine_with_trace(checkpoint, "ex-steps")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(10, 40)), params)  # 30 prompt tokens
+    engine.step()  # a prefills alone and samples its first token
+    engine.add_request("b", list(range(50, 70)), params)  # 20 more
+    engine.step()  # a decodes while b prefills: mixed
+    while engine.has_unfinished_requests:
+        engine.step()  # both decode, then the last one alone
+    steps = {kind: _step_sample("weft_executor_step_seconds", "ex-steps", kind) for kind in catalogue.STEP_KINDS}
+    tokens = {kind: _step_sample("weft_executor_step_tokens_total", "ex-steps", kind) for kind in ("decode", "prefill")}
+    assert steps == {"prefill": 1, "mixed": 1, "decode": engine.num_steps - 2}
+    assert tokens == {"prefill": 50, "decode": 2 * 3}  # each request: 4 tokens, the first from its prefill
