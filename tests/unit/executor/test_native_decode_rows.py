@@ -37,6 +37,12 @@ VARIANTS = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),  # tied embeddings, qkv bias
     "odd": ("llama", {"hidden_size": 72, "head_dim": 18, "intermediate_size": 131, "vocab_size": 1022}),
+    # head_dim 64 / 128: the AVX-512 attention's values pass takes every query head of a KV
+    # head at once (llama_step.h pv_kv_head), in passes of 4 (64) or 2 (128) heads. Groups of
+    # 5 and 3 leave a short last pass; head_dim 56 a masked last chunk.
+    "gqa64": ("llama", {"hidden_size": 320, "num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 64}),
+    "gqa128": ("llama", {"hidden_size": 384, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 128}),
+    "gqa56": ("llama", {"hidden_size": 336, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 56}),
 }
 
 

@@ -26,6 +26,13 @@
 /* Floats ahead of the current column a row stream prefetches (1 KiB: the next rows of
  * the thread's contiguous range arrive while this one is summed). */
 #define PREFETCH_AHEAD 256
+/* Tokens ahead of the current block whose keys and values the AVX-512 attention prefetches
+ * into L2 (on top of the next block's keys into L1): more misses in flight on the K/V
+ * stream, which one block ahead left at ~15 GB/s. 64 and 160 measured alike, both ahead of
+ * none (8-row steps at 1.8 K tokens of context 1.02-1.03x on top of pv_kv_head). */
+#ifndef KV_AHEAD
+#define KV_AHEAD 64
+#endif
 
 static inline int imin(int a, int b) { return a < b ? a : b; }
 
@@ -251,6 +258,48 @@ static void attend_head(const weft_model *m, const float *cache, const float *q,
 }
 
 #if defined(__AVX512F__)
+/* out[i] = sum_t p[i, t] v[t] for HB query heads sharing one KV head, NC chunks of 16 of
+ * head_dim (the last one masked by `tail`): each token's value row is loaded once for all
+ * HB heads (HB * NC accumulators: 16 at most), where a head at a time loaded it HB times
+ * from L2 and ran NC FMA chains, latency-bound at 4. Each head's sum runs over t in order,
+ * exactly as the head-at-a-time loop summed it: the same bits. Always inlined with
+ * constant HB / NC so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void pv_heads(const float *vb, const float *sc, float *oh, const int64_t *tok,
+                                                           int row_floats, int seq_len, int d, const int HB, const int NC,
+                                                           __mmask16 tail) {
+    __m512 acc[16];
+    for (int i = 0; i < HB * NC; i++) acc[i] = _mm512_setzero_ps();
+    for (int t = 0; t < seq_len; t++) {
+        const float *v = vb + (size_t)tok[t] * row_floats;
+        __m512 vv[8];
+        for (int c = 0; c < NC; c++) vv[c] = _mm512_maskz_loadu_ps(c + 1 == NC ? tail : (__mmask16)0xFFFF, v + c * 16);
+        for (int i = 0; i < HB; i++) {
+            const __m512 p = _mm512_set1_ps(sc[(size_t)i * seq_len + t]);
+            for (int c = 0; c < NC; c++) acc[i * NC + c] = _mm512_fmadd_ps(p, vv[c], acc[i * NC + c]);
+        }
+    }
+    for (int i = 0; i < HB; i++)
+        for (int c = 0; c < NC; c++)
+            _mm512_mask_storeu_ps(oh + (size_t)i * d + c * 16, c + 1 == NC ? tail : (__mmask16)0xFFFF, acc[i * NC + c]);
+}
+
+/* The `group` query heads of one KV head (scores: their [group, seq_len] probabilities,
+ * out: their [group, head_dim] outputs; vb: the KV head's first value) in passes of 16 / NC
+ * heads. chunks: 4 or 8. */
+static void pv_kv_head(const float *vb, const float *sc, float *oh, const int64_t *tok, int row_floats, int group,
+                       int d, int chunks, __mmask16 tail, int seq_len) {
+    const int per = 16 / chunks;
+    for (int i = 0; i < group; i += per) {
+        const int hb = imin(per, group - i);
+        const float *s = sc + (size_t)i * seq_len;
+        float *o = oh + (size_t)i * d;
+#define PV_CASE(HB_, NC_) \
+        if (hb == HB_ && chunks == NC_) { pv_heads(vb, s, o, tok, row_floats, seq_len, d, HB_, NC_, tail); continue; }
+        PV_CASE(4, 4) PV_CASE(3, 4) PV_CASE(2, 4) PV_CASE(1, 4) PV_CASE(2, 8) PV_CASE(1, 8)
+#undef PV_CASE
+    }
+}
+
 /* One row's attention for the query heads of KV heads [g0, g1) (GQA: `group` query heads
  * per KV head, contiguous in q and out), token blocks outermost so the row's cache is read
  * in address order (one token's K for all KV heads is one run of kv_heads * head_dim):
@@ -259,7 +308,9 @@ static void attend_head(const weft_model *m, const float *cache, const float *q,
  *           prefetched; per query head the 16 dots sum into 16 accumulators and one
  *           transpose-add tree (reduce16) makes one vector of 16 scores
  *   softmax exp16 over 16 scores at a time
- *   values  token by token with the head's output in registers (up to 8 chunks of 16 at a
+ *   values  token by token with the outputs in registers; at head_dim 64 / 128 every query
+ *           head of a KV head at once (pv_kv_head: each value row loaded once), else one
+ *           head at a time (up to 8 chunks of 16 at a
  *           time: one sequential read of each token's value row; the values are in cache)
  *
  * Each token's cache slot is looked up once (tok: [seq_len] int64 scratch): a lookup per
@@ -281,11 +332,14 @@ static void attend_kv_heads(const weft_model *m, const float *cache, const float
         const int nt = imin(16, seq_len - t0);
         const float *rows[16];
         for (int j = 0; j < 16; j++) rows[j] = KV_ROW(t0 + (j < nt ? j : 0));
-        for (int j = 0; j < nt; j++) { /* this block's values to L2, the next block's keys to L1 */
+        for (int j = 0; j < nt; j++) { /* this block's values to L2, the next block's keys to L1,
+                                         * keys and values KV_AHEAD tokens on to L2 */
             const float *v = rows[j] + v_offset, *kn = t0 + 16 + j < seq_len ? KV_ROW(t0 + 16 + j) : NULL;
+            const float *kf = t0 + KV_AHEAD + j < seq_len ? KV_ROW(t0 + KV_AHEAD + j) : NULL;
             for (int f = g0 * d; f < g1 * d; f += 16) {
                 __builtin_prefetch(v + f, 0, 2);
                 if (kn) __builtin_prefetch(kn + f, 0, 3);
+                if (kf) { __builtin_prefetch(kf + f, 0, 2); __builtin_prefetch(kf + v_offset + f, 0, 2); }
             }
         }
         for (int hd = 0; hd < heads; hd++) {
@@ -319,6 +373,12 @@ static void attend_kv_heads(const weft_model *m, const float *cache, const float
         }
         const float inv = 1.f / _mm512_reduce_add_ps(sum);
         for (int t = 0; t < seq_len; t++) sc[t] *= inv;
+    }
+    if (chunks == 4 || chunks == 8) { /* head_dim 64 or 128 (every model measured) */
+        for (int g = g0; g < g1; g++)
+            pv_kv_head(cache + v_offset + (size_t)g * d, scores + (size_t)(g - g0) * group * seq_len,
+                       out + (size_t)g * group * d, tok, row_floats, group, d, chunks, tail, seq_len);
+        return;
     }
     for (int hd = 0; hd < heads; hd++) { /* out[hd] = sum_t p[hd, t] v[t], 8 chunks at a time */
         const float *sc = scores + (size_t)hd * seq_len, *vb = cache + v_offset + (size_t)((h0 + hd) / group) * d;
