@@ -138,7 +138,11 @@ class AsyncEngine:
             # Compile here, off the engine thread (a cache miss would pause every stream for
             # up to grammar_compile_timeout_s); the engine's add then hits the cache. A
             # refusal is raised before anything was added, as the engine's own would be.
-            await loop.run_in_executor(None, self.engine.grammars.get, params.grammar)
+            # A remembered grammar is answered here: only a compile takes (and may wait for)
+            # a pool thread, so requests with cached grammars never queue behind new ones.
+            grammars = self.engine.grammars
+            if grammars.cached(params.grammar) is None:
+                await loop.run_in_executor(None, grammars.get, params.grammar)
         outq: asyncio.Queue = asyncio.Queue()
 
         def sink(item: StepOutput | BaseException) -> bool:

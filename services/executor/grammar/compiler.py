@@ -3,8 +3,9 @@ and bytes (LRU), shared by every request of the engine.
 
 Each compile runs on a daemon worker thread with a deadline (xgrammar releases the GIL
 while compiling), so a hostile grammar (a huge or deeply nested schema, an exploding
-regex) costs the caller at most ``compile_timeout_s`` and then a clear
-``InvalidRequestError``; the engine thread never waits on it forever. A compile past its
+regex) costs the caller at most ``compile_timeout_s`` of compiling (plus, when every worker
+is busy, up to as long waiting for one) and then a clear ``InvalidRequestError``; the
+engine thread never waits on it forever. A compile past its
 deadline keeps its worker until xgrammar returns (native code cannot be interrupted; a
 daemon thread at least never holds up process exit). A compile that finds every worker
 busy waits for one within its own deadline (a client sending three new schemas at once
@@ -88,6 +89,19 @@ class GrammarCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def cached(self, spec: GrammarSpec) -> xgr.CompiledGrammar | None:
+        """The remembered result of ``spec`` without compiling or waiting: the compiled grammar,
+        None when nothing is remembered (``get`` compiles it), or InvalidRequestError raised
+        when it is remembered as invalid. Cheap: callers may use it on an event loop."""
+        with self._lock:
+            hit = self._entries.get((spec.kind, spec.text))
+            if hit is not None:
+                self._entries.move_to_end((spec.kind, spec.text))
+        if hit is None:
+            return None
+        CACHE_LOOKUPS.labels("hit").inc()
+        return _served(hit)
+
     def get(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """The compiled grammar of ``spec``; raises InvalidRequestError naming
         ``grammar.<kind>`` when it is too big, malformed, or too slow to compile."""
@@ -98,9 +112,7 @@ class GrammarCache:
                 self._entries.move_to_end(key)
         if hit is not None:
             CACHE_LOOKUPS.labels("hit").inc()
-            if isinstance(hit, InvalidRequestError):
-                raise hit
-            return hit
+            return _served(hit)
         CACHE_LOOKUPS.labels("miss").inc()
         try:
             return self._compile(spec)
@@ -126,6 +138,14 @@ class GrammarCache:
                 future = self._inflight.get(key)
                 if future is not None:
                     return future
+                hit = self._entries.get(key)
+                if hit is not None:  # compiled (or refused) by another request while this one waited
+                    future = Future()
+                    try:
+                        future.set_result(_served(hit))
+                    except InvalidRequestError as e:
+                        future.set_exception(e)
+                    return future
                 if len(self.workers) < self.limits.compile_threads:
                     break
                 now = time.monotonic()
@@ -145,7 +165,15 @@ class GrammarCache:
             worker = threading.Thread(target=self._work, args=(spec, future), name="grammar-compile", daemon=True)
             self.workers[worker] = time.monotonic()
             self._inflight[key] = future
-        worker.start()
+        try:
+            worker.start()
+        except RuntimeError as e:  # "can't start new thread": a thread limit, memory
+            with self._lock:
+                self.workers.pop(worker, None)
+                self._inflight.pop(key, None)
+                self._freed.notify_all()
+            future.set_exception(CapacityError(f"grammar.{spec.kind}: no compile thread could start ({e}); "
+                                               "retry shortly"))
         return future
 
     def _await(self, spec: GrammarSpec, future: Future) -> xgr.CompiledGrammar:
@@ -156,6 +184,8 @@ class GrammarCache:
             log.warning("grammar_compile_timeout", kind=spec.kind, chars=len(spec.text))
             raise InvalidRequestError(
                 field, f"did not compile within {self.limits.compile_timeout_s:g}s; simplify it") from None
+        except InvalidRequestError:  # remembered while this caller waited: already in its final form
+            raise
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse / conversion errors
             raise InvalidRequestError(field, _NATIVE_PREFIX.sub("", str(e)).strip()) from None
 
@@ -208,6 +238,15 @@ class GrammarCache:
         with self._lock:
             self._entries.clear()
             self._bytes = 0
+
+
+def _served(hit: xgr.CompiledGrammar | InvalidRequestError) -> xgr.CompiledGrammar:
+    """A remembered result, as a caller gets it: the compiled grammar, or a fresh copy of the
+    remembered error raised (raising the one cached instance would chain every caller's
+    frames onto its traceback and keep them, prompts included, alive with the entry)."""
+    if isinstance(hit, InvalidRequestError):
+        raise InvalidRequestError(hit.field, hit.message)
+    return hit
 
 
 def _check_source(spec: GrammarSpec, max_bytes: int) -> None:
