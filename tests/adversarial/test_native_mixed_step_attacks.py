@@ -1,12 +1,17 @@
-"""Mixed steps split between the native decode step and the model (ModelRunner.execute),
-attacked as a hostile client and an unlucky operator would.
+"""Mixed steps whose decode rows the native code handles (ModelRunner.execute), attacked as
+a hostile client and an unlucky operator would, in both of its shapes (``mode``):
 
-Every test drives two engines through one schedule of adds and aborts: one splitting each
-mixed step (``native_mixed_min_context`` 0: tiny contexts split), one with the ablation
-(``native_mixed_steps = False``: the whole step through the model, as before), and asks
-for the same tokens, finish reasons, logprobs, top logprobs, prompt logprobs and
-entropies. A spy on the runner says what each mixed step did, so each test also checks
-that the case it attacks actually happened:
+- ``single``: the default. One pass of the model's forward over every row; the decode
+  rows' attention runs natively (``NativeDecoder.attend_rows``) instead of gathering;
+- ``split``: the decodes in the native step, only the prefill chunks through the model
+  (``native_decode_attention`` off, ``native_mixed_min_context`` 0: tiny contexts split).
+
+Every test drives that engine and the ablation (the whole step through the model, decode
+rows gathered, as before either) through one schedule of adds and aborts and asks for the
+same tokens, finish reasons, logprobs, top logprobs, prompt logprobs and entropies. A spy
+on the runner says what each mixed step did (``native``: its decode rows were handled
+natively; ``gathered``: they went through the gather path), so each test also checks that
+the case it attacks actually happened:
 
 - prompt logprobs of chunked prefills (row offsets), several chunks in one step, a step
   whose chunks sample nothing beside decodes that do;
@@ -44,19 +49,34 @@ def tiny(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory)
 
 
-def engine(tiny, mixed: bool, **extra) -> tuple[LLMEngine, list[dict]]:
-    """An engine on the torch back end, and the list its spy fills: one dict per step that
-    had decode rows and prefill chunks."""
+@pytest.fixture(params=["single", "split"])
+def mode(request) -> str:
+    return request.param
+
+
+def engine(tiny, mode: str, **extra) -> tuple[LLMEngine, list[dict]]:
+    """An engine on the torch back end (``mode``: single, split, or model: the ablation),
+    and the list its spy fills: one dict per step that had decode rows and prefill chunks."""
     options = dict(block_size=16, max_model_len=256, num_kv_blocks=64, max_num_seqs=8, max_prefill_chunk=24,
                    max_num_batched_tokens=64)
     options.update(extra)
     e = LLMEngine(tiny, EngineConfig(**options))
     runner = e.runner
-    runner.native_mixed_steps = mixed
+    runner.native_decode_attention = mode == "single"
+    runner.native_mixed_steps = mode == "split"
     runner.native_mixed_min_context = 0
     steps: list[dict] = []
     forward_decodes: list[int] = []
+    attended: list[int] = []  # rows of each native attention call (one per layer)
     real_forward, real_execute = e.model.forward, runner.execute
+    if runner.native is not None:
+        real_attend = runner.native.attend_rows
+
+        def attend(cache, q, block_tables, seq_lens):
+            attended.append(q.shape[0])
+            return real_attend(cache, q, block_tables, seq_lens)
+
+        runner.native.attend_rows = attend
 
     def forward(input_ids, positions, kv_caches, meta):
         forward_decodes.append(meta.num_decodes)
@@ -64,14 +84,18 @@ def engine(tiny, mixed: bool, **extra) -> tuple[LLMEngine, list[dict]]:
 
     def execute(plan):
         forward_decodes.clear()
+        attended.clear()
         step = dict(d=len(plan.decodes), p=len(plan.prefills), p_sample=sum(s.samples for s in plan.prefills),
                     prompt_decodes=sum(d.seq.num_computed_tokens + 1 == d.seq.num_prompt_tokens for d in plan.decodes),
                     evicted=any(d.seq.num_evicted_tokens for d in plan.decodes),
                     idle_decodes=sum(not d.samples for d in plan.decodes),
                     recompute=any(p.seq.num_preemptions for p in plan.prefills))
         result = real_execute(plan)
-        step["split"] = forward_decodes == [0]
-        step["one_pass"] = forward_decodes == [step["d"]]
+        one_pass = forward_decodes == [step["d"]]
+        # native: the split's step took every decode row, or the one pass attended them all natively
+        step["native"] = forward_decodes == [0] or (
+            one_pass and len(attended) == e.model.num_layers and all(n == step["d"] for n in attended))
+        step["gathered"] = one_pass and not attended
         if plan.decodes and plan.prefills:
             steps.append(step)
         return result
@@ -81,31 +105,31 @@ def engine(tiny, mixed: bool, **extra) -> tuple[LLMEngine, list[dict]]:
     return e, steps
 
 
-def compare(tiny, schedule, **extra) -> tuple[dict, list[dict], LLMEngine]:
-    """Run ``schedule`` split and on the ablation; assert the same outputs. Returns the
-    split engine's outputs, its mixed steps and the engine."""
-    want = drive(engine(tiny, mixed=False, **extra)[0], schedule)
-    e, steps = engine(tiny, mixed=True, **extra)
+def compare(tiny, mode: str, schedule, **extra) -> tuple[dict, list[dict], LLMEngine]:
+    """Run ``schedule`` in ``mode`` and on the ablation; assert the same outputs. Returns
+    the ``mode`` engine's outputs, its mixed steps and the engine."""
+    want = drive(engine(tiny, "model", **extra)[0], schedule)
+    e, steps = engine(tiny, mode, **extra)
     got = drive(e, schedule)
     assert_same(got, want)
     return got, steps, e
 
 
-def test_prompt_logprobs_of_several_chunks_beside_decodes_keep_their_rows(tiny):
+def test_prompt_logprobs_of_several_chunks_beside_decodes_keep_their_rows(tiny, mode):
     # a, b decode while c (70 tokens: chunks of 24, 24, 22) and d (30: 24, 6) prefill,
     # both asking for prompt logprobs; the first mixed step's chunks sample nothing
     schedule = {0: [("add", "a", prompt(20, 1), greedy(12, logprobs=True, top_logprobs=2)),
                     ("add", "b", prompt(9, 2), greedy(12))],
                 2: [("add", "c", prompt(70, 3), greedy(4, prompt_logprobs=3)),
                     ("add", "d", prompt(30, 4), greedy(3, logprobs=True, prompt_logprobs=0))]}
-    got, steps, _ = compare(tiny, schedule)
-    assert any(s["split"] and s["p"] == 2 and s["p_sample"] == 0 for s in steps)
-    assert any(s["split"] and s["p"] == 2 and s["p_sample"] == 1 for s in steps)
+    got, steps, _ = compare(tiny, mode, schedule)
+    assert any(s["native"] and s["p"] == 2 and s["p_sample"] == 0 for s in steps)
+    assert any(s["native"] and s["p"] == 2 and s["p_sample"] == 1 for s in steps)
     assert len(got["c"]["prompt"]) == 69 and all(len(t) == 3 for t in got["c"]["prompt_top"])
     assert len(got["d"]["prompt"]) == 29 and got["d"]["prompt_top"] in ([], [()] * 29)
 
 
-def test_a_prompts_last_token_scheduled_as_a_decode_row_beside_a_prefill(tiny):
+def test_a_prompts_last_token_scheduled_as_a_decode_row_beside_a_prefill(tiny, mode):
     # e (25 tokens, prompt logprobs) leaves 1 token after its 24-token chunk: a decode row
     # beside f's next chunk; g repeats f's first 33 tokens: a 32-token prefix hit leaves 1
     f = prompt(60, 6)
@@ -113,12 +137,12 @@ def test_a_prompts_last_token_scheduled_as_a_decode_row_beside_a_prefill(tiny):
                 1: [("add", "e", prompt(25, 5), greedy(5, prompt_logprobs=2, logprobs=True)),
                     ("add", "f", f, greedy(3))],
                 3: [("add", "g", f[:33], greedy(4, logprobs=True, top_logprobs=1))]}
-    got, steps, _ = compare(tiny, schedule)
-    assert sum(s["prompt_decodes"] for s in steps if s["split"]) >= 2
+    got, steps, _ = compare(tiny, mode, schedule)
+    assert sum(s["prompt_decodes"] for s in steps if s["native"]) >= 2
     assert len(got["e"]["prompt"]) == 24 and got["g"]["cached"] == 32
 
 
-def test_sampler_features_on_both_sides_of_the_split(tiny):
+def test_sampler_features_on_both_sides_of_the_split(tiny, mode):
     """Seeded draws, penalties, a logit bias (one outside the vocabulary), a stop token
     after min_tokens, top logprobs, a regex grammar and entropy tracking: as decode rows
     and as prefill rows of the same mixed steps."""
@@ -138,16 +162,16 @@ def test_sampler_features_on_both_sides_of_the_split(tiny):
     prefills = [("add", f"p{i}", prompt(30 + i, 20 + i), k(i)) for i, k in enumerate(kinds[:2])]
     later = [("add", f"q{i}", prompt(26, 30 + i), k(i)) for i, k in enumerate(kinds) if i >= 2]
     later.append(("add", "q5", prompt(27, 40), SamplingParams(max_tokens=5, temperature=0.7, seed=3), entropy))
-    got, steps, _ = compare(tiny, {0: decoders, 2: prefills, 3: later}, max_num_seqs=16,
+    got, steps, _ = compare(tiny, mode, {0: decoders, 2: prefills, 3: later}, max_num_seqs=16,
                             max_num_batched_tokens=128)
-    assert sum(s["split"] for s in steps) >= 2 and all(not s["one_pass"] for s in steps)
+    assert sum(s["native"] for s in steps) >= 2 and all(not s["gathered"] for s in steps)
     for rid in ("d3", "q3"):
         assert got[rid]["tokens"] == [7, 7, 7] and got[rid]["finish"] is FinishReason.STOP
     for rid in ("d5", "q5"):
         assert got[rid]["entropy"] > 0
 
 
-def test_preemption_aborts_and_prefix_hits_in_a_tiny_pool(tiny):
+def test_preemption_aborts_and_prefix_hits_in_a_tiny_pool(tiny, mode):
     # 8 blocks of 16: a, b and c cannot all grow, so one is preempted and recomputed (its
     # chunk beside native decodes);
     # x is aborted mid-prefill, y hits a's first block while a decodes, z asks for prompt
@@ -159,31 +183,32 @@ def test_preemption_aborts_and_prefix_hits_in_a_tiny_pool(tiny):
                 5: [("add", "y", a[:16] + prompt(10, 5), greedy(6))],
                 8: [("add", "z", prompt(30, 6), SamplingParams(max_tokens=6, temperature=0.9, seed=1,
                                                                 prompt_logprobs=1))]}
-    got, steps, e = compare(tiny, schedule, num_kv_blocks=8, max_model_len=128)
-    assert e.num_preemptions > 0 and any(s["split"] and s["recompute"] for s in steps)
+    got, steps, e = compare(tiny, mode, schedule, num_kv_blocks=8, max_model_len=128)
+    assert e.num_preemptions > 0 and any(s["native"] and s["recompute"] for s in steps)
     assert got["x"]["finish"] is FinishReason.ABORT and got["y"]["cached"] == 16 and len(got["z"]["prompt"]) == 29
 
 
-def test_more_decode_rows_than_the_native_step_covers_run_in_one_pass(tiny):
+def test_more_decode_rows_than_the_native_step_covers_run_in_one_pass(tiny, mode):
     # 65 one-block requests: 64 prefill in step 0 (128 tokens), the 65th beside 64 decodes
     # (split); then w's chunks beside 65 decodes (past MAX_ROWS = 64: one pass)
     schedule = {0: [("add", f"r{i}", prompt(2, i), greedy(6)) for i in range(65)],
                 3: [("add", "w", prompt(40, 99), greedy(3, prompt_logprobs=1))]}
-    _, steps, _ = compare(tiny, schedule, max_num_seqs=72, num_kv_blocks=96, max_num_batched_tokens=128,
+    _, steps, _ = compare(tiny, mode, schedule, max_num_seqs=72, num_kv_blocks=96, max_num_batched_tokens=128,
                           max_prefill_chunk=24)
-    assert any(s["d"] == 64 and s["split"] for s in steps)
+    assert any(s["d"] == 64 and s["native"] for s in steps)
     wide = [s for s in steps if s["d"] > 64]
-    assert wide and all(s["one_pass"] for s in wide)
+    # the single pass attends any number of rows natively; the split's step stops at 64
+    assert wide and all(s["native"] if mode == "single" else s["gathered"] for s in wide)
 
 
-def test_a_one_token_chunk_that_does_not_sample_keeps_the_step_in_one_pass(tiny):
+def test_a_one_token_chunk_that_does_not_sample_keeps_the_step_in_one_pass(tiny, mode):
     # budget 8: a, b decode, c's 5-token prompt takes 5, d's 40-token prompt gets the
     # remaining 1: a decode row that samples nothing (the native step must not take it)
     schedule = {0: [("add", "a", prompt(4, 1), greedy(8)), ("add", "b", prompt(3, 2), greedy(8))],
                 2: [("add", "c", prompt(5, 3), greedy(3)), ("add", "d", prompt(40, 4), greedy(3, prompt_logprobs=2))]}
-    got, steps, _ = compare(tiny, schedule, max_num_batched_tokens=8, max_prefill_chunk=8)
-    assert any(s["one_pass"] and s["idle_decodes"] == 1 for s in steps)
-    assert any(s["split"] for s in steps) and len(got["d"]["prompt"]) == 39
+    got, steps, _ = compare(tiny, mode, schedule, max_num_batched_tokens=8, max_prefill_chunk=8)
+    assert any((s["native"] if mode == "single" else s["gathered"]) and s["idle_decodes"] == 1 for s in steps)
+    assert any(s["native"] for s in steps) and len(got["d"]["prompt"]) == 39
 
 
 @pytest.mark.parametrize("extra, native", [
@@ -192,13 +217,13 @@ def test_a_one_token_chunk_that_does_not_sample_keeps_the_step_in_one_pass(tiny)
     (dict(kv_compress_budget_blocks=3, kv_compress_sink_blocks=1, kv_compress_recent_blocks=1,
           kv_compress_policy="oldest"), True),
 ], ids=["int8", "compress-attention", "compress-oldest"])
-def test_caches_without_a_native_step_and_compressed_decode_rows(tiny, extra, native):
+def test_caches_without_a_native_step_and_compressed_decode_rows(tiny, mode, extra, native):
     # a, b decode past 3 blocks (compression drops middle blocks); prefills arrive late
     schedule = {0: [("add", "a", prompt(40, 1), greedy(24, logprobs=True)), ("add", "b", prompt(35, 2), greedy(24))],
                 12: [("add", "c", prompt(50, 3), greedy(3, prompt_logprobs=1))],
                 16: [("add", "d", prompt(30, 4), greedy(3))]}
-    got, steps, e = compare(tiny, schedule, **extra)
+    got, steps, e = compare(tiny, mode, schedule, **extra)
     assert (e.runner.native is not None) is native and len(got["a"]["tokens"]) == 24
-    assert steps and all(s["split"] if native else s["one_pass"] for s in steps)
+    assert steps and all(s["native"] if native else s["gathered"] for s in steps)
     if "kv_compress_budget_blocks" in extra:
         assert e.num_compressed_blocks > 0 and any(s["evicted"] for s in steps)

@@ -16,6 +16,11 @@ from services.executor.attention.base import AttentionBackend, AttentionMetadata
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     produces_block_scores = True
+    # The model runner's native decode-row attention (NativeDecoder.attend_rows) where it has
+    # one: decode rows then read their contexts through the block tables in C instead of
+    # being gathered into dense copies here. Used for fp32 caches when attention mass is not
+    # being tracked; None: the gather path below.
+    native_decode = None
 
     def forward(
         self,
@@ -60,6 +65,9 @@ class TorchAttentionBackend(AttentionBackend):
         return k, v
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+        if (self.native_decode is not None and meta.block_scores is None
+                and not isinstance(kv_cache, QuantizedKVCache) and q.dtype == torch.float32):
+            return self.native_decode(kv_cache, q, meta.decode_block_tables, meta.decode_seq_lens)
         lens = meta.decode_seq_lens_host
         max_len = max(lens)
         k, v = self._gather(kv_cache, meta.decode_block_tables, -(-max_len // block_size))

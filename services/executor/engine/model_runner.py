@@ -25,9 +25,13 @@ from services.executor.model.sampler import SampledTokens, is_plain_greedy, samp
 
 log = structlog.get_logger(__name__)
 
-# A mixed step (decodes beside prefill chunks) runs its decodes natively and only its
-# chunks through the model once the decodes' contexts hold this many tokens in all. The
-# model's decode path gathers each row's whole context in every layer: beside a hop's
+# A mixed step (decodes beside prefill chunks) runs as one pass of the model's forward over
+# every row, the decode rows' attention native (ModelRunner.native_decode_attention: one
+# pass over the weights, no gathers; 1.02-1.16x faster than the split below on both models,
+# benchmarks/results/mixed_steps.md). Without native attention (the ablation, or a back end
+# that has none) the split applies: the decodes in the native step and only the chunks
+# through the model once the decodes' contexts hold this many tokens in all. The model's
+# gathering decode path copies each row's whole context in every layer: beside a hop's
 # 112-token prefill, 8 SmolLM2 rows of 1,400 tokens took the step from ~540 ms to ~920 ms.
 # A second pass over the weights is not free, so small contexts stay in one pass: at 1-2
 # rows of 200 tokens the split gained nothing (medians 0.95-1.18x with wide ranges in
@@ -66,9 +70,15 @@ class ModelRunner:
         self.native = (model.native_decoder(self.kv_caches)
                        if kv_cache_dtype != "int8" and not track_block_scores else None)
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs (capture_decode_graphs)
-        # a mixed step's decodes natively, its prefill chunks through the model, once the
-        # decodes hold this many context tokens in all (False: all through the model, the
-        # benchmark's baseline: benchmarks/mixed_steps.py)
+        # the torch path's decode rows attend natively (NativeDecoder.attend_rows), so a mixed
+        # step runs as one pass over the weights, its decodes' projections in the prefill's
+        # GEMMs, and steps the native step does not cover (past MAX_ROWS, rows that sample
+        # nothing) stop gathering contexts (False: the split below, or the gather path;
+        # benchmarks/mixed_steps.py's ablations)
+        self.native_decode_attention = self.native is not None and model.attn.name == "torch"
+        # without native attention: a mixed step's decodes natively, its prefill chunks through
+        # the model, once the decodes hold this many context tokens in all (False: all through
+        # the model, gathered)
         self.native_mixed_steps = True
         self.native_mixed_min_context = NATIVE_MIXED_MIN_CONTEXT
 
@@ -144,6 +154,10 @@ class ModelRunner:
             return self._sample(items, logits, meta)
         input_ids, positions, meta, sample_rows, row_starts = self._prepare(plan)
         nd = len(plan.decodes)
+        single_pass = self.native_decode_attention and self.native is not None
+        self.model.attn.native_decode = self.native.attend_rows if single_pass else None  # read by _forward
+        if plan.prefills and single_pass:  # one pass, the decode rows' attention native
+            return self._sample(*self._forward(items, input_ids, positions, meta, sample_rows, row_starts), meta)
         if not (self.native is not None and self.native.covers(nd) and all(d.samples for d in plan.decodes)
                 and (not plan.prefills or self.native_mixed_steps
                      and sum(meta.decode_seq_lens_host) >= self.native_mixed_min_context)):

@@ -1,7 +1,8 @@
-"""A mixed step (decodes beside prefill chunks) runs its decodes natively and only its
-prefill chunks through the model (ModelRunner.execute): every request gets what it gets
-when it runs alone, prompt logprobs and sampled rows included, and the model's forward
-never sees a decode row while the native step covers them."""
+"""A mixed step (decodes beside prefill chunks) hands its decode rows to native code
+(ModelRunner.execute): by default one pass of the model's forward over every row with the
+decode rows' attention native (``single``), or, as an ablation, the decodes in the native
+step and only the prefill chunks through the model (``split``). Either way every request
+gets what it gets when it runs alone, prompt logprobs and sampled rows included."""
 from __future__ import annotations
 
 import os
@@ -27,11 +28,13 @@ def tiny(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("mixed") / "tiny", preset="tiny", arch="llama")
 
 
-def engine(tiny, native_mixed_steps: bool = True, min_context: int = 0) -> LLMEngine:
-    """An engine that splits every mixed step (``min_context`` 0: these contexts are short)."""
+def engine(tiny, mode: str = "single", min_context: int = 0) -> LLMEngine:
+    """An engine whose mixed steps run in ``mode``: single (the default), split (every one:
+    ``min_context`` 0, these contexts are short) or model (all through the forward, gathered)."""
     e = LLMEngine(tiny, EngineConfig(block_size=16, max_model_len=256, num_kv_blocks=64, max_num_seqs=8,
                                      max_prefill_chunk=24, max_num_batched_tokens=64))
-    e.runner.native_mixed_steps = native_mixed_steps
+    e.runner.native_decode_attention = mode == "single"
+    e.runner.native_mixed_steps = mode == "split"
     e.runner.native_mixed_min_context = min_context
     return e
 
@@ -54,16 +57,27 @@ REQUESTS = [
 
 
 def run(e: LLMEngine, requests) -> tuple[dict, list[int]]:
-    """Outputs per request, and the decode rows the model's forward saw in each step that
-    had prefill chunks."""
+    """Outputs per request, and per step that had prefill chunks: the decode rows the
+    model's forward saw, and how many of those its layers attended natively (in all)."""
     got: dict[str, dict] = {}
-    forward_decodes: list[int] = []
+    forward_decodes: list[tuple[int, int]] = []
     real_forward = e.model.forward
+    attended: list[int] = []
+    if e.runner.native is not None:
+        real_attend = e.runner.native.attend_rows
+
+        def attend(cache, q, block_tables, seq_lens):
+            attended.append(q.shape[0])
+            return real_attend(cache, q, block_tables, seq_lens)
+
+        e.runner.native.attend_rows = attend
 
     def forward(input_ids, positions, kv_caches, meta):
+        attended.clear()
+        out = real_forward(input_ids, positions, kv_caches, meta)
         if meta.num_prefills:
-            forward_decodes.append(meta.num_decodes)
-        return real_forward(input_ids, positions, kv_caches, meta)
+            forward_decodes.append((meta.num_decodes, sum(attended)))
+        return out
 
     e.model.forward = forward
     pending = sorted(requests, key=lambda r: r[1])
@@ -92,24 +106,31 @@ def assert_close(got: dict, want: dict) -> None:
     assert [[i for i, _ in t] for t in got["top"]] == [[i for i, _ in t] for t in want["top"]]
 
 
-def test_a_mixed_step_gives_each_request_what_it_gets_alone(tiny):
-    together, forward_decodes = run(engine(tiny), REQUESTS)
-    # the batch did mix: prefill chunks ran while decodes were running, and the model's
-    # forward got none of those decode rows
-    assert forward_decodes and all(n == 0 for n in forward_decodes)
+@pytest.mark.parametrize("mode", ["single", "split"])
+def test_a_mixed_step_gives_each_request_what_it_gets_alone(tiny, mode):
+    together, forward_decodes = run(engine(tiny, mode), REQUESTS)
+    # the batch did mix: prefill chunks ran while decodes were running. Single: the forward
+    # took those decode rows and every layer attended them natively; split: it got none
+    layers = engine(tiny).model.num_layers
+    assert forward_decodes
+    if mode == "single":
+        assert any(n for n, _ in forward_decodes) and all(native == n * layers for n, native in forward_decodes)
+    else:
+        assert all(n == 0 and native == 0 for n, native in forward_decodes)
     for rid, _, p, params in REQUESTS:
-        alone, _ = run(engine(tiny), [(rid, 0, p, params)])
+        alone, _ = run(engine(tiny, mode), [(rid, 0, p, params)])
         assert_close(together[rid], alone[rid])
     assert len(together["c"]["prompt"]) == 69 and len(together["d"]["top"]) == 10
 
 
-def test_the_baseline_sends_mixed_steps_decodes_through_the_model(tiny):
-    # the ablation the benchmark compares against: the spy above can tell the two apart
-    _, forward_decodes = run(engine(tiny, native_mixed_steps=False), REQUESTS)
-    assert any(n > 0 for n in forward_decodes)
+def test_the_baseline_sends_mixed_steps_decodes_through_the_model_gathered(tiny):
+    # the ablation the benchmark compares against: the spy above can tell it apart
+    _, forward_decodes = run(engine(tiny, "model"), REQUESTS)
+    assert any(n > 0 for n, _ in forward_decodes) and all(native == 0 for _, native in forward_decodes)
 
 
-def test_decodes_with_short_contexts_stay_in_the_models_one_pass(tiny):
-    # below the threshold a second pass over the weights costs more than the gathers it saves
-    _, forward_decodes = run(engine(tiny, min_context=10_000), REQUESTS)
-    assert any(n > 0 for n in forward_decodes)
+def test_split_decodes_with_short_contexts_stay_in_the_models_one_pass(tiny):
+    # the split's threshold: below it a second pass over the weights cost more than the
+    # gathers it saved
+    _, forward_decodes = run(engine(tiny, "split", min_context=10_000), REQUESTS)
+    assert any(n > 0 for n, _ in forward_decodes) and all(native == 0 for _, native in forward_decodes)

@@ -585,3 +585,40 @@ int weft_decode_rows(const weft_model *m, int R, const int64_t *token_ids, const
     free(buf);
     return 0;
 }
+
+/* The attention of R decode rows over one layer's cache, for the torch path: its forward
+ * computes the projections of every row of a step (a mixed step's prefill chunks and
+ * decodes in one pass over the weights) and hands the decode rows' attention here instead
+ * of gathering each row's whole context into a dense copy. q: [R, num_heads * head_dim]
+ * rows q_stride floats apart (rotated, as the step computes them); out: the same shape,
+ * out_stride apart; cache: the layer's [2, num_blocks, block_size, kv_heads, head_dim]
+ * (each row's new K/V already written); block_tables, seq_lens: as weft_decode_rows.
+ * Returns 0, or -1 when out of memory. */
+int weft_attend_rows(const weft_model *m, const float *cache, int R, const float *q, int q_stride, float *out,
+                     int out_stride, const int32_t *block_tables, int table_stride, const int32_t *seq_lens,
+                     int num_threads) {
+    const int nh = m->num_heads, nkv = m->num_kv_heads, group = nh / nkv;
+    if (num_threads < 1) num_threads = 1;
+    const int split = R >= 2 * num_threads ? 1 : nkv; /* attention items per row, as in the step */
+    int max_len = 1;
+    for (int r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
+    size_t n_scores = (size_t)num_threads * nh * max_len;
+    n_scores += n_scores & 1; /* the int64 slots after the floats start 8-byte aligned */
+    float *buf = (float *)malloc(n_scores * sizeof(float) + (size_t)num_threads * max_len * sizeof(int64_t));
+    if (!buf) return -1;
+    int64_t *toks = (int64_t *)(buf + n_scores);
+    #pragma omp parallel num_threads(num_threads)
+    {
+        const int tid = omp_get_thread_num();
+        float *sc = buf + (size_t)tid * nh * max_len;
+        int64_t *tok = toks + (size_t)tid * max_len;
+        #pragma omp for schedule(dynamic, 1)
+        for (int p = 0; p < R * split; p++) {
+            const int r = p / split, part = p % split;
+            attend_row(m, cache, q + (size_t)r * q_stride, out + (size_t)r * out_stride, sc, tok, part * nkv / split,
+                       (part + 1) * nkv / split, group, block_tables + (size_t)r * table_stride, seq_lens[r]);
+        }
+    }
+    free(buf);
+    return 0;
+}

@@ -182,3 +182,28 @@ class NativeDecoder:
         if rc != 0:
             raise MemoryError("native decode step could not allocate its scratch buffer")
         return logits
+
+    def attend_rows(self, cache: torch.Tensor, q: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor) -> torch.Tensor:  # [R, num_heads, head_dim]
+        """The attention of R decode rows over one layer's ``cache`` (one of the
+        ``kv_caches`` this decoder was made with; each row's new K/V already written): row r's
+        query ``q[r]`` ([R, num_heads, head_dim] fp32, rotated; rows may be strided, as a view
+        of the step's fused qkv projection is) over its first ``seq_lens[r]``
+        (int32 [R]) entries through ``block_tables[r]`` (int32 [R, W]). What the torch
+        path's decode rows use instead of gathering their contexts (attention.torch_backend)."""
+        rows, heads, d = q.shape
+        if (q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d or block_tables.dtype != torch.int32
+                or seq_lens.dtype != torch.int32 or block_tables.stride(1) != 1 or not seq_lens.is_contiguous()
+                or block_tables.shape[0] != rows or seq_lens.shape[0] != rows):
+            raise ValueError("attend_rows needs fp32 q with contiguous rows and int32 block_tables / seq_lens, "
+                             "one row each")
+        if not any(cache.data_ptr() == c.data_ptr() for c in self._keep[5]["kv_cache"]):
+            raise ValueError("attend_rows reads only the caches this decoder was made with")
+        out = torch.empty((rows, heads, d), dtype=torch.float32)
+        rc = self._lib.weft_attend_rows(self._struct_ref, cache.data_ptr(), rows, q.data_ptr(), q.stride(0),
+                                        out.data_ptr(), heads * d, block_tables.data_ptr(), block_tables.stride(0),
+                                        seq_lens.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("native attention could not allocate its scratch buffer")
+        return out
+

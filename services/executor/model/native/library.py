@@ -101,6 +101,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.weft_decode_step.restype = ctypes.c_int
     lib.weft_decode_rows.argtypes = [p, i32, p, p, p, p, i32, p, p, i32]
     lib.weft_decode_rows.restype = ctypes.c_int
+    lib.weft_attend_rows.argtypes = [p, p, i32, p, i32, p, i32, p, i32, p, i32]
+    lib.weft_attend_rows.restype = ctypes.c_int
     lib.weft_argmax_rows.argtypes = [p, i32, i32, p, i32]
     lib.weft_argmax_rows.restype = ctypes.c_int
     lib.weft_argmax_entropy_rows.argtypes = [p, i32, i32, p, p, p, i32]
