@@ -322,6 +322,19 @@ async def run_model(args, model_name: str) -> list[rep.RunSummary]:
     return runs
 
 
+def machine() -> str:
+    """The header's machine: CPUs, model, whether AVX-512, and the 1-minute load average at
+    the start (other work on the box shows there; the harness cannot know more)."""
+    from benchmarks.report import cpu_name
+
+    try:
+        avx512 = " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        avx512 = False
+    return (f"{os.cpu_count()} CPUs ({cpu_name()}{' with AVX-512' if avx512 else ''}; 1-minute load average "
+            f"{os.getloadavg()[0]:.2f} at the start)")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="weft bench agentic --peer llama-server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -371,8 +384,7 @@ def main(argv=None) -> int:
     outer = rep.section_text(document) or rep.HEADER
     for m in models:
         lines = [f"Command: `weft bench agentic {' '.join(sys.argv[3:] if argv is None else argv)}`  ",
-                 f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {os.cpu_count()} CPUs "
-                 "(shared with other work), no GPU", "",
+                 f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {machine()}, no GPU", "",
                  f"Workload per seed: {s.num_programs} programs of {s.min_hops}–{s.max_hops} hops (Pareto alpha "
                  f"{s.pareto_alpha}), {s.concurrency} at once, {s.output_tokens} output tokens per hop and chat, "
                  f"log-normal tool pauses (median {s.tool_median_s} s), interactive requests at "
