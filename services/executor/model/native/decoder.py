@@ -103,6 +103,9 @@ class NativeDecoder:
         self._struct_ref = ctypes.byref(self._struct)
         self._max_position = model.cos.shape[0]
         self._vocab = model.lm_head.out_features
+        self._heads, self._head_dim = model.num_heads, model.head_dim
+        self._block_size, self._num_blocks = block_size, num_blocks
+        self._checked: tuple | None = None  # the block tables / lengths _check_tables last passed
 
     @staticmethod
     def covers(num_rows: int) -> bool:
@@ -172,6 +175,7 @@ class NativeDecoder:
                                  f"{tuple(t.shape)}")
         if len(seq_lens_host) != rows or min(seq_lens_host) < 1:
             raise ValueError("every row needs a sequence length >= 1")
+        self._check_tables(block_tables, seq_lens)
         low, high = torch.aminmax(positions)
         if low < 0 or high >= self._max_position:
             raise ValueError(f"a position in [{int(low)}, {int(high)}] is outside the RoPE table")
@@ -182,6 +186,29 @@ class NativeDecoder:
         if rc != 0:
             raise MemoryError("native decode step could not allocate its scratch buffer")
         return logits
+
+    def _check_tables(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Every length in [1, the table's width in tokens] and every block a row reads inside
+        the pool: the C side trusts both (a block past the pool read outside the cache)."""
+        if not len(seq_lens):
+            return
+        # every layer of a step passes the same two tensors: checked once. The last pair checked
+        # is held (so no new tensor can reuse its memory) and compared by identity and by
+        # _version (a tensor changed in place bumps it, so a changed table is checked again).
+        last = self._checked
+        if (last is not None and last[0] is block_tables and last[1] == block_tables._version
+                and last[2] is seq_lens and last[3] == seq_lens._version):
+            return
+        low, high = torch.aminmax(seq_lens)
+        if low < 1 or high > block_tables.shape[1] * self._block_size:
+            raise ValueError(f"a sequence length in [{int(low)}, {int(high)}] is outside [1, "
+                             f"{block_tables.shape[1] * self._block_size}] (the block tables' width)")
+        need = (seq_lens.to(torch.int64) + self._block_size - 1) // self._block_size
+        used = block_tables[torch.arange(block_tables.shape[1])[None, :] < need[:, None]]
+        low, high = torch.aminmax(used)
+        if low < 0 or high >= self._num_blocks:
+            raise ValueError(f"a block id in [{int(low)}, {int(high)}] is outside the pool's {self._num_blocks}")
+        self._checked = (block_tables, block_tables._version, seq_lens, seq_lens._version)
 
     def attend_rows(self, cache: torch.Tensor, q: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor) -> torch.Tensor:  # [R, num_heads, head_dim]
@@ -197,8 +224,12 @@ class NativeDecoder:
                 or block_tables.shape[0] != rows or seq_lens.shape[0] != rows):
             raise ValueError("attend_rows needs fp32 q with contiguous rows and int32 block_tables / seq_lens, "
                              "one row each")
+        if q.device.type != "cpu" or (heads, d) != (self._heads, self._head_dim):
+            raise ValueError(f"attend_rows needs CPU q of [rows, {self._heads}, {self._head_dim}], got "
+                             f"{tuple(q.shape)} on {q.device}")
         if not any(cache.data_ptr() == c.data_ptr() for c in self._keep[5]["kv_cache"]):
             raise ValueError("attend_rows reads only the caches this decoder was made with")
+        self._check_tables(block_tables, seq_lens)
         out = torch.empty((rows, heads, d), dtype=torch.float32)
         rc = self._lib.weft_attend_rows(self._struct_ref, cache.data_ptr(), rows, q.data_ptr(), q.stride(0),
                                         out.data_ptr(), heads * d, block_tables.data_ptr(), block_tables.stride(0),
