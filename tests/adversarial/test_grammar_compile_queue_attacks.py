@@ -24,6 +24,7 @@ from services.executor.errors import CapacityError, InvalidRequestError
 from services.executor.grammar import GrammarCache, GrammarLimits, compiler, load_tokenizer_info
 from services.executor.model.config import ModelConfig
 from tests.integration.conftest import wait_for
+from tests.threads import in_thread as _in_thread
 from weft.testing.tiny_model import make_tiny_checkpoint
 
 LONG = 60.0  # a deadline no test reaches: only what the test releases finishes
@@ -70,20 +71,6 @@ class _Holds:
     def release(self, *texts: str) -> None:
         for text in texts or list(self.events):
             self.events[text].set()
-
-
-def _in_thread(fn, *args):
-    out: dict = {}
-
-    def run():
-        try:
-            out["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - read by the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
 
 
 def _done(out: dict) -> bool:

@@ -232,14 +232,21 @@ def test_non_finite_values_past_a_rows_length_never_reach_an_output(shape, poiso
     assert torch.equal(got, model.native_decoder([clean]).attend_rows(clean, q, table, seq_lens))
 
 
-def test_bad_inputs_are_refused_with_value_error_and_the_decoder_still_works():
+def _two_rows(seed: int):
+    """A g2_d64 decoder over a random one-layer cache and two valid rows (20 and 5 tokens):
+    (model, decoder, cache, q, block table, lengths, num_blocks)."""
     model = _model("g2_d64")
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     lens_list = [20, 5]
     table, num_blocks = _layout(lens_list, forks=0, gen=gen)
     cache = torch.randn(2, num_blocks, BS, model.num_kv_heads, model.head_dim, generator=gen)
     decoder = model.native_decoder([cache])
-    q, lens = _query(model, 2, gen), torch.tensor(lens_list, dtype=torch.int32)
+    return model, decoder, cache, _query(model, 2, gen), table, torch.tensor(lens_list, dtype=torch.int32), num_blocks
+
+
+def test_bad_inputs_are_refused_with_value_error_and_the_decoder_still_works():
+    model, decoder, cache, q, table, lens, _ = _two_rows(1)
+    gen = torch.Generator().manual_seed(2)
     good = decoder.attend_rows(cache, q, table, lens)
 
     bad = {
@@ -566,13 +573,7 @@ def test_model_shapes_through_the_engine(tmp_path_factory, shape):
 def test_a_table_changed_in_place_after_a_call_is_checked_again():
     # the decoder checks a step's tables once for all its layers (by identity and _version):
     # a table written in place between calls must not ride on the earlier check
-    model = _model("g2_d64")
-    gen = torch.Generator().manual_seed(3)
-    lens_list = [20, 5]
-    table, num_blocks = _layout(lens_list, forks=0, gen=gen)
-    cache = torch.randn(2, num_blocks, BS, model.num_kv_heads, model.head_dim, generator=gen)
-    decoder = model.native_decoder([cache])
-    q, lens = _query(model, 2, gen), torch.tensor(lens_list, dtype=torch.int32)
+    _, decoder, cache, q, table, lens, num_blocks = _two_rows(3)
     decoder.attend_rows(cache, q, table, lens)
     table[0, 0] = num_blocks + 5
     with pytest.raises(ValueError, match="outside the pool"):

@@ -14,6 +14,7 @@ from services.executor.errors import CapacityError, InvalidRequestError
 from services.executor.grammar import GrammarCache, GrammarLimits, GrammarState, load_tokenizer_info, mask_logits
 from services.executor.grammar.mask import MASK_SECONDS
 from services.executor.model.config import ModelConfig
+from tests.threads import in_thread as _in_thread
 from weft.testing.tiny_model import make_tiny_checkpoint
 
 DIGITS = GrammarSpec("regex", "[0-9]+")
@@ -180,18 +181,16 @@ def _held_compiles(cache, monkeypatch):
     return release
 
 
-def _in_thread(fn, *args):
-    out: dict = {}
+def _one_worker_held(info, monkeypatch, timeout_s: float):
+    """A one-worker cache whose worker holds "a+" until the returned event is set: (cache,
+    event, that caller's thread, its result dict)."""
+    from tests.integration.conftest import wait_for
 
-    def run():
-        try:
-            out["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - read by the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
+    cache = GrammarCache(info, GrammarLimits(compile_timeout_s=timeout_s, compile_threads=1))
+    release = _held_compiles(cache, monkeypatch)
+    first, first_out = _in_thread(cache.get, GrammarSpec("regex", "a+"))
+    wait_for(lambda: len(cache.workers) == 1, 30, "the first compile holding the only worker")
+    return cache, release, first, first_out
 
 
 def test_more_new_grammars_than_compilers_wait_for_a_free_one_instead_of_being_refused(info, monkeypatch):
@@ -199,10 +198,7 @@ def test_more_new_grammars_than_compilers_wait_for_a_free_one_instead_of_being_r
     # RESOURCE_EXHAUSTED for the third while the first two were still compiling.
     from tests.integration.conftest import wait_for
 
-    cache = GrammarCache(info, GrammarLimits(compile_timeout_s=60, compile_threads=1))
-    release = _held_compiles(cache, monkeypatch)
-    first, first_out = _in_thread(cache.get, GrammarSpec("regex", "a+"))
-    wait_for(lambda: len(cache.workers) == 1, 30, "the first compile holding the only worker")
+    cache, release, first, first_out = _one_worker_held(info, monkeypatch, 60)
     second, second_out = _in_thread(cache.get, GrammarSpec("regex", "b+"))
     wait_for(lambda: cache._waiting == 1, 30, "the second compile waiting for a worker")
     release.set()
@@ -217,10 +213,7 @@ def test_a_compile_still_waiting_for_a_worker_at_its_deadline_is_refused_as_busy
         info, monkeypatch):
     from tests.integration.conftest import wait_for
 
-    cache = GrammarCache(info, GrammarLimits(compile_timeout_s=0.3, compile_threads=1))
-    release = _held_compiles(cache, monkeypatch)
-    first, first_out = _in_thread(cache.get, GrammarSpec("regex", "a+"))
-    wait_for(lambda: len(cache.workers) == 1, 30, "the first compile holding the only worker")
+    cache, release, first, first_out = _one_worker_held(info, monkeypatch, 0.3)
     with pytest.raises(CapacityError, match=r"^grammar.regex: the grammar compilers are busy"):
         cache.get(GrammarSpec("regex", "b+"))  # waits, the worker stays held past the deadline
     release.set()
@@ -235,10 +228,7 @@ def test_no_more_than_max_waiting_compiles_wait_for_a_worker(info, monkeypatch):
     from tests.integration.conftest import wait_for
 
     monkeypatch.setattr(compiler, "MAX_WAITING", 1)
-    cache = GrammarCache(info, GrammarLimits(compile_timeout_s=60, compile_threads=1))
-    release = _held_compiles(cache, monkeypatch)
-    first, _ = _in_thread(cache.get, GrammarSpec("regex", "a+"))
-    wait_for(lambda: len(cache.workers) == 1, 30, "the first compile holding the only worker")
+    cache, release, first, _ = _one_worker_held(info, monkeypatch, 60)
     second, second_out = _in_thread(cache.get, GrammarSpec("regex", "b+"))
     wait_for(lambda: cache._waiting == 1, 30, "the second compile waiting")
     with pytest.raises(CapacityError, match="busy"):
