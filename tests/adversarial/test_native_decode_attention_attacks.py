@@ -13,20 +13,11 @@ must not reach any output: the gather path zeroes them; the native path must nev
 them. Bad inputs must be refused with ValueError, never crash the process; the ones it
 did not refuse were found here and are fixed (the comments above their tests).
 
-Through the engine, the single pass (``native_decode_attention``) must give the same
-tokens, logprobs, top logprobs and prompt logprobs as the gathered ablation
-(``native_decode_attention`` and ``native_mixed_steps`` off) for prefix-cache forks,
-block-multiple lengths, 1-token rows beside 230-token rows, >64 decode rows with seeded
-and grammar-constrained rows at 1 and 2 threads, preemption + recompute with an abort,
-KV compression of the oldest blocks, and model shapes with head_dim 64 / 128 and groups
-1, 3, 5; the forks and the preemption / compression cases also with every never-written
-cache slot holding NaN (keys) or inf (values) in the single pass's engine. A spy on
-``attend_rows`` checks that each attacked case actually reached it.
+Through the engine: test_native_decode_attention_engine_attacks.py.
 """
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import platform
 import shutil
@@ -37,20 +28,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from services.executor.attention.base import AttentionMetadata
 from services.executor.attention.selector import backend_class
-from services.executor.engine.config import EngineConfig
-from services.executor.engine.engine import LLMEngine
-from services.executor.engine.sampling_params import GrammarSpec, SamplingParams
-from services.executor.engine.sequence import FinishReason
 from services.executor.model.config import ModelConfig
 from services.executor.model.llama import LlamaModel
 from services.executor.model.native import library
 from services.executor.model.native.decoder import NativeDecoder
-from tests.adversarial.graph_parity import assert_same, drive, greedy, prompt
-from weft.testing.tiny_model import make_tiny_checkpoint, model_config_dict, random_weights
+from tests.adversarial.attention_shapes import BS, SHAPES, overrides, threads
+from weft.testing.tiny_model import model_config_dict, random_weights
 
 COMPILER = os.environ.get("WEFT_NATIVE_CC", "gcc")
 pytestmark = pytest.mark.skipif(
@@ -58,36 +44,12 @@ pytestmark = pytest.mark.skipif(
     reason="needs gcc and WEFT_NATIVE_DECODE not 0")
 
 ROOT = Path(__file__).resolve().parents[2]
-BS = 16  # block size of the direct kernel tests (the engine's default too)
-
-# (num_attention_heads, num_key_value_heads, head_dim): groups 1..5; head_dim 64 / 128 take
-# the AVX-512 values pass over every query head of a KV head at once (pv_kv_head: passes
-# of 4 heads at 64, 2 at 128, short last passes at groups 3 and 5), 56 and 16 the
-# head-at-a-time pass (a masked last chunk at 56)
-SHAPES = {
-    "g1_d64": (2, 2, 64),
-    "g2_d64": (4, 2, 64),
-    "g3_d64": (6, 2, 64),
-    "g5_d64": (5, 1, 64),
-    "g1_d128": (2, 2, 128),
-    "g3_d128": (3, 1, 128),
-    "g4_d128": (4, 1, 128),
-    "g5_d128": (5, 1, 128),
-    "g3_d56": (6, 2, 56),
-    "g2_d16": (4, 2, 16),
-}
-
 _MODELS: dict[tuple, LlamaModel] = {}
-
-
-def _overrides(heads: int, kv: int, d: int, layers: int) -> dict:
-    return {"hidden_size": heads * d, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
-            "num_hidden_layers": layers}
 
 
 def _model(shape: str) -> LlamaModel:
     if shape not in _MODELS:
-        config = ModelConfig.from_dict({**model_config_dict("tiny", "llama"), **_overrides(*SHAPES[shape], 1)})
+        config = ModelConfig.from_dict({**model_config_dict("tiny", "llama"), **overrides(*SHAPES[shape], 1)})
         _MODELS[shape] = LlamaModel(config, random_weights(config, seed=3), backend_class("torch"),
                                     native_decode=True)
     return _MODELS[shape]
@@ -129,17 +91,6 @@ def _gathered(model: LlamaModel, cache: torch.Tensor, q: torch.Tensor, table: to
     return model.attn._decode(q.contiguous(), cache, meta, BS)
 
 
-def _threads(n: int):
-    class _Scope:
-        def __enter__(self):
-            self.before = torch.get_num_threads()
-            torch.set_num_threads(n)
-
-        def __exit__(self, *exc):
-            torch.set_num_threads(self.before)
-    return _Scope()
-
-
 def _owned_mask(table: torch.Tensor, lens: list[int], num_blocks: int) -> torch.Tensor:
     """[num_blocks * BS] bool: the slots some row reads (its first lens[r] tokens)."""
     owned = torch.zeros(num_blocks * BS, dtype=torch.bool)
@@ -169,16 +120,16 @@ def test_attend_rows_equals_the_gather_path_and_is_deterministic(shape):
     lens = torch.tensor(UNEVEN, dtype=torch.int32)
 
     want = _gathered(model, cache, q, table, UNEVEN)
-    with _threads(1):
+    with threads(1):
         one = decoder.attend_rows(cache, q, table, lens)
-    with _threads(2):
+    with threads(2):
         two = decoder.attend_rows(cache, q, table, lens)
     assert one.shape == (len(UNEVEN), model.num_heads, model.head_dim) and one.dtype == torch.float32
     torch.testing.assert_close(one, want, rtol=1e-5, atol=1e-5)
     # the threads split rows (or a row's KV heads) differently; each head's sums are the same
     assert torch.equal(one, two), "1 and 2 threads give different bits"
     # a row alone (its KV heads then split over the threads) is the same row in the batch
-    with _threads(2):
+    with threads(2):
         for r in (0, 3, 6):
             alone = decoder.attend_rows(cache, q[r:r + 1], table[r:r + 1], lens[r:r + 1])
             assert torch.equal(alone[0], one[r]), f"row {r} depends on the rows beside it"
@@ -199,7 +150,7 @@ def test_more_rows_than_the_native_step_takes_in_one_call(shape):
     cache = torch.randn(2, num_blocks, BS, model.num_kv_heads, model.head_dim, generator=gen)
     decoder = model.native_decoder([cache])
     q = _query(model, 70, gen)
-    with _threads(2):
+    with threads(2):
         got = decoder.attend_rows(cache, q, table, torch.tensor(lens, dtype=torch.int32))
     torch.testing.assert_close(got, _gathered(model, cache, q, table, lens), rtol=1e-5, atol=1e-5)
 
@@ -380,194 +331,12 @@ def test_attend_rows_of_a_library_built_without_avx512(variant, tmp_path):
         decoder = NativeDecoder(lib, model, [cache])
         q = _query(model, len(lens), gen)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
-        with _threads(1):
+        with threads(1):
             one = decoder.attend_rows(cache, q, table, seq_lens)
-        with _threads(2):
+        with threads(2):
             two = decoder.attend_rows(cache, q, table, seq_lens)
         assert torch.isfinite(one).all() and torch.equal(one, two)
         torch.testing.assert_close(one, _gathered(model, cache, q, table, lens), rtol=1e-5, atol=1e-5)
-
-
-# ---------------------------------------------------------------------------------------
-# through the engine: the single pass vs the gathered ablation
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("attend-rows") / "tiny", preset="tiny", arch="llama")
-
-
-def _checkpoint(tmp_path_factory, shape: str) -> Path:
-    """The tiny preset's checkpoint (tokenizer and all) with ``shape``'s attention."""
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp(f"attend-rows-{shape}") / "m", preset="tiny", arch="llama")
-    config_dict = {**json.loads((path / "config.json").read_text()), **_overrides(*SHAPES[shape], 2)}
-    (path / "config.json").write_text(json.dumps(config_dict))
-    save_file(random_weights(ModelConfig.from_dict(config_dict), seed=9), str(path / "model.safetensors"),
-              metadata={"format": "pt"})
-    return path
-
-
-ENGINE = dict(block_size=BS, max_model_len=512, num_kv_blocks=96, max_num_seqs=12, max_prefill_chunk=64,
-              max_num_batched_tokens=96)
-
-
-def _engine(path: Path, single: bool, poison: bool = False, **extra) -> tuple[LLMEngine, list[dict]]:
-    """An engine on the torch back end: ``single`` (the default single pass, decode rows'
-    attention native) or the gathered ablation; ``poison``: every cache slot starts as NaN
-    (keys) / inf (values), so any slot read before it is written shows. Returns the engine
-    and its spy's record: one dict per layer-0 native attention call."""
-    e = LLMEngine(path, EngineConfig(**{**ENGINE, **extra}))
-    runner = e.runner
-    calls: list[dict] = []
-    if single:
-        assert runner.native is not None and runner.native_decode_attention
-    runner.native_decode_attention = single
-    runner.native_mixed_steps = False
-    if poison:
-        for cache in runner.kv_caches:
-            cache[0].fill_(float("nan"))
-            cache[1].fill_(float("inf"))
-    if runner.native is not None:
-        real_attend, real_forward = runner.native.attend_rows, e.model.forward
-        first = runner.kv_caches[0].data_ptr()
-        step = {"prefills": 0}
-
-        def attend(cache, q, block_tables, seq_lens):
-            out = real_attend(cache, q, block_tables, seq_lens)
-            if cache.data_ptr() == first:
-                calls.append(dict(lens=seq_lens.tolist(), tables=block_tables.clone(), prefills=step["prefills"],
-                                  finite=bool(torch.isfinite(out).all()), stale_nan=bool(torch.isnan(cache[0]).any())))
-            return out
-
-        def forward(input_ids, positions, kv_caches, meta):
-            step["prefills"] = meta.num_prefills
-            return real_forward(input_ids, positions, kv_caches, meta)
-
-        runner.native.attend_rows = attend
-        e.model.forward = forward
-    return e, calls
-
-
-_REFERENCE: dict[str, dict] = {}
-
-
-def _compare(key: str, path: Path, schedule, poison: bool = False, **extra) -> tuple[dict, list[dict], LLMEngine]:
-    """Drive ``schedule`` through the gathered ablation (once per ``key``, clean cache) and
-    the single pass; assert the same outputs. Returns the single pass's outputs, spy and engine."""
-    if key not in _REFERENCE:
-        _REFERENCE[key] = drive(_engine(path, single=False, **extra)[0], schedule)
-    e, calls = _engine(path, single=True, poison=poison, **extra)
-    got = drive(e, schedule)
-    assert_same(got, _REFERENCE[key])
-    assert calls and all(c["finite"] for c in calls)
-    if poison:  # native attention ran beside unwritten (still poisoned) slots
-        assert any(c["stale_nan"] for c in calls)
-    return got, calls, e
-
-
-def _shares_blocks(call: dict, min_shared: int) -> bool:
-    """Two rows of the call read at least ``min_shared`` of the same blocks."""
-    used = [set(call["tables"][r, :-(-n // BS)].tolist()) for r, n in enumerate(call["lens"])]
-    return any(len(used[a] & used[b]) >= min_shared for a in range(len(used)) for b in range(a))
-
-
-BASE = prompt(48, 40)  # three full blocks: the fork prompts' shared prefix
-LONG = prompt(230, 1)
-FORKS = {
-    # a 230-token row (its decodes pass 240, a block multiple) and a 1-token prompt (a
-    # decode row of length 1) in the first mixed steps
-    0: [("add", "long", LONG, greedy(16, logprobs=True, top_logprobs=2)), ("add", "one", prompt(1, 2), greedy(8)),
-        ("add", "base_a", BASE + prompt(4, 3), greedy(10))],
-    # a fork of base_a over three full blocks; prompts whose first decode row holds 32 / 48
-    2: [("add", "base_b", BASE + prompt(7, 4), greedy(10, logprobs=True))],
-    3: [("add", "exact32", prompt(31, 5), greedy(6)), ("add", "exact48", prompt(47, 6), greedy(4))],
-    # a 1-token row beside long's ~232-token decode row and a prefill's chunks (prompt
-    # logprobs)
-    6: [("add", "late_one", prompt(1, 7), greedy(4, logprobs=True)),
-        ("add", "late_prefill", prompt(90, 8), greedy(3, prompt_logprobs=1))],
-    # a fork of long over 14 full blocks: a 228-token row sharing them
-    8: [("add", "fork_long", LONG[:224] + prompt(3, 9), SamplingParams(max_tokens=6, temperature=0.8, seed=4,
-                                                                        logprobs=True, ignore_eos=True))],
-    # chunks beside the fork and its parent decoding
-    10: [("add", "late_prefill2", prompt(120, 10), greedy(2))],
-}
-
-
-@pytest.mark.parametrize("poison", [False, True], ids=["clean", "poisoned"])
-def test_forks_block_multiples_and_uneven_rows_match_the_gathered_path(tiny, poison):
-    got, calls, _ = _compare("forks", tiny, FORKS, poison=poison)
-    assert got["base_b"]["cached"] == 48 and got["fork_long"]["cached"] == 224
-    assert len(got["late_prefill"]["prompt"]) == 89
-    mixed = [c for c in calls if c["prefills"]]
-    assert any(1 in c["lens"] and max(c["lens"]) >= 200 for c in mixed), "no 1-token row beside a long one"
-    assert any(n % BS == 0 for c in calls for n in c["lens"]), "no row of a block multiple"
-    assert any(_shares_blocks(c, 3) for c in mixed), "no forks sharing full blocks in a mixed step"
-    assert any(_shares_blocks(c, 14) for c in calls), "the long fork never attended beside its parent"
-
-
-def test_more_than_64_decode_rows_with_seeded_and_grammar_rows_at_1_and_2_threads(tiny):
-    """66 requests: decode-only steps of more rows than the native step's 64 run in one pass
-    with native attention (a 200-token row beside 1-3 token ones, seeded sampled rows, a
-    regex-constrained row), at 1 and at 2 threads."""
-    kinds = [lambda i: greedy(5),
-             lambda i: SamplingParams(max_tokens=5, temperature=0.9, top_p=0.9, seed=i, logprobs=True,
-                                      ignore_eos=True),
-             lambda i: greedy(5, logprobs=True, top_logprobs=1)]
-    adds = [("add", f"r{i}", prompt(1 + i % 3, i), kinds[i % 3](i)) for i in range(64)]
-    adds.append(("add", "long", prompt(200, 77), greedy(5, logprobs=True)))
-    adds.append(("add", "regex", prompt(6, 78),
-                 SamplingParams(max_tokens=6, temperature=0.0, grammar=GrammarSpec("regex", "[0-9]{2,3}-[a-z]{1,2}"))))
-    schedule = {0: adds}
-    extra = dict(max_num_seqs=72, num_kv_blocks=120, max_num_batched_tokens=400, max_prefill_chunk=256)
-    runs = []
-    for threads in (1, 2):
-        with _threads(threads):
-            got, calls, _ = _compare("wide", tiny, schedule, **extra)
-        wide = [c for c in calls if not c["prefills"] and len(c["lens"]) > 64]
-        assert any(max(c["lens"]) >= 200 and min(c["lens"]) <= 3 for c in wide), "no >64-row decode step"
-        runs.append(got)
-    assert runs[0]["regex"]["tokens"] == runs[1]["regex"]["tokens"]
-
-
-@pytest.mark.parametrize("extra", [
-    dict(num_kv_blocks=9, max_model_len=128),
-    dict(kv_compress_budget_blocks=3, kv_compress_sink_blocks=1, kv_compress_recent_blocks=1,
-         kv_compress_policy="oldest"),
-], ids=["preempt_and_abort", "compress_oldest"])
-def test_preemption_aborts_and_oldest_compression_on_a_poisoned_cache(tiny, extra):
-    """Recomputed sequences (blocks freed and taken again), an abort mid-prefill, and
-    sequences whose middle blocks KV compression dropped, on a cache whose unwritten slots
-    are NaN / inf: the same outputs as the gathered path on a clean cache."""
-    a = prompt(20, 1)
-    schedule = {0: [("add", "a", a, greedy(36)), ("add", "b", prompt(18, 2), greedy(36, logprobs=True)),
-                    ("add", "one", prompt(1, 3), greedy(30))],
-                2: [("add", "x", prompt(60, 4), greedy(4)), ("add", "c", prompt(40, 5), greedy(12))],
-                3: [("abort", "x")],
-                6: [("add", "y", a[:16] + prompt(10, 6), greedy(6))],
-                14: [("add", "z", prompt(70, 7), SamplingParams(max_tokens=5, temperature=0.9, seed=2,
-                                                                 prompt_logprobs=1, ignore_eos=True))]}
-    key = "pressure-" + ("compress" if "kv_compress_policy" in extra else "preempt")
-    got, calls, e = _compare(key, tiny, schedule, poison=True, max_prefill_chunk=24, max_num_batched_tokens=48,
-                             **extra)
-    assert got["x"]["finish"] is FinishReason.ABORT and len(got["z"]["prompt"]) == 69
-    assert any(c["prefills"] for c in calls)
-    if "kv_compress_policy" in extra:
-        assert e.num_compressed_blocks > 0
-    else:
-        assert e.num_preemptions > 0
-
-
-@pytest.mark.parametrize("shape", ["g1_d64", "g5_d64", "g3_d128"])
-def test_model_shapes_through_the_engine(tmp_path_factory, shape):
-    path = _checkpoint(tmp_path_factory, shape)
-    a = prompt(40, 11)
-    schedule = {0: [("add", "a", a, greedy(10, logprobs=True, top_logprobs=2)), ("add", "b", prompt(1, 12), greedy(8))],
-                2: [("add", "c", prompt(70, 13), greedy(4, prompt_logprobs=1)),
-                    ("add", "d", a[:32] + prompt(5, 14), SamplingParams(max_tokens=6, temperature=0.8, seed=3,
-                                                                         logprobs=True, ignore_eos=True))]}
-    got, calls, _ = _compare(f"shape-{shape}", path, schedule)
-    assert got["d"]["cached"] == 32
-    assert any(c["prefills"] and 1 in c["lens"] for c in calls)
 
 
 def test_a_table_changed_in_place_after_a_call_is_checked_again():
