@@ -9,27 +9,22 @@ step is synchronised on observable state (cache.workers, cache._waiting, finishe
 with ``wait_for``; nothing here depends on how long a real compile takes."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import threading
 import types
 import weakref
 
-import grpc
 import pytest
 
 from services.executor.engine.sampling_params import GrammarSpec
 from services.executor.errors import CapacityError, InvalidRequestError
-from services.executor.grammar import GrammarCache, GrammarLimits, compiler, load_tokenizer_info
+from services.executor.grammar import compiler, load_tokenizer_info
 from services.executor.model.config import ModelConfig
 from tests.integration.conftest import wait_for
+from tests.adversarial.grammar_queue import GUARD, Holds, done, idle, join_all, regex, small_cache
 from tests.threads import in_thread as _in_thread
 from weft.testing.tiny_model import make_tiny_checkpoint
-
-LONG = 60.0  # a deadline no test reaches: only what the test releases finishes
-GUARD = 20.0  # wait_for's failure guard
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -42,90 +37,41 @@ def info(checkpoint):
     return load_tokenizer_info(checkpoint, config.vocab_size, config.eos_token_ids)
 
 
-def _cache(info, timeout_s: float = LONG, threads: int = 2) -> GrammarCache:
-    return GrammarCache(info, GrammarLimits(compile_timeout_s=timeout_s, compile_threads=threads))
-
-
-class _Holds:
-    """``_compile_now`` patched: a text listed in ``held`` compiles only once its event is
-    set; ``raising`` maps a text to the exception its compile raises; ``started`` lists every
-    compile's text in start order."""
-
-    def __init__(self, cache: GrammarCache, monkeypatch, held=(), raising=None) -> None:
-        self.events = {text: threading.Event() for text in held}
-        self.raising = dict(raising or {})
-        self.started: list[str] = []
-        real = cache._compile_now
-
-        def compile_now(spec):
-            self.started.append(spec.text)
-            event = self.events.get(spec.text)
-            if event is not None:
-                event.wait()
-            if spec.text in self.raising:
-                raise self.raising[spec.text]
-            return real(spec)
-
-        monkeypatch.setattr(cache, "_compile_now", compile_now)
-
-    def release(self, *texts: str) -> None:
-        for text in texts or list(self.events):
-            self.events[text].set()
-
-
-def _done(out: dict) -> bool:
-    return "value" in out or "error" in out
-
-
-def _regex(i: int) -> GrammarSpec:
-    return GrammarSpec("regex", f"x{i}[0-9]+")
-
-
-def _idle(cache: GrammarCache) -> bool:
-    return not cache.workers and cache._waiting == 0 and not cache._inflight
-
-
-def _join(threads, what: str) -> None:
-    for t in threads:
-        t.join(GUARD)
-        assert not t.is_alive(), f"{what} still running"
-
-
 # -- a flood of distinct grammars ----------------------------------------------------------
 def test_more_distinct_grammars_than_max_waiting_are_refused_at_once_and_the_rest_are_all_served(
         info, monkeypatch):
-    cache = _cache(info)
+    cache = small_cache(info)
     held = [GrammarSpec("regex", "held-a[0-9]"), GrammarSpec("regex", "held-b[0-9]")]
-    holds = _Holds(cache, monkeypatch, held=[s.text for s in held])
+    holds = Holds(cache, monkeypatch, held=[s.text for s in held])
     holders = [_in_thread(cache.get, s) for s in held]
     wait_for(lambda: len(cache.workers) == 2, GUARD, "both compilers held")
-    waiters = [_in_thread(cache.get, _regex(i)) for i in range(compiler.MAX_WAITING)]
+    waiters = [_in_thread(cache.get, regex(i)) for i in range(compiler.MAX_WAITING)]
     wait_for(lambda: cache._waiting == compiler.MAX_WAITING, GUARD, "a full queue of waiters")
-    extras = [_in_thread(cache.get, _regex(100 + i)) for i in range(3)]
+    extras = [_in_thread(cache.get, regex(100 + i)) for i in range(3)]
     # refused while the two compiles are still held (so without waiting for a worker)
-    wait_for(lambda: all(_done(out) for _, out in extras), GUARD, "the extra grammars refused")
+    wait_for(lambda: all(done(out) for _, out in extras), GUARD, "the extra grammars refused")
     assert len(cache.workers) == 2 and cache._waiting == compiler.MAX_WAITING
     for _, out in extras:
         assert isinstance(out.get("error"), CapacityError), out
         assert "busy" in str(out["error"])
     holds.release()
-    _join([t for t, _ in holders + waiters], "a held or waiting compile")
+    join_all([t for t, _ in holders + waiters], "a held or waiting compile")
     for _, out in holders + waiters:
         assert "error" not in out, out
         assert out["value"] is not None
     assert cache.num_compiles == 2 + compiler.MAX_WAITING
-    assert _idle(cache)
+    assert idle(cache)
     # the refused ones were not remembered: each compiles now
     for i in range(3):
-        assert cache.get(_regex(100 + i)) is not None
+        assert cache.get(regex(100 + i)) is not None
     assert cache.num_compiles == 2 + compiler.MAX_WAITING + 3
     cache.close()
 
 
 def test_waiters_for_one_grammar_join_the_compile_that_one_of_them_starts(info, monkeypatch):
-    cache = _cache(info, threads=1)
+    cache = small_cache(info, threads=1)
     blocker, shared = GrammarSpec("regex", "blocker[0-9]"), GrammarSpec("regex", "shared[a-z]+")
-    holds = _Holds(cache, monkeypatch, held=[blocker.text, shared.text])
+    holds = Holds(cache, monkeypatch, held=[blocker.text, shared.text])
     first, _ = _in_thread(cache.get, blocker)
     wait_for(lambda: len(cache.workers) == 1, GUARD, "the only compiler held")
     same = [_in_thread(cache.get, shared) for _ in range(5)]
@@ -136,39 +82,39 @@ def test_waiters_for_one_grammar_join_the_compile_that_one_of_them_starts(info, 
     assert holds.started.count(shared.text) == 1
     assert list(cache._inflight) == [("regex", shared.text)] and len(cache.workers) == 1
     holds.release(shared.text)
-    _join([first] + [t for t, _ in same], "a request")
+    join_all([first] + [t for t, _ in same], "a request")
     values = [out.get("value") for _, out in same]
     assert values[0] is not None and all(v is values[0] for v in values), [out for _, out in same]
-    assert cache.num_compiles == 2 and _idle(cache)
+    assert cache.num_compiles == 2 and idle(cache)
     cache.close()
 
 
 # -- hung and failing compiles ------------------------------------------------------------
 def test_one_hung_compile_does_not_stop_new_grammars_flowing_through_the_other_worker(info, monkeypatch):
-    cache = _cache(info)
+    cache = small_cache(info)
     hung = GrammarSpec("regex", "hung[0-9]+")
-    holds = _Holds(cache, monkeypatch, held=[hung.text])
+    holds = Holds(cache, monkeypatch, held=[hung.text])
     hung_thread, hung_out = _in_thread(cache.get, hung)
     wait_for(lambda: len(cache.workers) == 1, GUARD, "the hung compile holding a worker")
-    fast = [_in_thread(cache.get, _regex(i)) for i in range(8)]  # more than one worker at once
-    _join([t for t, _ in fast], "a fast grammar")
+    fast = [_in_thread(cache.get, regex(i)) for i in range(8)]  # more than one worker at once
+    join_all([t for t, _ in fast], "a fast grammar")
     for _, out in fast:
         assert out.get("value") is not None, out
-    assert not _done(hung_out) and len(cache.workers) == 1  # still hung, the rest were served
+    assert not done(hung_out) and len(cache.workers) == 1  # still hung, the rest were served
     holds.release()
-    _join([hung_thread], "the hung compile")
+    join_all([hung_thread], "the hung compile")
     assert hung_out.get("value") is not None
-    assert cache.num_compiles == 9 and _idle(cache)
+    assert cache.num_compiles == 9 and idle(cache)
     cache.close()
 
 
 def test_when_every_worker_is_stuck_past_its_deadline_a_new_grammar_is_refused_and_not_remembered(
         info, monkeypatch):
-    cache = _cache(info, timeout_s=0.3)
+    cache = small_cache(info, timeout_s=0.3)
     hung = [GrammarSpec("regex", "hung-a[0-9]"), GrammarSpec("regex", "hung-b[0-9]")]
-    holds = _Holds(cache, monkeypatch, held=[s.text for s in hung])
+    holds = Holds(cache, monkeypatch, held=[s.text for s in hung])
     callers = [_in_thread(cache.get, s) for s in hung]
-    _join([t for t, _ in callers], "a hung compile's caller")  # each gives up at its deadline
+    join_all([t for t, _ in callers], "a hung compile's caller")  # each gives up at its deadline
     for _, out in callers:
         assert isinstance(out.get("error"), InvalidRequestError) and "did not compile within" in str(out["error"])
     assert len(cache.workers) == 2  # the compiles themselves still hold both workers
@@ -177,7 +123,7 @@ def test_when_every_worker_is_stuck_past_its_deadline_a_new_grammar_is_refused_a
         cache.get(fresh)
     assert cache._waiting == 0
     holds.release()
-    wait_for(lambda: _idle(cache), GUARD, "the stuck workers leaving")
+    wait_for(lambda: idle(cache), GUARD, "the stuck workers leaving")
     assert cache.get(fresh) is not None  # the busy refusal was not remembered
     compiles = cache.num_compiles
     for s in hung:  # the timed-out ones were: refused again without a compile
@@ -188,64 +134,64 @@ def test_when_every_worker_is_stuck_past_its_deadline_a_new_grammar_is_refused_a
 
 
 def test_waiters_whose_wait_runs_out_leave_no_trace_and_are_not_remembered(info, monkeypatch):
-    cache = _cache(info, timeout_s=0.3, threads=1)
+    cache = small_cache(info, timeout_s=0.3, threads=1)
     blocker = GrammarSpec("regex", "blocker[0-9]")
-    holds = _Holds(cache, monkeypatch, held=[blocker.text])
+    holds = Holds(cache, monkeypatch, held=[blocker.text])
     first, first_out = _in_thread(cache.get, blocker)
     wait_for(lambda: len(cache.workers) == 1, GUARD, "the only compiler held")
-    waiters = [_in_thread(cache.get, _regex(i)) for i in range(5)]
-    _join([t for t, _ in waiters], "a waiter")
+    waiters = [_in_thread(cache.get, regex(i)) for i in range(5)]
+    join_all([t for t, _ in waiters], "a waiter")
     for _, out in waiters:
         assert isinstance(out.get("error"), CapacityError), out
     assert cache._waiting == 0 and len(cache.workers) == 1
     holds.release()
-    _join([first], "the blocker's caller")
-    wait_for(lambda: _idle(cache), GUARD, "the blocker's worker leaving")
+    join_all([first], "the blocker's caller")
+    wait_for(lambda: idle(cache), GUARD, "the blocker's worker leaving")
     for i in range(5):
-        assert cache.get(_regex(i)) is not None
+        assert cache.get(regex(i)) is not None
     assert cache.num_compiles == 6
     cache.close()
 
 
 def test_a_compile_that_raises_frees_its_worker_for_the_waiters_and_nothing_leaks(info, monkeypatch):
-    cache = _cache(info, threads=1)
+    cache = small_cache(info, threads=1)
     bad, odd = GrammarSpec("regex", "raises[0-9]"), GrammarSpec("regex", "oom[0-9]")
-    holds = _Holds(cache, monkeypatch, held=[bad.text, odd.text],
+    holds = Holds(cache, monkeypatch, held=[bad.text, odd.text],
                    raising={bad.text: RuntimeError("[12:00:00] /x/y.cc:1: boom"), odd.text: MemoryError()})
     bad_thread, bad_out = _in_thread(cache.get, bad)
     wait_for(lambda: len(cache.workers) == 1, GUARD, "the failing compile holding the only worker")
-    waiters = [_in_thread(cache.get, _regex(i)) for i in range(3)]
+    waiters = [_in_thread(cache.get, regex(i)) for i in range(3)]
     wait_for(lambda: cache._waiting == 3, GUARD, "three grammars waiting")
     holds.release(bad.text)
-    _join([bad_thread] + [t for t, _ in waiters], "a request")
+    join_all([bad_thread] + [t for t, _ in waiters], "a request")
     assert isinstance(bad_out.get("error"), InvalidRequestError)
     assert str(bad_out["error"]) == "grammar.regex: boom"  # xgrammar's prefix stripped
     for _, out in waiters:
         assert out.get("value") is not None, out
-    assert _idle(cache)
+    assert idle(cache)
     # an unexpected error type (not a grammar fault) reaches the caller, frees the worker, is not remembered
     odd_thread, odd_out = _in_thread(cache.get, odd)
     wait_for(lambda: len(cache.workers) == 1, GUARD, "the odd compile holding the worker")
     holds.release(odd.text)
-    _join([odd_thread], "the odd compile")
+    join_all([odd_thread], "the odd compile")
     assert isinstance(odd_out.get("error"), MemoryError)
-    assert _idle(cache) and ("regex", odd.text) not in cache._entries
+    assert idle(cache) and ("regex", odd.text) not in cache._entries
     cache.close()
 
 
 # -- invalid grammars among waiters -------------------------------------------------------
 def test_an_invalid_grammar_that_waited_for_a_worker_is_still_invalid_argument_and_remembered(info, monkeypatch):
-    cache = _cache(info, threads=1)
+    cache = small_cache(info, threads=1)
     blocker, bad, good = (GrammarSpec("regex", "blocker[0-9]"), GrammarSpec("regex", "([a-"),
                           GrammarSpec("regex", "good[0-9]"))
-    holds = _Holds(cache, monkeypatch, held=[blocker.text])
+    holds = Holds(cache, monkeypatch, held=[blocker.text])
     first, _ = _in_thread(cache.get, blocker)
     wait_for(lambda: len(cache.workers) == 1, GUARD, "the only compiler held")
     bad_thread, bad_out = _in_thread(cache.get, bad)
     good_thread, good_out = _in_thread(cache.get, good)
     wait_for(lambda: cache._waiting == 2, GUARD, "the bad and the good grammar waiting")
     holds.release()
-    _join([first, bad_thread, good_thread], "a request")
+    join_all([first, bad_thread, good_thread], "a request")
     err = bad_out.get("error")
     assert isinstance(err, InvalidRequestError) and not isinstance(err, CapacityError), bad_out
     assert err.field == "grammar.regex"
@@ -253,7 +199,7 @@ def test_an_invalid_grammar_that_waited_for_a_worker_is_still_invalid_argument_a
     compiles = cache.num_compiles
     with pytest.raises(InvalidRequestError):
         cache.get(bad)
-    assert cache.num_compiles == compiles and _idle(cache)
+    assert cache.num_compiles == compiles and idle(cache)
     cache.close()
 
 
@@ -265,19 +211,19 @@ def test_an_invalid_grammar_that_waited_for_a_worker_is_still_invalid_argument_a
 ], ids=["oversize", "malformed-json", "pattern-bomb"])
 def test_a_grammar_refused_before_compiling_is_refused_at_once_even_with_every_worker_busy(
         info, monkeypatch, spec):
-    cache = _cache(info, threads=1)
+    cache = small_cache(info, threads=1)
     blocker = GrammarSpec("regex", "blocker[0-9]")
-    holds = _Holds(cache, monkeypatch, held=[blocker.text])
+    holds = Holds(cache, monkeypatch, held=[blocker.text])
     first, _ = _in_thread(cache.get, blocker)
     wait_for(lambda: len(cache.workers) == 1, GUARD, "the only compiler held")
     t, out = _in_thread(cache.get, spec)
-    wait_for(lambda: _done(out), GUARD, "the refusal")  # while the worker is still held (60 s deadline)
+    wait_for(lambda: done(out), GUARD, "the refusal")  # while the worker is still held (60 s deadline)
     assert len(cache.workers) == 1 and cache._waiting == 0
     err = out.get("error")
     assert isinstance(err, InvalidRequestError) and err.field == f"grammar.{spec.kind}", out
     holds.release()
-    _join([first, t], "a request")
-    assert holds.started == [blocker.text] and _idle(cache)
+    join_all([first, t], "a request")
+    assert holds.started == [blocker.text] and idle(cache)
     cache.close()
 
 
@@ -289,7 +235,7 @@ def test_a_grammar_refused_before_compiling_is_refused_at_once_even_with_every_w
 # refused as busy), and the same grammar sent again joins a Future nobody completes, times out and
 # is remembered as 'did not compile within', a valid grammar cached as invalid.
 def test_a_compile_whose_worker_thread_cannot_start_does_not_hold_a_worker_forever(info, monkeypatch):
-    cache = _cache(info, timeout_s=2.0, threads=1)
+    cache = small_cache(info, timeout_s=2.0, threads=1)
 
     class NoThread(threading.Thread):
         def start(self):
@@ -312,7 +258,7 @@ def test_a_compile_whose_worker_thread_cannot_start_does_not_hold_a_worker_forev
 # (prompts, params, contexts), alive for as long as the entry lives. A client repeating one bad
 # grammar grows the executor's memory without bound.
 def test_repeating_a_remembered_bad_grammar_does_not_keep_each_callers_frame_alive(info):
-    cache = _cache(info)
+    cache = small_cache(info)
     bad = GrammarSpec("regex", "([a-")
     with pytest.raises(InvalidRequestError):
         cache.get(bad)
@@ -344,9 +290,9 @@ def test_repeating_a_remembered_bad_grammar_does_not_keep_each_callers_frame_ali
 # the lock behind up to MAX_WAITING others and the GIL is the ordinary case, simulated here by
 # holding one waiter between its wake-up and its recheck.
 def test_a_waiter_whose_grammar_was_compiled_meanwhile_uses_the_cached_result(info, monkeypatch):
-    cache = _cache(info, threads=1)
+    cache = small_cache(info, threads=1)
     blocker, target = GrammarSpec("regex", "blocker[0-9]"), GrammarSpec("regex", "target[0-9]+")
-    holds = _Holds(cache, monkeypatch, held=[blocker.text])
+    holds = Holds(cache, monkeypatch, held=[blocker.text])
     woken, gate = threading.Event(), threading.Event()
     victim: list[threading.Thread] = []
     real = cache._freed
@@ -372,136 +318,11 @@ def test_a_waiter_whose_grammar_was_compiled_meanwhile_uses_the_cached_result(in
     wait_for(lambda: cache._waiting == 1, GUARD, "the victim waiting")
     holds.release()
     wait_for(woken.is_set, GUARD, "the victim woken by the worker leaving")
-    _join([first], "the blocker's caller")
+    join_all([first], "the blocker's caller")
     compiled = cache.get(target)  # another request gets the free worker and compiles it
     assert cache.num_compiles == 2
     gate.set()
-    _join([late], "the victim")
+    join_all([late], "the victim")
     assert late_out.get("value") is compiled, late_out
     assert cache.num_compiles == 2, "the waiter compiled an already cached grammar again"
     cache.close()
-
-
-# -- through the real executor ------------------------------------------------------------
-def test_clients_cancelling_while_their_compile_waits_do_not_wedge_the_executor(checkpoint, monkeypatch):
-    from services.executor.engine.async_engine import AsyncEngine
-    from services.executor.engine.config import EngineConfig
-    from services.executor.engine.engine import LLMEngine
-    from services.executor.server import ERROR_RULES, ExecutorServicer
-    from services.mesh.grpc_server import GrpcServer, channel_options
-    from weft.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-
-    engine = LLMEngine(checkpoint, EngineConfig(num_kv_blocks=32, num_threads=1, grammar_compile_timeout_s=LONG))
-    cache = engine.grammars
-    held = ["[0-9]{2}", "[a-z]{2}", "[0-9][a-z]", "[a-z][0-9]"]
-    holds = _Holds(cache, monkeypatch, held=held)
-
-    async def until(cond, what: str) -> None:  # wait_for, without blocking the event loop
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + GUARD
-        while not cond():
-            assert loop.time() < deadline, f"timed out waiting for {what}"
-            await asyncio.sleep(0.02)
-
-    async def generate(stub, rid: str, regex: str) -> list[int]:
-        sampling = common_pb2.SamplingParams(max_tokens=4, temperature=0.0, grammar=common_pb2.Grammar(regex=regex))
-        tokens = []
-        async for chunk in stub.Generate(executor_pb2.ExecuteRequest(
-                request_id=rid, prompt_token_ids=[5, 6, 7, 8], sampling=sampling), timeout=LONG):
-            tokens.extend(chunk.token_ids_delta)
-        return tokens
-
-    async def go():
-        async_engine = AsyncEngine(engine)
-        server = GrpcServer("weft.v1.Executor", "127.0.0.1", 0, rules=ERROR_RULES, grace_s=0.1)
-        executor_pb2_grpc.add_ExecutorServicer_to_server(
-            ExecutorServicer(async_engine, "executor-q", engine.model_id, 16), server.server)
-        port = await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
-        try:
-            stub = executor_pb2_grpc.ExecutorStub(channel)
-            calls = [asyncio.ensure_future(generate(stub, f"r{i}", regex)) for i, regex in enumerate(held)]
-            await until(lambda: len(cache.workers) == 2 and cache._waiting == 2, "two compiling, two waiting")
-            # two waiting clients and one compiling client hang up
-            waiting_texts = [t for t in held if ("regex", t) not in cache._inflight]
-            compiling_texts = [t for t in held if ("regex", t) in cache._inflight]
-            gone = {held.index(t) for t in waiting_texts + compiling_texts[:1]}
-            for i in gone:
-                calls[i].cancel()
-            holds.release()
-            for i, call in enumerate(calls):
-                if i in gone:
-                    with pytest.raises(asyncio.CancelledError):
-                        await call
-                else:
-                    assert await asyncio.wait_for(call, GUARD)
-            await until(lambda: _idle(cache), "every compile finished")
-            # the executor still serves: a grammar a cancelled client sent, and a new one
-            assert await asyncio.wait_for(generate(stub, "again", waiting_texts[0]), GUARD)
-            assert await asyncio.wait_for(generate(stub, "new", "[0-9]{3}"), GUARD)
-            await until(lambda: not engine.requests, "no request left in the engine")
-        finally:
-            await channel.close()
-            await server.server.stop(0)
-            async_engine.shutdown()
-
-    asyncio.run(go())
-    assert _idle(cache) and cache.num_compiles == len(held) + 1
-
-
-# Found by this attack, fixed since: AsyncEngine.generate sends every grammar request, cached or
-# not, through loop.run_in_executor(None, grammars.get): the loop's default pool, min(32, cpus +
-# 4) threads. Since 83810dd a compile that finds both compilers busy holds its pool thread while
-# it waits (up to compile_timeout_s, then up to compile_timeout_s more compiling), and up to
-# MAX_WAITING (16) + compile_threads (2) = 18 may do so: on a box with under 14 CPUs, a client
-# sending that many new grammars fills the pool, and every other request with a grammar, even one
-# already cached, queues behind them for up to 2 x compile_timeout_s (before the change busy
-# compiles were refused at once and held no pool thread).
-def test_a_request_whose_grammar_is_cached_is_not_queued_behind_compiles_waiting_for_a_worker(
-        checkpoint, monkeypatch):
-    from concurrent.futures import ThreadPoolExecutor
-
-    from services.executor.engine.async_engine import AsyncEngine
-    from services.executor.engine.config import EngineConfig
-    from services.executor.engine.engine import LLMEngine
-    from services.executor.engine.sampling_params import SamplingParams
-
-    engine = LLMEngine(checkpoint, EngineConfig(num_kv_blocks=32, num_threads=1, grammar_compile_timeout_s=LONG))
-    cache = engine.grammars
-    cached = GrammarSpec("regex", "[0-9]{2}")
-    cache.get(cached)
-    pool = ThreadPoolExecutor(max_workers=8 + 4)  # the default pool of an 8-CPU executor
-    new = [_regex(i) for i in range(pool._max_workers)]
-    holds = _Holds(cache, monkeypatch, held=[s.text for s in new])
-
-    async def collect(rid: str, spec: GrammarSpec):
-        params = SamplingParams(max_tokens=4, temperature=0.0, grammar=spec)
-        return [o async for o in async_engine.generate(rid, [5, 6, 7, 8], params)]
-
-    async def go():
-        loop = asyncio.get_running_loop()
-        loop.set_default_executor(pool)
-        flood = [asyncio.ensure_future(collect(f"new{i}", s)) for i, s in enumerate(new)]
-        deadline = loop.time() + GUARD
-        while not (len(cache.workers) == 2 and cache._waiting == len(new) - 2):
-            assert loop.time() < deadline, "the flood never filled the compilers and the queue"
-            await asyncio.sleep(0.02)
-        victim = asyncio.ensure_future(collect("victim", cached))
-        while not (victim.done() or pool._work_queue.qsize() > 0):
-            assert loop.time() < deadline, "the cached request neither finished nor queued"
-            await asyncio.sleep(0.02)
-        served_while_flooded = victim.done()
-        holds.release()
-        for task in flood + [victim]:
-            assert (await asyncio.wait_for(task, GUARD))[-1].finished
-        return served_while_flooded
-
-    async_engine = AsyncEngine(engine)
-    try:
-        served_while_flooded = asyncio.run(go())
-    finally:
-        holds.release()
-        async_engine.shutdown()
-        pool.shutdown(wait=False)
-    assert _idle(cache)
-    assert served_while_flooded, "a cached grammar's request waited in the pool behind compiles waiting for a worker"
